@@ -1,0 +1,63 @@
+//! Time for owners. One time source across failover: PostgreSQL's clock read
+//! at takeover, advanced by the local monotonic clock, so a new owner's "now"
+//! continues the old owner's and never jumps with a pod's wall clock.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use sqlx::PgConnection;
+
+/// Unix milliseconds from the local wall clock.
+pub fn wall_clock_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| i64::try_from(elapsed.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Unix microseconds from the local wall clock.
+pub fn wall_clock_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|elapsed| i64::try_from(elapsed.as_micros()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct AnchoredClock {
+    base_ms: i64,
+    anchor: Instant,
+}
+
+impl AnchoredClock {
+    /// Anchor at PostgreSQL's clock.
+    pub async fn from_postgres(connection: &mut PgConnection) -> Result<Self, sqlx::Error> {
+        let base_ms: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint")
+            .fetch_one(connection)
+            .await?;
+        Ok(AnchoredClock {
+            base_ms,
+            anchor: Instant::now(),
+        })
+    }
+
+    /// Anchor at a given time (tests).
+    pub fn starting_at(base_ms: i64) -> Self {
+        AnchoredClock {
+            base_ms,
+            anchor: Instant::now(),
+        }
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        self.base_ms + i64::try_from(self.anchor.elapsed().as_millis()).unwrap_or(i64::MAX / 2)
+    }
+
+    /// The monotonic instant at which this clock reads `at_ms`.
+    pub fn instant_at(&self, at_ms: i64) -> Instant {
+        let offset = at_ms - self.base_ms;
+        if offset <= 0 {
+            return self.anchor;
+        }
+        self.anchor + std::time::Duration::from_millis(u64::try_from(offset).unwrap_or(0))
+    }
+}

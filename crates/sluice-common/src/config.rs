@@ -1,0 +1,416 @@
+//! Layered configuration: embedded `default.toml`, then an optional file, then
+//! `SLUICE__SECTION__KEY` environment variables. Unknown keys are refused, and
+//! `validate()` runs after loading.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+const DEFAULT_TOML: &str = include_str!("default.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot load configuration: {0}")]
+    Load(#[from] config::ConfigError),
+    #[error("invalid configuration: {field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// A string that must not be printed: `Debug` shows `***`.
+#[derive(Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        formatter.write_str("***")
+    }
+}
+
+/// A duration written as "500ms", "30s", "1h", "7d".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl HumanDuration {
+    pub fn as_millis_i64(&self) -> i64 {
+        i64::try_from(self.0.as_millis()).unwrap_or(i64::MAX)
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        parse_duration(&text)
+            .map(HumanDuration)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses "90s", "1h", "7d", "500ms", "1h30m". Refuses empty and unit-less input.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return Err("empty duration".to_string());
+    }
+    humantime::parse_duration(trimmed)
+        .map_err(|error| format!("malformed duration {trimmed:?} ({error}); use e.g. 90s, 15m, 1h, 7d"))
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SluiceConfig {
+    pub postgres: PostgresConfig,
+    pub kafka: KafkaConfig,
+    pub topics: TopicsConfig,
+    pub telemetry: TelemetryConfig,
+    pub admission: AdmissionConfig,
+    pub limit_grant: OwnerServiceConfig,
+    pub rate_window: OwnerServiceConfig,
+    pub refresh_dispatcher: OwnerServiceConfig,
+    pub task_groups: BTreeMap<String, TaskGroupConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresConfig {
+    pub url: Secret,
+    pub schema_prefix: String,
+    pub max_connections: u32,
+    pub acquire_timeout: HumanDuration,
+    pub run_migrations: bool,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    pub brokers: String,
+    pub topic_prefix: String,
+    pub create_topics: bool,
+    pub replication_factor: i32,
+    pub fetch_wait_max_ms: u32,
+    pub linger_ms: u32,
+    pub session_timeout_ms: u32,
+    pub max_message_bytes: usize,
+    pub sasl_username: String,
+    pub sasl_password: Secret,
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+    pub partitions: PartitionCounts,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartitionCounts {
+    pub requested: i32,
+    pub admitted: i32,
+    pub limit_commands: i32,
+    pub rate_commands: i32,
+    pub grants: i32,
+    pub refresh_due: i32,
+    pub refresh_tasks: i32,
+    pub deadletter: i32,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopicsConfig {
+    pub requested: String,
+    pub admitted_prefix: String,
+    pub refresh_tasks: String,
+    pub deadletter: String,
+    pub limit_commands: String,
+    pub rate_commands: String,
+    pub grants: String,
+    pub refresh_due: String,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryConfig {
+    pub log_format: LogFormat,
+    pub log_level: String,
+    pub otlp_endpoint: String,
+    pub sampling_ratio: f64,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    pub listen: String,
+    pub consumer_group: String,
+    pub limit_grant_endpoint: String,
+    pub rate_window_endpoint: String,
+    pub default_priority: u32,
+    pub max_payload_bytes: usize,
+    pub max_limits_per_job: usize,
+    pub max_key_bytes: usize,
+    pub default_idempotency_window: HumanDuration,
+    pub resend_waiting_after: HumanDuration,
+    pub claim_timeout: HumanDuration,
+    pub sweep_interval: HumanDuration,
+    pub stand_behind_interval: HumanDuration,
+    pub max_batch: usize,
+}
+
+/// Configuration shared by the partition-owning services.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OwnerServiceConfig {
+    pub listen: String,
+    pub advertised_endpoint: String,
+    pub consumer_group: String,
+    #[serde(default = "default_ticket_grace")]
+    pub ticket_grace: HumanDuration,
+    pub max_batch: usize,
+}
+
+fn default_ticket_grace() -> HumanDuration {
+    HumanDuration(Duration::from_secs(30))
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskGroupConfig {
+    /// How long a claimed attempt lives without a heartbeat.
+    pub lease: HumanDuration,
+    /// Ends attempts that heartbeat but run longer than this. Absent: no limit.
+    #[serde(default)]
+    pub run_timeout: Option<HumanDuration>,
+    /// Caps every job of the group acquires after its own keys.
+    #[serde(default)]
+    pub caps: Vec<CapConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapConfig {
+    pub key: String,
+    pub max: u32,
+    /// "tenant": one cap per tenant; "global": one cap across tenants.
+    #[serde(default)]
+    pub scope: CapScope,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CapScope {
+    #[default]
+    Tenant,
+    Global,
+}
+
+impl SluiceConfig {
+    /// Defaults, then `file` if given, then the environment.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_with(file, &[])
+    }
+
+    /// Like `load`, with extra `(key, value)` overrides applied last (tests).
+    pub fn load_with(file: Option<&Path>, overrides: &[(&str, &str)]) -> Result<Self, ConfigError> {
+        let mut builder = config::Config::builder().add_source(config::File::from_str(
+            DEFAULT_TOML,
+            config::FileFormat::Toml,
+        ));
+        if let Some(path) = file {
+            builder = builder.add_source(config::File::from(path).required(true));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix("SLUICE")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true),
+        );
+        for (key, value) in overrides {
+            builder = builder.set_override(*key, *value)?;
+        }
+        let loaded: SluiceConfig = builder.build()?.try_deserialize()?;
+        loaded.validate()?;
+        Ok(loaded)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.postgres.url.is_empty() {
+            return Err(invalid("postgres.url", "must be set"));
+        }
+        if !is_identifier(&self.postgres.schema_prefix) {
+            return Err(invalid(
+                "postgres.schema_prefix",
+                "use lowercase letters, digits and underscores, starting with a letter",
+            ));
+        }
+        if self.postgres.max_connections < 2 {
+            return Err(invalid("postgres.max_connections", "must be at least 2"));
+        }
+        if self.kafka.brokers.trim().is_empty() {
+            return Err(invalid("kafka.brokers", "must be set"));
+        }
+        let counts = &self.kafka.partitions;
+        for (field, count) in [
+            ("kafka.partitions.requested", counts.requested),
+            ("kafka.partitions.admitted", counts.admitted),
+            ("kafka.partitions.limit_commands", counts.limit_commands),
+            ("kafka.partitions.rate_commands", counts.rate_commands),
+            ("kafka.partitions.grants", counts.grants),
+            ("kafka.partitions.refresh_due", counts.refresh_due),
+            ("kafka.partitions.refresh_tasks", counts.refresh_tasks),
+            ("kafka.partitions.deadletter", counts.deadletter),
+        ] {
+            if !(1..=10_000).contains(&count) {
+                return Err(invalid(field, "must be between 1 and 10000"));
+            }
+        }
+        if self.kafka.max_message_bytes < 10_000 {
+            return Err(invalid("kafka.max_message_bytes", "must be at least 10000"));
+        }
+        if !(0.0..=1.0).contains(&self.telemetry.sampling_ratio) {
+            return Err(invalid("telemetry.sampling_ratio", "must be between 0 and 1"));
+        }
+        if self.admission.default_priority > 99 {
+            return Err(invalid("admission.default_priority", "must be 0..=99"));
+        }
+        for (field, value) in [
+            ("admission.sweep_interval", self.admission.sweep_interval),
+            ("admission.stand_behind_interval", self.admission.stand_behind_interval),
+            ("admission.claim_timeout", self.admission.claim_timeout),
+            ("admission.resend_waiting_after", self.admission.resend_waiting_after),
+            ("limit_grant.ticket_grace", self.limit_grant.ticket_grace),
+        ] {
+            if value.0.is_zero() {
+                return Err(invalid(field, "must be greater than 0"));
+            }
+        }
+        if self.admission.stand_behind_interval.0 * 2 > self.limit_grant.ticket_grace.0 {
+            return Err(invalid(
+                "admission.stand_behind_interval",
+                "must be at most half of limit_grant.ticket_grace (a third is the default)",
+            ));
+        }
+        if self.task_groups.is_empty() {
+            return Err(invalid("task_groups", "declare at least one task group"));
+        }
+        for (name, group) in &self.task_groups {
+            if !is_task_group_name(name) {
+                return Err(invalid(
+                    format!("task_groups.{name}"),
+                    "names use letters, digits, '-', '_' and '.' (they become topic names)",
+                ));
+            }
+            if group.lease.0 < Duration::from_millis(100) {
+                return Err(invalid(format!("task_groups.{name}.lease"), "must be at least 100ms"));
+            }
+            for (index, cap) in group.caps.iter().enumerate() {
+                if cap.key.is_empty() {
+                    return Err(invalid(format!("task_groups.{name}.caps[{index}].key"), "must not be empty"));
+                }
+                if cap.max == 0 {
+                    return Err(invalid(format!("task_groups.{name}.caps[{index}].max"), "must be at least 1"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The full name of a topic after the configured prefix.
+    pub fn topic(&self, name: &str) -> String {
+        format!("{}{}", self.kafka.topic_prefix, name)
+    }
+
+    pub fn admitted_topic(&self, task_group: &str) -> String {
+        self.topic(&format!("{}{}", self.topics.admitted_prefix, task_group))
+    }
+
+    /// The consumer group after the configured prefix.
+    pub fn group(&self, name: &str) -> String {
+        format!("{}{}", self.kafka.topic_prefix, name)
+    }
+
+    pub fn schema(&self, service: &str) -> String {
+        format!("{}{}", self.postgres.schema_prefix, service)
+    }
+}
+
+fn is_identifier(text: &str) -> bool {
+    let mut chars = text.chars();
+    matches!(chars.next(), Some(first) if first.is_ascii_lowercase())
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+fn is_task_group_name(text: &str) -> bool {
+    !text.is_empty()
+        && text.len() <= 100
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_load_and_validate() {
+        let loaded = SluiceConfig::load_with(None, &[]).unwrap();
+        assert_eq!(loaded.kafka.partitions.limit_commands, 12);
+        assert_eq!(loaded.task_groups["default"].lease.0, Duration::from_secs(30));
+        assert_eq!(loaded.topic("jobs.requested"), "jobs.requested");
+    }
+
+    #[test]
+    fn overrides_apply_and_unknown_keys_are_refused() {
+        let loaded =
+            SluiceConfig::load_with(None, &[("kafka.topic_prefix", "t1."), ("admission.max_batch", "7")]).unwrap();
+        assert_eq!(loaded.admitted_topic("default"), "t1.jobs.admitted.default");
+        assert_eq!(loaded.admission.max_batch, 7);
+        let error = SluiceConfig::load_with(None, &[("admission.no_such_key", "1")]).unwrap_err();
+        assert!(error.to_string().contains("no_such_key"), "{error}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_field() {
+        let error = SluiceConfig::load_with(None, &[("telemetry.sampling_ratio", "2")]).unwrap_err();
+        assert!(error.to_string().contains("telemetry.sampling_ratio"), "{error}");
+    }
+
+    #[test]
+    fn durations_parse_days_and_refuse_garbage() {
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let secret = Secret::new("hunter2");
+        assert_eq!(format!("{secret:?}"), "***");
+    }
+}

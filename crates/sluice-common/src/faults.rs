@@ -1,0 +1,102 @@
+//! Deterministic fault hooks for the crash points (between a commit and a
+//! publish, between a publish and an offset commit, ...). Tests arm a point to
+//! fire on its n-th hit; production never arms any, and an unarmed hook costs
+//! one relaxed atomic load.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FaultPoint {
+    /// An owner committed a batch to PostgreSQL and has not published its effects.
+    OwnerAfterCommitBeforePublish,
+    /// An owner published a batch's effects and has not stored the input offsets.
+    OwnerAfterPublishBeforeOffsetStore,
+    /// Admission saved new jobs and has not sent their acquire commands.
+    AdmissionAfterSaveBeforeAcquire,
+    /// Admission published a batch's effects and has not stored the input offsets.
+    AdmissionAfterPublishBeforeOffsetStore,
+    /// Admission drops the release commands it would send (a lost release).
+    AdmissionDropRelease,
+}
+
+#[derive(Debug)]
+struct Armed {
+    hits_before_firing: u64,
+    fires_left: u64,
+    fired: u64,
+}
+
+/// Shared by every component of one service instance.
+#[derive(Clone, Default, Debug)]
+pub struct Faults {
+    any_armed: Arc<AtomicBool>,
+    points: Arc<Mutex<HashMap<FaultPoint, Armed>>>,
+}
+
+impl Faults {
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Fire `times` times, starting at the `(skip + 1)`-th hit of `point`.
+    pub fn arm(&self, point: FaultPoint, skip: u64, times: u64) {
+        let mut points = self.points.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        points.insert(
+            point,
+            Armed {
+                hits_before_firing: skip,
+                fires_left: times,
+                fired: 0,
+            },
+        );
+        self.any_armed.store(true, Ordering::Release);
+    }
+
+    /// True when the hook fires at this hit.
+    pub fn hit(&self, point: FaultPoint) -> bool {
+        if !self.any_armed.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut points = self.points.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let Some(armed) = points.get_mut(&point) else {
+            return false;
+        };
+        if armed.hits_before_firing > 0 {
+            armed.hits_before_firing -= 1;
+            return false;
+        }
+        if armed.fires_left == 0 {
+            return false;
+        }
+        armed.fires_left -= 1;
+        armed.fired += 1;
+        tracing::warn!(?point, "fault hook fired");
+        true
+    }
+
+    /// How many times `point` has fired.
+    pub fn fired(&self, point: FaultPoint) -> u64 {
+        let points = self.points.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        points.get(&point).map_or(0, |armed| armed.fired)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fires_on_the_chosen_hit_only() {
+        let faults = Faults::none();
+        assert!(!faults.hit(FaultPoint::AdmissionDropRelease));
+        faults.arm(FaultPoint::AdmissionDropRelease, 2, 1);
+        assert!(!faults.hit(FaultPoint::AdmissionDropRelease));
+        assert!(!faults.hit(FaultPoint::AdmissionDropRelease));
+        assert!(faults.hit(FaultPoint::AdmissionDropRelease));
+        assert!(!faults.hit(FaultPoint::AdmissionDropRelease));
+        assert_eq!(faults.fired(FaultPoint::AdmissionDropRelease), 1);
+        assert!(!faults.hit(FaultPoint::OwnerAfterCommitBeforePublish));
+    }
+}

@@ -1,0 +1,60 @@
+//! Reaching a key's owner: calls that decide on a key run on the owner; a
+//! non-owner forwards once (marked with a header so calls never loop) to the
+//! endpoint in the owner directory.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
+
+pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
+
+pub fn is_forwarded(metadata: &tonic::metadata::MetadataMap) -> bool {
+    metadata.contains_key(FORWARDED_HEADER)
+}
+
+/// Mark a request as forwarded and carry the current trace context.
+pub fn forwarded_request<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert(FORWARDED_HEADER, tonic::metadata::MetadataValue::from_static("1"));
+    crate::telemetry::inject_current_into_metadata(request.metadata_mut());
+    request
+}
+
+/// The status a non-owner answers when it cannot forward.
+pub fn not_owner(partition: i32, owner: Option<&str>) -> Status {
+    match owner {
+        Some(endpoint) => Status::unavailable(format!(
+            "NOT_OWNER: partition {partition} is owned by {endpoint}; retry there or through any instance"
+        )),
+        None => Status::unavailable(format!(
+            "NOT_OWNER: partition {partition} has no owner yet (rebalancing); retry shortly"
+        )),
+    }
+}
+
+/// Lazily connected channels to other instances, by endpoint.
+#[derive(Default)]
+pub struct ChannelCache {
+    channels: Mutex<HashMap<String, Channel>>,
+}
+
+impl ChannelCache {
+    pub fn channel(&self, endpoint: &str) -> Result<Channel, Status> {
+        let mut channels = self.channels.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(channel) = channels.get(endpoint) {
+            return Ok(channel.clone());
+        }
+        let channel = Endpoint::from_shared(endpoint.to_string())
+            .map_err(|error| Status::internal(format!("bad owner endpoint {endpoint:?}: {error}")))?
+            .connect_timeout(Duration::from_secs(3))
+            .timeout(Duration::from_secs(30))
+            .connect_lazy();
+        channels.insert(endpoint.to_string(), channel.clone());
+        Ok(channel)
+    }
+}

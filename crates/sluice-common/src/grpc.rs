@@ -1,0 +1,82 @@
+//! gRPC bootstrap: the standard health service (readiness follows the
+//! service's own state), reflection over every Sluice proto, graceful
+//! shutdown, and a listener passed in so tests bind 127.0.0.1:0.
+
+use std::net::SocketAddr;
+
+use tokio::net::TcpListener;
+use tonic::service::RoutesBuilder;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use crate::shutdown::Shutdown;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GrpcError {
+    #[error("cannot bind {address}: {source}")]
+    Bind {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("reflection setup failed: {0}")]
+    Reflection(String),
+    #[error("gRPC server failed: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+/// Bind a listener for `address` (e.g. "0.0.0.0:50051", "127.0.0.1:0").
+pub async fn bind(address: &str) -> Result<TcpListener, GrpcError> {
+    TcpListener::bind(address).await.map_err(|source| GrpcError::Bind {
+        address: address.to_string(),
+        source,
+    })
+}
+
+/// Reports serving status for the whole server ("") and each named service.
+#[derive(Clone)]
+pub struct Health {
+    reporter: HealthReporter,
+    services: Vec<&'static str>,
+}
+
+impl Health {
+    pub async fn set_serving(&self, serving: bool) {
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.reporter.set_service_status("", status).await;
+        for service in &self.services {
+            self.reporter.set_service_status(*service, status).await;
+        }
+    }
+}
+
+/// Routes with health and reflection already added, plus the health handle.
+/// `services` are the fully qualified names reported by health (e.g.
+/// "sluice.v1.Admission").
+pub fn base_routes(services: Vec<&'static str>) -> Result<(RoutesBuilder, Health), GrpcError> {
+    let (reporter, health_service) = tonic_health::server::health_reporter();
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|error| GrpcError::Reflection(error.to_string()))?;
+    let mut routes = RoutesBuilder::default();
+    routes.add_service(health_service).add_service(reflection);
+    Ok((routes, Health { reporter, services }))
+}
+
+/// Serve until `shutdown` (graceful: in-flight calls finish).
+pub async fn serve(listener: TcpListener, routes: RoutesBuilder, shutdown: Shutdown) -> Result<(), GrpcError> {
+    let local: Option<SocketAddr> = listener.local_addr().ok();
+    tracing::info!(address = ?local, "gRPC server listening");
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .add_routes(routes.routes())
+        .serve_with_incoming_shutdown(incoming, async move { shutdown.cancelled().await })
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,22 @@
+//! What every Sluice service shares. Each service is a library with a thin
+//! `main`; this crate gives them configuration, telemetry, Kafka plumbing,
+//! PostgreSQL storage, gRPC bootstrap and the owner runtime.
+
+pub mod cli;
+pub mod clock;
+pub mod config;
+pub mod faults;
+pub mod forward;
+pub mod grpc;
+pub mod kafka;
+pub mod owner;
+pub mod partition;
+pub mod service;
+pub mod shutdown;
+pub mod storage;
+pub mod telemetry;
+pub mod validate;
+
+pub use config::SluiceConfig;
+pub use faults::{FaultPoint, Faults};
+pub use shutdown::Shutdown;
