@@ -236,10 +236,8 @@ impl SluiceConfig {
 
     /// Like `load`, with extra `(key, value)` overrides applied last (tests).
     pub fn load_with(file: Option<&Path>, overrides: &[(&str, &str)]) -> Result<Self, ConfigError> {
-        let mut builder = config::Config::builder().add_source(config::File::from_str(
-            DEFAULT_TOML,
-            config::FileFormat::Toml,
-        ));
+        let mut builder =
+            config::Config::builder().add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
         if let Some(path) = file {
             builder = builder.add_source(config::File::from(path).required(true));
         }
@@ -329,10 +327,16 @@ impl SluiceConfig {
             }
             for (index, cap) in group.caps.iter().enumerate() {
                 if cap.key.is_empty() {
-                    return Err(invalid(format!("task_groups.{name}.caps[{index}].key"), "must not be empty"));
+                    return Err(invalid(
+                        format!("task_groups.{name}.caps[{index}].key"),
+                        "must not be empty",
+                    ));
                 }
                 if cap.max == 0 {
-                    return Err(invalid(format!("task_groups.{name}.caps[{index}].max"), "must be at least 1"));
+                    return Err(invalid(
+                        format!("task_groups.{name}.caps[{index}].max"),
+                        "must be at least 1",
+                    ));
                 }
             }
         }

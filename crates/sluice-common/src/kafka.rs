@@ -281,7 +281,10 @@ pub async fn ensure_topics(
             })
             .collect();
         let results = admin
-            .create_topics(&new_topics, &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))))
+            .create_topics(
+                &new_topics,
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
             .await?;
         for result in results {
             match result {
@@ -459,9 +462,7 @@ impl ConsumerProgress {
         let partitions = self.partitions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut caught_up: Vec<i32> = partitions
             .iter()
-            .filter(|(_, progress)| {
-                progress.at_end || progress.reached_end_at.is_some_and(|at| at.elapsed() <= recent)
-            })
+            .filter(|(_, progress)| progress.at_end || progress.reached_end_at.is_some_and(|at| at.elapsed() <= recent))
             .map(|(partition, _)| *partition)
             .collect();
         caught_up.sort_unstable();
@@ -498,7 +499,11 @@ impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, _consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(list) = rebalance {
             let mut assigned = self.assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let mut progress = self.progress.partitions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut progress = self
+                .progress
+                .partitions
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
             for element in list.elements_for_topic(&self.topic) {
                 assigned.remove(&element.partition());
                 progress.remove(&element.partition());
@@ -510,7 +515,11 @@ impl ConsumerContext for RebalanceContext {
     fn post_rebalance(&self, _consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
             let mut assigned = self.assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let mut progress = self.progress.partitions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut progress = self
+                .progress
+                .partitions
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
             for element in list.elements_for_topic(&self.topic) {
                 assigned.insert(element.partition());
                 progress.entry(element.partition()).or_default();
@@ -554,7 +563,10 @@ pub async fn run_partitioned_consumer(
         .set("auto.offset.reset", "earliest")
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
-        .set("heartbeat.interval.ms", (kafka.session_timeout_ms / 5).max(100).to_string())
+        .set(
+            "heartbeat.interval.ms",
+            (kafka.session_timeout_ms / 5).max(100).to_string(),
+        )
         .set("fetch.wait.max.ms", kafka.fetch_wait_max_ms.to_string())
         .set("enable.partition.eof", if options.track_end { "true" } else { "false" });
     for (key, value) in &kafka.properties {

@@ -238,7 +238,10 @@ impl<L: Send + 'static> OwnerRegistry<L> {
 
     pub fn stopped_partitions(&self) -> Vec<(i32, String)> {
         let stopped = self.stopped.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        stopped.iter().map(|(partition, reason)| (*partition, reason.clone())).collect()
+        stopped
+            .iter()
+            .map(|(partition, reason)| (*partition, reason.clone()))
+            .collect()
     }
 
     fn publish_ready(&self) {
@@ -445,7 +448,12 @@ impl<S: OwnedStore> PartitionTask<S> {
         if let Err(PartitionTaskError::Stopped { reason, .. }) = &outcome {
             self.registry.mark_stopped(partition, reason.clone());
         }
-        tracing::info!(service = self.settings.service, partition, epoch = context.epoch, "partition released");
+        tracing::info!(
+            service = self.settings.service,
+            partition,
+            epoch = context.epoch,
+            "partition released"
+        );
         outcome
     }
 
@@ -469,7 +477,12 @@ impl<S: OwnedStore> PartitionTask<S> {
                         Step::Done(()) => {}
                         Step::Stop => return Ok(Step::Stop),
                     }
-                    tracing::info!(service = self.settings.service, partition, resent, "re-sent saved effects after takeover");
+                    tracing::info!(
+                        service = self.settings.service,
+                        partition,
+                        resent,
+                        "re-sent saved effects after takeover"
+                    );
                     return Ok(Step::Done((context, state, applied_offset)));
                 }
                 Err(error) if is_transient_sql(&error) => {
@@ -489,8 +502,13 @@ impl<S: OwnedStore> PartitionTask<S> {
 
     async fn try_take_over(&self, partition: i32) -> Result<(OwnerContext, S::State, i64), sqlx::Error> {
         let mut connection = self.pool.acquire().await?;
-        let (epoch, applied_offset) =
-            bump_epoch(&mut connection, partition, &self.settings.owner_id, &self.settings.endpoint).await?;
+        let (epoch, applied_offset) = bump_epoch(
+            &mut connection,
+            partition,
+            &self.settings.owner_id,
+            &self.settings.endpoint,
+        )
+        .await?;
         let clock = AnchoredClock::from_postgres(&mut connection).await?;
         let context = OwnerContext {
             partition,

@@ -34,6 +34,23 @@ pub fn key_partition(tenant: &str, key: &str, partitions: i32) -> i32 {
     bucket(stable_hash(&[tenant.as_bytes(), key.as_bytes()]), partitions)
 }
 
+/// Partition of a rate window: rate commands. Inline windows hash
+/// (tenant, "i", name, unique_key); stored resources (tenant, "r", key).
+pub fn rate_key_partition(key: &sluice_proto::v1::RateKeyRef, partitions: i32) -> i32 {
+    use sluice_proto::v1::rate_key_ref::Kind;
+    let hash = match &key.kind {
+        Some(Kind::Inline(inline)) => stable_hash(&[
+            key.tenant.as_bytes(),
+            b"i",
+            inline.name.as_bytes(),
+            inline.unique_key.as_bytes(),
+        ]),
+        Some(Kind::ResourceKey(resource_key)) => stable_hash(&[key.tenant.as_bytes(), b"r", resource_key.as_bytes()]),
+        None => stable_hash(&[key.tenant.as_bytes()]),
+    };
+    bucket(hash, partitions)
+}
+
 /// Partition of a job: grant events, admitted jobs.
 pub fn job_partition(job_id: &str, partitions: i32) -> i32 {
     bucket(stable_hash(&[job_id.as_bytes()]), partitions)

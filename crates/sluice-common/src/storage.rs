@@ -78,7 +78,10 @@ async fn create_schema(base: &PgConnectOptions, schema: &str) -> Result<(), Stor
     // sees a unique violation and the schema exists either way.
     // `schema` is built from the validated `postgres.schema_prefix`.
     let statement = format!("CREATE SCHEMA IF NOT EXISTS \"{schema}\"");
-    match sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&mut connection).await {
+    match sqlx::query(sqlx::AssertSqlSafe(statement))
+        .execute(&mut connection)
+        .await
+    {
         Ok(_) => {}
         Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("23505") => {}
         Err(error) => return Err(error.into()),
@@ -103,15 +106,14 @@ pub async fn migrate(pool: &PgPool, schema: &str, migrator: &Migrator) -> Result
 
 /// Drop every schema whose name starts with `prefix` (test cleanup helper).
 pub async fn drop_schemas_with_prefix(pool: &PgPool, prefix: &str) -> Result<(), StorageError> {
-    let schemas: Vec<String> = sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")
-        .bind(prefix)
-        .fetch_all(pool)
-        .await?;
+    let schemas: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")
+            .bind(prefix)
+            .fetch_all(pool)
+            .await?;
     for schema in schemas {
         let statement = format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", schema.replace('"', ""));
-        sqlx::query(sqlx::AssertSqlSafe(statement))
-            .execute(pool)
-            .await?;
+        sqlx::query(sqlx::AssertSqlSafe(statement)).execute(pool).await?;
     }
     Ok(())
 }

@@ -100,7 +100,11 @@ pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGua
     Ok(TelemetryGuard { provider })
 }
 
-fn build_provider(endpoint: &str, sampling_ratio: f64, service_name: &str) -> Result<SdkTracerProvider, TelemetryError> {
+fn build_provider(
+    endpoint: &str,
+    sampling_ratio: f64,
+    service_name: &str,
+) -> Result<SdkTracerProvider, TelemetryError> {
     use opentelemetry_otlp::WithExportConfig;
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
@@ -115,7 +119,9 @@ fn build_provider(endpoint: &str, sampling_ratio: f64, service_name: &str) -> Re
         .build();
     Ok(SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
-        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(sampling_ratio))))
+        .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+            sampling_ratio,
+        ))))
         .with_resource(resource)
         .build())
 }
@@ -172,8 +178,12 @@ pub fn set_remote_parent(span: &tracing::Span, remote: &TraceContext) {
 /// Trace context from Kafka headers (`traceparent`, `tracestate`).
 pub fn trace_context_from_headers(headers: &[(String, Vec<u8>)]) -> TraceContext {
     TraceContext {
-        traceparent: crate::kafka::header_text(headers, "traceparent").unwrap_or_default().to_string(),
-        tracestate: crate::kafka::header_text(headers, "tracestate").unwrap_or_default().to_string(),
+        traceparent: crate::kafka::header_text(headers, "traceparent")
+            .unwrap_or_default()
+            .to_string(),
+        tracestate: crate::kafka::header_text(headers, "tracestate")
+            .unwrap_or_default()
+            .to_string(),
     }
 }
 

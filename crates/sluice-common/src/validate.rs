@@ -53,7 +53,10 @@ mod tests {
     #[test]
     fn names_are_checked_with_the_field() {
         assert!(check_name("tenant", "acme", 10).is_ok());
-        assert_eq!(check_name("tenant", "", 10).unwrap_err().to_string(), "tenant: must not be empty");
+        assert_eq!(
+            check_name("tenant", "", 10).unwrap_err().to_string(),
+            "tenant: must not be empty"
+        );
         assert!(check_name("key", "a\u{0}b", 10).is_err());
         assert!(check_name("key", "abcdefghijk", 10).is_err());
         let nested = check_name("key", "", 10).unwrap_err().within("limits[2]");

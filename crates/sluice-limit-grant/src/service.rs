@@ -39,7 +39,11 @@ fn local_error(error: LocalCallError) -> Status {
 impl LimitsApi {
     /// A client for the partition's owner, unless this call was already
     /// forwarded or the directory names us (we just lost the partition).
-    async fn owner_client(&self, partition: i32, forwarded: bool) -> Result<LimitsClient<tonic::transport::Channel>, Status> {
+    async fn owner_client(
+        &self,
+        partition: i32,
+        forwarded: bool,
+    ) -> Result<LimitsClient<tonic::transport::Channel>, Status> {
         let owner = lookup_owner(&self.pool, partition)
             .await
             .map_err(|error| Status::unavailable(format!("owner directory unavailable: {error}")))?;

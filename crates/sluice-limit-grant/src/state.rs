@@ -510,15 +510,19 @@ impl LimitPartition {
 
     /// Grant from the head of the queue while the head fits. The head is
     /// never overtaken: if it does not fit, nobody behind it is granted.
-    fn pump(&mut self, now_ms: i64, key_id: &KeyId, writes: &mut LimitWrites, outbox: &mut Outbox, counts: &mut BatchCounts) {
+    fn pump(
+        &mut self,
+        now_ms: i64,
+        key_id: &KeyId,
+        writes: &mut LimitWrites,
+        outbox: &mut Outbox,
+        counts: &mut BatchCounts,
+    ) {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
         };
         let mut granted = Vec::new();
-        loop {
-            let Some((order, head)) = state.waiters.first_key_value() else {
-                break;
-            };
+        while let Some((order, head)) = state.waiters.first_key_value() {
             let max = state.max_for(&head.record);
             if state.holders.len() >= usize::try_from(max).unwrap_or(usize::MAX) {
                 break;
@@ -580,7 +584,12 @@ impl LimitPartition {
             unthrottled: false,
         };
         let partition = job_partition(&record.ticket.job_id, self.settings.grants_partitions);
-        outbox.push_entry(&self.settings.grants_topic, partition, &event, self.settings.max_message_bytes);
+        outbox.push_entry(
+            &self.settings.grants_topic,
+            partition,
+            &event,
+            self.settings.max_message_bytes,
+        );
     }
 
     /// Admission states the tickets it stands behind. When every part of a
@@ -751,11 +760,21 @@ impl LimitPartition {
                 job_max: waiting.record.job_max,
             })
             .collect();
-        described.oldest_waiting_since_ms = state.waiters.values().map(|waiting| waiting.record.waiting_since_ms).min();
+        described.oldest_waiting_since_ms = state
+            .waiters
+            .values()
+            .map(|waiting| waiting.record.waiting_since_ms)
+            .min();
         described
     }
 
-    fn describe_with_ticket(&self, tenant: &str, key: &str, ticket: Option<&TicketKey>, first_waiters: usize) -> pb::DescribeKeyResponse {
+    fn describe_with_ticket(
+        &self,
+        tenant: &str,
+        key: &str,
+        ticket: Option<&TicketKey>,
+        first_waiters: usize,
+    ) -> pb::DescribeKeyResponse {
         let state = self.describe(tenant, key, first_waiters);
         let mut response = pb::DescribeKeyResponse {
             state: Some(state),
@@ -783,7 +802,12 @@ impl LimitPartition {
         counts: &mut BatchCounts,
     ) {
         match local {
-            LocalRequest::SetLimit { tenant, key, max, reply } => {
+            LocalRequest::SetLimit {
+                tenant,
+                key,
+                max,
+                reply,
+            } => {
                 let key_id = (tenant.clone(), key.clone());
                 self.set_override(now_ms, &key_id, max, writes, outbox, counts);
                 let described = self.describe(&tenant, &key, 10);
@@ -921,7 +945,10 @@ mod tests {
 
     fn set_override(key_name: &str, max: Option<u32>) -> pb::LimitCommand {
         pb::LimitCommand {
-            command: Some(pb::limit_command::Command::SetOverride(pb::SetOverride { key: key(key_name), max })),
+            command: Some(pb::limit_command::Command::SetOverride(pb::SetOverride {
+                key: key(key_name),
+                max,
+            })),
             ..Default::default()
         }
     }
@@ -940,7 +967,9 @@ mod tests {
         let mut outbox = Outbox::new();
         let mut counts = BatchCounts::default();
         for command in commands {
-            state.apply_command(1_000, command, &mut writes, &mut outbox, &mut counts).unwrap();
+            state
+                .apply_command(1_000, command, &mut writes, &mut outbox, &mut counts)
+                .unwrap();
         }
         (granted_jobs(outbox), writes)
     }
@@ -975,7 +1004,11 @@ mod tests {
         let mut state = partition();
         let (granted, _) = run(
             &mut state,
-            vec![acquire("a", "k", 50, 1, 1), acquire("b", "k", 50, 2, 1), acquire("c", "k", 50, 3, 5)],
+            vec![
+                acquire("a", "k", 50, 1, 1),
+                acquire("b", "k", 50, 2, 1),
+                acquire("c", "k", 50, 3, 5),
+            ],
         );
         // b is head and needs max 1; c (max 5) behind it must not be granted.
         assert_eq!(granted, vec!["a"]);
@@ -989,7 +1022,11 @@ mod tests {
         assert_eq!(granted, vec!["a"]);
         assert_eq!(first_writes.upserts.len(), 1);
         let (granted, writes) = run(&mut state, vec![acquire("a", "k", 50, 1, 1)]);
-        assert_eq!(granted, vec!["a"], "a duplicate acquire from a holder re-sends its grant");
+        assert_eq!(
+            granted,
+            vec!["a"],
+            "a duplicate acquire from a holder re-sends its grant"
+        );
         assert!(writes.is_empty());
         let (_, writes) = run(&mut state, vec![release("a", "k"), release("a", "k")]);
         assert_eq!(writes.deletes.len(), 1);
@@ -1000,9 +1037,15 @@ mod tests {
     #[test]
     fn override_pauses_and_raising_grants_waiters_at_once() {
         let mut state = partition();
-        let (granted, _) = run(&mut state, vec![set_override("k", Some(0)), acquire("a", "k", 50, 1, 3)]);
+        let (granted, _) = run(
+            &mut state,
+            vec![set_override("k", Some(0)), acquire("a", "k", 50, 1, 3)],
+        );
         assert!(granted.is_empty(), "paused key grants nothing");
-        let (granted, _) = run(&mut state, vec![acquire("b", "k", 50, 2, 3), set_override("k", Some(1))]);
+        let (granted, _) = run(
+            &mut state,
+            vec![acquire("b", "k", 50, 2, 3), set_override("k", Some(1))],
+        );
         assert_eq!(granted, vec!["a"]);
         let (granted, writes) = run(&mut state, vec![set_override("k", None)]);
         assert_eq!(granted, vec!["b"], "clearing restores the job's max of 3");
@@ -1012,7 +1055,10 @@ mod tests {
     #[test]
     fn a_sweep_reclaims_tickets_nobody_stands_behind() {
         let mut state = partition();
-        run(&mut state, vec![acquire("a", "k", 50, 1, 1), acquire("b", "k", 50, 2, 1)]);
+        run(
+            &mut state,
+            vec![acquire("a", "k", 50, 1, 1), acquire("b", "k", 50, 2, 1)],
+        );
         let sweep = |snapshot_at_ms: i64, tickets: Vec<&str>| pb::LimitCommand {
             command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
                 sweep_id: format!("s{snapshot_at_ms}"),
@@ -1091,7 +1137,12 @@ mod tests {
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                (0u8..40, 0u8..3, 0u8..3, 1u8..4).prop_map(|(job, key, priority, max)| Op::Acquire { job, key, priority, max }),
+                (0u8..40, 0u8..3, 0u8..3, 1u8..4).prop_map(|(job, key, priority, max)| Op::Acquire {
+                    job,
+                    key,
+                    priority,
+                    max
+                }),
                 (0u8..40).prop_map(|job| Op::Release { job }),
                 (0u8..3, proptest::option::of(0u8..4)).prop_map(|(key, max)| Op::Override { key, max }),
             ]

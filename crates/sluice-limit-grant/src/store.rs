@@ -8,7 +8,9 @@ use async_trait::async_trait;
 use sluice_common::owner::{OwnedStore, OwnerContext};
 use sqlx::{PgConnection, Row};
 
-use crate::state::{FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord};
+use crate::state::{
+    FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord,
+};
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 

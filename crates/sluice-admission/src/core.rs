@@ -1,0 +1,656 @@
+//! Admission's flows, shared by the Kafka consumers, the gRPC service and the
+//! sweeper. Every flow saves first, then publishes; a crash between the two
+//! is repaired by redelivery or by the sweeper re-sending the pending effect.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_common::clock::{wall_clock_ms, wall_clock_us};
+use sluice_common::kafka::{Outbox, Publisher};
+use sluice_common::{FaultPoint, Faults, SluiceConfig};
+use sluice_proto::v1 as pb;
+use sqlx::{Connection, PgPool};
+
+use crate::chain::{History, ValidJob};
+use crate::effects::Routes;
+use crate::jobs::{self, GrantKey, JobRow};
+use crate::transitions::{self, AttemptEnd, Effect, JobState, Status, Timing};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// A fault hook stopped the instance (tests).
+    #[error("crash injected")]
+    Crashed,
+}
+
+impl AdmissionError {
+    pub fn to_status(&self) -> tonic::Status {
+        match self {
+            AdmissionError::Database(error) => {
+                tracing::warn!(%error, "database error");
+                tonic::Status::unavailable("database unavailable; retry")
+            }
+            AdmissionError::Crashed => tonic::Status::unavailable("instance stopping"),
+        }
+    }
+}
+
+/// A validated request with its id and trace context.
+#[derive(Clone, Debug)]
+pub struct Incoming {
+    pub job_id: String,
+    pub valid: ValidJob,
+    pub trace: pb::TraceContext,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnqueueOutcome {
+    pub job_id: String,
+    pub status: Status,
+    pub deduplicated: bool,
+}
+
+pub struct AdmissionCore {
+    pub config: Arc<SluiceConfig>,
+    pub pool: PgPool,
+    pub publisher: Publisher,
+    pub routes: Routes,
+    pub faults: Faults,
+    pub timing: Timing,
+    last_enqueued_at_us: AtomicI64,
+}
+
+/// Claim results by (job, attempt).
+pub type ClaimResults = Vec<pb::ClaimResult>;
+
+impl AdmissionCore {
+    pub fn new(config: Arc<SluiceConfig>, pool: PgPool, publisher: Publisher, faults: Faults) -> Self {
+        let timing = Timing {
+            resend_waiting_after_ms: config.admission.resend_waiting_after.as_millis_i64(),
+            claim_timeout_ms: config.admission.claim_timeout.as_millis_i64(),
+        };
+        AdmissionCore {
+            routes: Routes::from_config(&config),
+            config,
+            pool,
+            publisher,
+            faults,
+            timing,
+            last_enqueued_at_us: AtomicI64::new(0),
+        }
+    }
+
+    /// Enqueue times are strictly increasing within an instance, so equal
+    /// priorities keep arrival order.
+    fn next_enqueue_time_us(&self) -> i64 {
+        let now = wall_clock_us();
+        let mut previous = self.last_enqueued_at_us.load(Ordering::Relaxed);
+        loop {
+            let next = now.max(previous + 1);
+            match self
+                .last_enqueued_at_us
+                .compare_exchange_weak(previous, next, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return next,
+                Err(actual) => previous = actual,
+            }
+        }
+    }
+
+    /// Publish, retrying for a while. What is saved is never lost: if Kafka
+    /// stays down the sweeper re-sends the pending effects later.
+    pub async fn publish(&self, outbox: Outbox) {
+        if outbox.is_empty() {
+            return;
+        }
+        let messages = outbox.into_messages();
+        let mut delay = Duration::from_millis(50);
+        for attempt in 1..=8 {
+            match self.publisher.send_all(messages.clone()).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::warn!(%error, attempt, "publish failed, retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        tracing::error!("giving up publishing; the sweeper will re-send the saved effects");
+    }
+
+    fn new_row(&self, incoming: &Incoming, now_ms: i64) -> JobRow {
+        let valid = &incoming.valid;
+        let mut spec = valid.request.clone();
+        spec.payload = Vec::new();
+        spec.job_id = Some(incoming.job_id.clone());
+        let mut state = JobState {
+            job_id: incoming.job_id.clone(),
+            status: Status::Scheduled,
+            attempt: 1,
+            attempts_used: 0,
+            max_attempts: valid.retry.max_attempts,
+            step: 0,
+            chain: valid.chain.clone(),
+            retry: valid.retry,
+            lease_ms: valid.lease_ms,
+            run_timeout_ms: valid.run_timeout_ms,
+            due_at_ms: None,
+            step_started_at_ms: None,
+            admitted_at_ms: None,
+            claimed_by: None,
+            claimed_at_ms: None,
+            lease_expires_at_ms: None,
+            finished_at_ms: None,
+            cancel_reason: None,
+            last_error: String::new(),
+            history: History::default(),
+        };
+        match valid.request.run_at_ms {
+            Some(run_at) if run_at > now_ms => state.due_at_ms = Some(run_at),
+            _ => {
+                transitions::start_acquiring(&mut state, now_ms, self.timing);
+            }
+        }
+        JobRow {
+            state,
+            tenant: valid.request.tenant.clone(),
+            task_group: valid.request.task_group.clone(),
+            priority: valid.priority,
+            spec,
+            payload: valid.request.payload.clone(),
+            job_partition: self.routes.job_partition(&incoming.job_id),
+            enqueued_at_us: self.next_enqueue_time_us(),
+            run_at_ms: valid.request.run_at_ms,
+            idempotency_key: if valid.request.idempotency_key.is_empty() {
+                None
+            } else {
+                Some(valid.request.idempotency_key.clone())
+            },
+            trace: incoming.trace.clone(),
+        }
+    }
+
+    /// Save new jobs (deduplicated by id and idempotency key), then send
+    /// their first effects together with `extra` (e.g. dead letters).
+    pub async fn enqueue(&self, incoming: Vec<Incoming>, extra: Outbox) -> Result<Vec<EnqueueOutcome>, AdmissionError> {
+        let now_ms = wall_clock_ms();
+        let rows: Vec<JobRow> = incoming.iter().map(|request| self.new_row(request, now_ms)).collect();
+        let mut outbox = extra;
+        let mut outcomes: Vec<Option<EnqueueOutcome>> = vec![None; rows.len()];
+
+        let mut connection = self.pool.acquire().await?;
+        let mut transaction = connection.begin().await?;
+        // Idempotency keys: the first request of a (tenant, key) in the batch
+        // claims it; later ones, and ones whose key is held, are duplicates.
+        let mut claims = Vec::new();
+        let mut claim_index: HashMap<(String, String), usize> = HashMap::new();
+        for (index, (row, request)) in rows.iter().zip(&incoming).enumerate() {
+            if let (Some(key), Some(window_ms)) = (&row.idempotency_key, request.valid.idempotency_window_ms) {
+                let pair = (row.tenant.clone(), key.clone());
+                if let std::collections::hash_map::Entry::Vacant(entry) = claim_index.entry(pair) {
+                    entry.insert(index);
+                    claims.push((
+                        row.tenant.clone(),
+                        key.clone(),
+                        row.state.job_id.clone(),
+                        now_ms + window_ms,
+                    ));
+                }
+            }
+        }
+        let holders = jobs::claim_idempotency_keys(&mut transaction, &claims, now_ms).await?;
+        let mut to_insert: Vec<JobRow> = Vec::new();
+        let mut insert_positions: Vec<usize> = Vec::new();
+        let mut seen_ids: HashSet<String> = HashSet::new();
+        let mut existing_ids: Vec<String> = Vec::new();
+        for (index, row) in rows.iter().enumerate() {
+            if let Some(key) = &row.idempotency_key {
+                let holder = holders.get(&(row.tenant.clone(), key.clone()));
+                if let Some(holder) = holder {
+                    if holder != &row.state.job_id {
+                        outcomes[index] = Some(EnqueueOutcome {
+                            job_id: holder.clone(),
+                            status: Status::Unspecified,
+                            deduplicated: true,
+                        });
+                        existing_ids.push(holder.clone());
+                        continue;
+                    }
+                }
+            }
+            if !seen_ids.insert(row.state.job_id.clone()) {
+                existing_ids.push(row.state.job_id.clone());
+                continue;
+            }
+            to_insert.push(row.clone());
+            insert_positions.push(index);
+        }
+        let inserted = jobs::insert_jobs(&mut transaction, &to_insert).await?;
+        let mut redelivered: Vec<String> = Vec::new();
+        for (row, index) in to_insert.iter().zip(&insert_positions) {
+            if inserted.contains(&row.state.job_id) {
+                outcomes[*index] = Some(EnqueueOutcome {
+                    job_id: row.state.job_id.clone(),
+                    status: row.state.status,
+                    deduplicated: false,
+                });
+            } else {
+                redelivered.push(row.state.job_id.clone());
+            }
+        }
+        existing_ids.extend(redelivered.iter().cloned());
+        existing_ids.sort_unstable();
+        existing_ids.dedup();
+        let existing: HashMap<String, JobRow> = jobs::fetch_jobs(&mut transaction, &existing_ids)
+            .await?
+            .into_iter()
+            .map(|row| (row.state.job_id.clone(), row))
+            .collect();
+        transaction.commit().await?;
+        drop(connection);
+
+        if self.faults.hit(FaultPoint::AdmissionAfterSaveBeforeAcquire) {
+            return Err(AdmissionError::Crashed);
+        }
+        for row in &to_insert {
+            if !inserted.contains(&row.state.job_id) {
+                continue;
+            }
+            match row.state.status {
+                Status::Waiting => self.routes.push_acquire(&mut outbox, row),
+                Status::Admitted => self.routes.push_admitted(&mut outbox, row),
+                _ => {}
+            }
+        }
+        // A redelivered request changes nothing and re-sends its effect.
+        for job_id in &redelivered {
+            if let Some(row) = existing.get(job_id) {
+                self.push_pending_effect(&mut outbox, row);
+            }
+        }
+        self.publish(outbox).await;
+
+        let mut results = Vec::with_capacity(rows.len());
+        for (index, row) in rows.iter().enumerate() {
+            let outcome = match outcomes[index].take() {
+                Some(outcome) if !outcome.deduplicated => outcome,
+                Some(duplicate) => EnqueueOutcome {
+                    status: existing
+                        .get(&duplicate.job_id)
+                        .map_or(Status::Unspecified, |job| job.state.status),
+                    ..duplicate
+                },
+                None => EnqueueOutcome {
+                    job_id: row.state.job_id.clone(),
+                    status: existing
+                        .get(&row.state.job_id)
+                        .map_or(row.state.status, |job| job.state.status),
+                    deduplicated: false,
+                },
+            };
+            results.push(outcome);
+        }
+        Ok(results)
+    }
+
+    /// The effect a job in its current state is waiting on.
+    fn push_pending_effect(&self, outbox: &mut Outbox, row: &JobRow) {
+        match row.state.status {
+            Status::Waiting => self.routes.push_acquire(outbox, row),
+            Status::Admitted => self.routes.push_admitted(outbox, row),
+            _ => {}
+        }
+    }
+
+    /// Apply grant events: advance the job, then acquire its next step or
+    /// publish it to workers. A duplicate re-sends its effect; a grant nobody
+    /// wants is answered with a release.
+    pub async fn process_grants(&self, events: Vec<pb::GrantEvent>) -> Result<(), AdmissionError> {
+        let now_ms = wall_clock_ms();
+        let mut keys: Vec<GrantKey> = Vec::with_capacity(events.len());
+        let mut by_key: HashMap<GrantKey, pb::GrantEvent> = HashMap::with_capacity(events.len());
+        for event in events {
+            let Some(ticket) = &event.ticket else {
+                tracing::warn!(?event, "grant event without a ticket");
+                continue;
+            };
+            let key = GrantKey {
+                job_id: ticket.job_id.clone(),
+                attempt: ticket.attempt,
+                step: ticket.step,
+            };
+            if by_key.insert(key.clone(), event).is_none() {
+                keys.push(key);
+            }
+        }
+        let mut connection = self.pool.acquire().await?;
+        let advanced = jobs::apply_grants(
+            &mut connection,
+            &keys,
+            now_ms,
+            self.timing.resend_waiting_after_ms,
+            self.timing.claim_timeout_ms,
+        )
+        .await?;
+        let mut outbox = Outbox::new();
+        let mut matched: HashSet<GrantKey> = HashSet::with_capacity(advanced.len());
+        for row in &advanced {
+            matched.insert(GrantKey {
+                job_id: row.state.job_id.clone(),
+                attempt: row.state.attempt,
+                step: row.state.step.saturating_sub(1),
+            });
+            self.push_pending_effect(&mut outbox, row);
+        }
+        let unmatched: Vec<&GrantKey> = keys.iter().filter(|key| !matched.contains(*key)).collect();
+        if !unmatched.is_empty() {
+            let ids: Vec<String> = unmatched.iter().map(|key| key.job_id.clone()).collect();
+            let rows: HashMap<String, JobRow> = jobs::fetch_jobs(&mut connection, &ids)
+                .await?
+                .into_iter()
+                .map(|row| (row.state.job_id.clone(), row))
+                .collect();
+            for key in unmatched {
+                let Some(event) = by_key.get(key) else {
+                    continue;
+                };
+                self.answer_unmatched_grant(&mut outbox, key, event, rows.get(&key.job_id));
+            }
+        }
+        drop(connection);
+        self.publish(outbox).await;
+        Ok(())
+    }
+
+    fn answer_unmatched_grant(
+        &self,
+        outbox: &mut Outbox,
+        key: &GrantKey,
+        event: &pb::GrantEvent,
+        row: Option<&JobRow>,
+    ) {
+        let current_attempt_wants_it = row.is_some_and(|row| {
+            row.state.attempt == key.attempt
+                && match row.state.status {
+                    Status::Waiting => row.state.step > key.step,
+                    Status::Admitted | Status::Running | Status::Cancelling => true,
+                    _ => false,
+                }
+        });
+        if current_attempt_wants_it {
+            // A duplicate: the grant's effect was the next step's acquire or
+            // the admitted message; re-send it if it is still the pending one.
+            if let Some(row) = row {
+                let was_last_grant = key.step + 1 == row.state.step;
+                if was_last_grant {
+                    self.push_pending_effect(outbox, row);
+                }
+            }
+            return;
+        }
+        let kind = pb::LimitKind::try_from(event.kind).unwrap_or(pb::LimitKind::Unspecified);
+        if kind == pb::LimitKind::Rate {
+            // Rate grants hold nothing to give back.
+            return;
+        }
+        let Some(key_ref) = &event.key else {
+            return;
+        };
+        tracing::debug!(job_id = %key.job_id, attempt = key.attempt, step = key.step, "releasing a grant nobody wants");
+        let step = crate::chain::StoredStep {
+            tenant: key_ref.tenant.clone(),
+            key: key_ref.key.clone(),
+            kind: event.kind,
+            ..Default::default()
+        };
+        let trace = event.trace.clone().unwrap_or_default();
+        self.routes.push_release_of(
+            outbox,
+            &key.job_id,
+            &trace,
+            key.attempt,
+            key.step,
+            &step,
+            pb::ReleaseReason::UnwantedGrant,
+        );
+    }
+
+    /// Claim admitted attempts: exactly one claim per attempt wins.
+    pub async fn claim(&self, worker_id: &str, attempts: Vec<(String, u32)>) -> Result<ClaimResults, AdmissionError> {
+        let now_ms = wall_clock_ms();
+        let mut connection = self.pool.acquire().await?;
+        let won = jobs::claim(&mut connection, worker_id, &attempts, now_ms).await?;
+        let lost: Vec<String> = attempts
+            .iter()
+            .filter(|attempt| !won.contains_key(*attempt))
+            .map(|attempt| attempt.0.clone())
+            .collect();
+        let others = if lost.is_empty() {
+            HashMap::new()
+        } else {
+            jobs::fetch_jobs(&mut connection, &lost)
+                .await?
+                .into_iter()
+                .map(|row| (row.state.job_id.clone(), row))
+                .collect()
+        };
+        let mut results = Vec::with_capacity(attempts.len());
+        for (job_id, attempt) in attempts {
+            let mut result = pb::ClaimResult {
+                job_id: job_id.clone(),
+                attempt,
+                ..Default::default()
+            };
+            if let Some((lease_end, lease_ms, payload)) = won.get(&(job_id.clone(), attempt)) {
+                result.outcome = pb::ClaimOutcome::Claimed as i32;
+                result.lease_expires_at_ms = *lease_end;
+                result.lease_ms = u64::try_from(*lease_ms).unwrap_or_default();
+                result.payload = payload.clone();
+            } else if let Some(row) = others.get(&job_id) {
+                let running = matches!(row.state.status, Status::Running | Status::Cancelling);
+                if running && row.state.attempt == attempt && row.state.claimed_by.as_deref() == Some(worker_id) {
+                    // The same worker retrying a claim that won.
+                    result.outcome = pb::ClaimOutcome::Claimed as i32;
+                    result.lease_expires_at_ms = row.state.lease_expires_at_ms.unwrap_or_default();
+                    result.lease_ms = u64::try_from(row.state.lease_ms).unwrap_or_default();
+                    result.payload = row.payload.clone();
+                } else if running && row.state.attempt == attempt {
+                    result.outcome = pb::ClaimOutcome::Taken as i32;
+                } else {
+                    result.outcome = pb::ClaimOutcome::Stale as i32;
+                }
+            } else {
+                result.outcome = pb::ClaimOutcome::NotFound as i32;
+            }
+            results.push(result);
+        }
+        Ok(results)
+    }
+
+    /// Extend leases; name the jobs to stop.
+    pub async fn heartbeat(
+        &self,
+        worker_id: &str,
+        attempts: Vec<(String, u32)>,
+    ) -> Result<Vec<pb::HeartbeatResult>, AdmissionError> {
+        let now_ms = wall_clock_ms();
+        let mut connection = self.pool.acquire().await?;
+        let extended = jobs::extend_leases(&mut connection, worker_id, &attempts, now_ms).await?;
+        Ok(attempts
+            .into_iter()
+            .map(|(job_id, attempt)| {
+                let found = extended.get(&(job_id.clone(), attempt)).copied();
+                let outcome = match found {
+                    Some((_, Status::Cancelling)) => pb::HeartbeatOutcome::Cancelled,
+                    Some(_) => pb::HeartbeatOutcome::Extended,
+                    None => pb::HeartbeatOutcome::LeaseLost,
+                };
+                pb::HeartbeatResult {
+                    job_id,
+                    attempt,
+                    outcome: outcome as i32,
+                    lease_expires_at_ms: found.map(|(lease_end, _)| lease_end).unwrap_or_default(),
+                }
+            })
+            .collect())
+    }
+
+    /// End attempts as their workers report. A duplicate of an accepted
+    /// completion is accepted again and re-sends its releases.
+    pub async fn complete(
+        &self,
+        worker_id: &str,
+        completions: Vec<(String, u32, AttemptEnd)>,
+    ) -> Result<Vec<pb::CompleteResult>, AdmissionError> {
+        let now_ms = wall_clock_ms();
+        let mut ids: Vec<String> = completions.iter().map(|completion| completion.0.clone()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let mut connection = self.pool.acquire().await?;
+        let mut transaction = connection.begin().await?;
+        let mut rows: HashMap<String, JobRow> = jobs::fetch_jobs_for_update(&mut transaction, &ids)
+            .await?
+            .into_iter()
+            .map(|row| (row.state.job_id.clone(), row))
+            .collect();
+        let mut results = Vec::with_capacity(completions.len());
+        let mut changed: Vec<(Status, u32, u32, String)> = Vec::new();
+        let mut effects_by_job: Vec<(String, Vec<Effect>)> = Vec::new();
+        for (job_id, attempt, end) in completions {
+            let mut result = pb::CompleteResult {
+                job_id: job_id.clone(),
+                attempt,
+                ..Default::default()
+            };
+            let Some(row) = rows.get_mut(&job_id) else {
+                result.outcome = pb::CompleteOutcome::NotFound as i32;
+                results.push(result);
+                continue;
+            };
+            let holds_it = matches!(row.state.status, Status::Running | Status::Cancelling)
+                && row.state.attempt == attempt
+                && row.state.claimed_by.as_deref() == Some(worker_id);
+            if holds_it {
+                let before = (row.state.status, row.state.attempt, row.state.step);
+                let effects = transitions::end_attempt(&mut row.state, now_ms, end, self.timing);
+                changed.push((before.0, before.1, before.2, job_id.clone()));
+                effects_by_job.push((job_id.clone(), effects));
+                result.outcome = pb::CompleteOutcome::Accepted as i32;
+            } else if is_duplicate_completion(&row.state, attempt) {
+                // Already saved: change nothing, re-send the releases.
+                let finished = JobState {
+                    status: Status::Running,
+                    attempt,
+                    ..row.state.clone()
+                };
+                effects_by_job.push((
+                    job_id.clone(),
+                    finished.release_everything(pb::ReleaseReason::Succeeded),
+                ));
+                result.outcome = pb::CompleteOutcome::Accepted as i32;
+            } else {
+                result.outcome = pb::CompleteOutcome::Stale as i32;
+            }
+            result.status = row.state.status as i32;
+            results.push(result);
+        }
+        let states: Vec<(Status, u32, u32, &JobState)> = changed
+            .iter()
+            .filter_map(|(status, attempt, step, job_id)| {
+                rows.get(job_id).map(|row| (*status, *attempt, *step, &row.state))
+            })
+            .collect();
+        jobs::compare_and_set(&mut transaction, &states).await?;
+        transaction.commit().await?;
+        drop(connection);
+
+        let drop_releases = self.faults.hit(FaultPoint::AdmissionDropRelease);
+        let mut outbox = Outbox::new();
+        for (job_id, effects) in effects_by_job {
+            let Some(row) = rows.get(&job_id) else {
+                continue;
+            };
+            let kept: Vec<Effect> = effects
+                .into_iter()
+                .filter(|effect| !(drop_releases && matches!(effect, Effect::Release { .. })))
+                .collect();
+            self.routes.push_effects(&mut outbox, row, &kept);
+        }
+        self.publish(outbox).await;
+        Ok(results)
+    }
+
+    /// Cancel a job (see `transitions::cancel`).
+    pub async fn cancel(&self, job_id: &str, reason: &str) -> Result<Option<Status>, AdmissionError> {
+        let now_ms = wall_clock_ms();
+        let mut connection = self.pool.acquire().await?;
+        let mut transaction = connection.begin().await?;
+        let mut rows = jobs::fetch_jobs_for_update(&mut transaction, &[job_id.to_string()]).await?;
+        let Some(mut row) = rows.pop() else {
+            return Ok(None);
+        };
+        let before = (row.state.status, row.state.attempt, row.state.step);
+        let effects = transitions::cancel(&mut row.state, now_ms, reason);
+        if row.state.status != before.0 {
+            jobs::compare_and_set(&mut transaction, &[(before.0, before.1, before.2, &row.state)]).await?;
+        }
+        transaction.commit().await?;
+        drop(connection);
+        let mut outbox = Outbox::new();
+        self.routes.push_effects(&mut outbox, &row, &effects);
+        self.publish(outbox).await;
+        Ok(Some(row.state.status))
+    }
+
+    /// One pass over due jobs of `partitions`; returns how many were handled.
+    pub async fn sweep_due(&self, partitions: &[i32], limit: i64) -> Result<usize, AdmissionError> {
+        if partitions.is_empty() {
+            return Ok(0);
+        }
+        let now_ms = wall_clock_ms();
+        let mut connection = self.pool.acquire().await?;
+        let mut transaction = connection.begin().await?;
+        let mut rows = jobs::lock_due_jobs(&mut transaction, partitions, now_ms, limit).await?;
+        let handled = rows.len();
+        let mut befores = Vec::with_capacity(rows.len());
+        let mut all_effects = Vec::with_capacity(rows.len());
+        for row in &mut rows {
+            befores.push((row.state.status, row.state.attempt, row.state.step));
+            all_effects.push(transitions::on_due(&mut row.state, now_ms, self.timing));
+        }
+        let states: Vec<(Status, u32, u32, &JobState)> = befores
+            .iter()
+            .zip(&rows)
+            .map(|(before, row)| (before.0, before.1, before.2, &row.state))
+            .collect();
+        jobs::compare_and_set(&mut transaction, &states).await?;
+        transaction.commit().await?;
+        drop(connection);
+        let mut outbox = Outbox::new();
+        for (row, effects) in rows.iter().zip(&all_effects) {
+            if !effects.is_empty() {
+                tracing::debug!(job_id = %row.state.job_id, status = ?row.state.status, ?effects, "sweeper acted");
+            }
+            self.routes.push_effects(&mut outbox, row, effects);
+        }
+        self.publish(outbox).await;
+        Ok(handled)
+    }
+
+    pub async fn get_job(&self, job_id: &str) -> Result<Option<JobRow>, AdmissionError> {
+        let mut connection = self.pool.acquire().await?;
+        Ok(jobs::fetch_jobs(&mut connection, &[job_id.to_string()]).await?.pop())
+    }
+}
+
+/// The same worker completing an attempt whose completion is already saved.
+fn is_duplicate_completion(state: &JobState, attempt: u32) -> bool {
+    let last = state.history.records.last();
+    last.is_some_and(|record| record.attempt == attempt && record.outcome == "succeeded")
+        && state.status == Status::Succeeded
+        && state.attempt == attempt
+}

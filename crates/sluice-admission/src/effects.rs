@@ -1,0 +1,258 @@
+//! Turning decided effects into Kafka messages: acquire and release commands
+//! to the owners of the job's keys, admitted jobs to workers, dead letters.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use prost::Message;
+use sluice_common::clock::wall_clock_ms;
+use sluice_common::kafka::{OutMsg, Outbox};
+use sluice_common::partition::{job_partition, key_partition, rate_key_partition};
+use sluice_common::telemetry::trace_headers;
+use sluice_common::SluiceConfig;
+use sluice_proto::v1 as pb;
+
+use crate::chain::StoredStep;
+use crate::jobs::JobRow;
+use crate::transitions::Effect;
+
+/// Where admission's messages go.
+#[derive(Clone, Debug)]
+pub struct Routes {
+    pub limit_commands: Arc<str>,
+    pub limit_partitions: i32,
+    pub rate_commands: Arc<str>,
+    pub rate_partitions: i32,
+    pub grants_partitions: i32,
+    pub deadletter: Arc<str>,
+    pub admitted: HashMap<String, Arc<str>>,
+    pub max_message_bytes: usize,
+}
+
+impl Routes {
+    pub fn from_config(config: &SluiceConfig) -> Self {
+        Routes {
+            limit_commands: Arc::from(config.topic(&config.topics.limit_commands)),
+            limit_partitions: config.kafka.partitions.limit_commands,
+            rate_commands: Arc::from(config.topic(&config.topics.rate_commands)),
+            rate_partitions: config.kafka.partitions.rate_commands,
+            grants_partitions: config.kafka.partitions.grants,
+            deadletter: Arc::from(config.topic(&config.topics.deadletter)),
+            admitted: config
+                .task_groups
+                .keys()
+                .map(|group| (group.clone(), Arc::from(config.admitted_topic(group))))
+                .collect(),
+            max_message_bytes: config.kafka.max_message_bytes,
+        }
+    }
+
+    pub fn job_partition(&self, job_id: &str) -> i32 {
+        job_partition(job_id, self.grants_partitions)
+    }
+
+    /// Add the messages of `effects` for `job` (its state after the transition).
+    pub fn push_effects(&self, outbox: &mut Outbox, job: &JobRow, effects: &[Effect]) {
+        for effect in effects {
+            match effect {
+                Effect::Acquire => self.push_acquire(outbox, job),
+                Effect::Admitted => self.push_admitted(outbox, job),
+                Effect::Release { attempt, steps, reason } => {
+                    for step_index in steps {
+                        self.push_release(outbox, job, *attempt, *step_index, *reason);
+                    }
+                }
+                Effect::CancelRateWait { attempt, step } => self.push_rate_cancel(outbox, job, *attempt, *step),
+            }
+        }
+    }
+
+    fn step_of<'a>(&self, job: &'a JobRow, step_index: u32) -> Option<&'a StoredStep> {
+        job.state.chain.get(usize::try_from(step_index).unwrap_or(usize::MAX))
+    }
+
+    /// Acquire the job's current step from its owner.
+    pub fn push_acquire(&self, outbox: &mut Outbox, job: &JobRow) {
+        let Some(step) = self.step_of(job, job.state.step) else {
+            tracing::error!(job_id = %job.state.job_id, step = job.state.step, "acquire past the end of the chain");
+            return;
+        };
+        let ticket = pb::TicketId {
+            job_id: job.state.job_id.clone(),
+            attempt: job.state.attempt,
+            step: job.state.step,
+        };
+        let sent_at_ms = wall_clock_ms();
+        if step.is_ticketed() {
+            let limit = match &step.floating {
+                Some(floating) => pb::acquire_ticket::Limit::Floating(floating.clone()),
+                None => pb::acquire_ticket::Limit::MaxConcurrency(step.max_concurrency),
+            };
+            let command = pb::LimitCommand {
+                trace: Some(job.trace.clone()),
+                sent_at_ms,
+                command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
+                    key: Some(pb::KeyRef {
+                        tenant: step.tenant.clone(),
+                        key: step.key.clone(),
+                    }),
+                    ticket: Some(ticket),
+                    priority: job.priority,
+                    enqueued_at_us: job.enqueued_at_us,
+                    limit: Some(limit),
+                })),
+            };
+            let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);
+            outbox.push_entry(&self.limit_commands, partition, &command, self.max_message_bytes);
+        } else {
+            let Some(rate_key) = step.rate_key.clone() else {
+                tracing::error!(job_id = %job.state.job_id, "rate step without a key");
+                return;
+            };
+            let partition = rate_key_partition(&rate_key, self.rate_partitions);
+            let command = pb::RateCommand {
+                trace: Some(job.trace.clone()),
+                sent_at_ms,
+                command: Some(pb::rate_command::Command::Acquire(pb::RateAcquire {
+                    key: Some(rate_key),
+                    ticket: Some(ticket),
+                    priority: job.priority,
+                    enqueued_at_us: job.enqueued_at_us,
+                    limit: step.rate_limit,
+                    window_ms: step.rate_window_ms,
+                    cost: step.rate_cost,
+                })),
+            };
+            outbox.push_entry(&self.rate_commands, partition, &command, self.max_message_bytes);
+        }
+    }
+
+    /// Release (or withdraw) the ticket of `attempt` at `step_index`.
+    pub fn push_release(
+        &self,
+        outbox: &mut Outbox,
+        job: &JobRow,
+        attempt: u32,
+        step_index: u32,
+        reason: pb::ReleaseReason,
+    ) {
+        let Some(step) = self.step_of(job, step_index) else {
+            return;
+        };
+        if !step.is_ticketed() {
+            return;
+        }
+        self.push_release_of(outbox, &job.state.job_id, &job.trace, attempt, step_index, step, reason);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_release_of(
+        &self,
+        outbox: &mut Outbox,
+        job_id: &str,
+        trace: &pb::TraceContext,
+        attempt: u32,
+        step_index: u32,
+        step: &StoredStep,
+        reason: pb::ReleaseReason,
+    ) {
+        let command = pb::LimitCommand {
+            trace: Some(trace.clone()),
+            sent_at_ms: wall_clock_ms(),
+            command: Some(pb::limit_command::Command::Release(pb::ReleaseTicket {
+                key: Some(pb::KeyRef {
+                    tenant: step.tenant.clone(),
+                    key: step.key.clone(),
+                }),
+                ticket: Some(pb::TicketId {
+                    job_id: job_id.to_string(),
+                    attempt,
+                    step: step_index,
+                }),
+                reason: reason as i32,
+            })),
+        };
+        let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);
+        outbox.push_entry(&self.limit_commands, partition, &command, self.max_message_bytes);
+    }
+
+    fn push_rate_cancel(&self, outbox: &mut Outbox, job: &JobRow, attempt: u32, step_index: u32) {
+        let Some(step) = self.step_of(job, step_index) else {
+            return;
+        };
+        let Some(rate_key) = step.rate_key.clone() else {
+            return;
+        };
+        let partition = rate_key_partition(&rate_key, self.rate_partitions);
+        let command = pb::RateCommand {
+            trace: Some(job.trace.clone()),
+            sent_at_ms: wall_clock_ms(),
+            command: Some(pb::rate_command::Command::Cancel(pb::RateCancel {
+                key: Some(rate_key),
+                ticket: Some(pb::TicketId {
+                    job_id: job.state.job_id.clone(),
+                    attempt,
+                    step: step_index,
+                }),
+            })),
+        };
+        outbox.push_entry(&self.rate_commands, partition, &command, self.max_message_bytes);
+    }
+
+    /// Publish the job to its task group's workers.
+    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow) {
+        let Some(topic) = self.admitted.get(&job.task_group) else {
+            tracing::error!(job_id = %job.state.job_id, task_group = %job.task_group, "no admitted topic for task group");
+            return;
+        };
+        let admitted = pb::AdmittedJob {
+            job_id: job.state.job_id.clone(),
+            attempt: job.state.attempt,
+            tenant: job.tenant.clone(),
+            task_group: job.task_group.clone(),
+            priority: job.priority,
+            payload: job.payload.clone(),
+            enqueued_at_ms: job.enqueued_at_us / 1000,
+            admitted_at_ms: job.state.admitted_at_ms.unwrap_or_else(wall_clock_ms),
+            max_attempts: job.state.max_attempts,
+            lease_ms: u64::try_from(job.state.lease_ms).unwrap_or_default(),
+        };
+        let mut headers = trace_headers(&job.trace);
+        headers.push(("content-type".to_string(), b"application/x-protobuf".to_vec()));
+        outbox.push(OutMsg {
+            topic: topic.clone(),
+            partition: None,
+            key: Some(job.state.job_id.clone().into_bytes()),
+            payload: admitted.encode_to_vec(),
+            headers,
+        });
+    }
+
+    /// A producer message that cannot become a job, with the reason.
+    pub fn push_deadletter(
+        &self,
+        outbox: &mut Outbox,
+        source_topic: &str,
+        message: &sluice_common::kafka::InMsg,
+        reason: &str,
+    ) {
+        let mut headers = message.headers.clone();
+        headers.push(("sluice-deadletter-reason".to_string(), reason.as_bytes().to_vec()));
+        headers.push(("sluice-source-topic".to_string(), source_topic.as_bytes().to_vec()));
+        headers.push((
+            "sluice-source-partition".to_string(),
+            message.partition.to_string().into_bytes(),
+        ));
+        headers.push((
+            "sluice-source-offset".to_string(),
+            message.offset.to_string().into_bytes(),
+        ));
+        outbox.push(OutMsg {
+            topic: self.deadletter.clone(),
+            partition: None,
+            key: message.key.clone(),
+            payload: message.payload.clone().unwrap_or_default(),
+            headers,
+        });
+    }
+}

@@ -1,0 +1,145 @@
+//! admission: owns jobs — their state machine, attempts, leases, claims and
+//! chains — and idempotency keys. Consumes job requests and grant events,
+//! sends limit commands, publishes admitted jobs, and serves the worker
+//! protocol over gRPC. It owns no partitions: any instance serves any job.
+
+pub mod chain;
+pub mod consumers;
+pub mod core;
+pub mod effects;
+pub mod jobs;
+pub mod service;
+pub mod sweeper;
+pub mod transitions;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
+use sluice_common::service::{all_topics, open_database, Supervisor};
+use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
+use sluice_proto::v1::limits_client::LimitsClient;
+use sluice_proto::v1::rate_limits_client::RateLimitsClient;
+use tokio::net::TcpListener;
+use tonic::transport::Endpoint;
+
+use crate::core::AdmissionCore;
+
+pub const SERVICE: &str = "admission";
+pub const SCHEMA: &str = "admission";
+
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+#[derive(Debug, thiserror::Error)]
+pub enum AdmissionServiceError {
+    #[error(transparent)]
+    Storage(#[from] sluice_common::storage::StorageError),
+    #[error(transparent)]
+    Kafka(#[from] sluice_common::kafka::KafkaPlumbingError),
+    #[error(transparent)]
+    Grpc(#[from] sluice_common::grpc::GrpcError),
+    #[error("invalid endpoint {endpoint}: {message}")]
+    Endpoint { endpoint: String, message: String },
+    #[error("admission stopped: {0}")]
+    Stopped(String),
+}
+
+pub async fn migrate(config: &SluiceConfig) -> Result<(), AdmissionServiceError> {
+    sluice_common::service::migrate_only(config, SCHEMA, &[&MIGRATOR]).await?;
+    Ok(())
+}
+
+fn lazy_channel(endpoint: &str) -> Result<tonic::transport::Channel, AdmissionServiceError> {
+    Ok(Endpoint::from_shared(endpoint.to_string())
+        .map_err(|error| AdmissionServiceError::Endpoint {
+            endpoint: endpoint.to_string(),
+            message: error.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(10))
+        .connect_lazy())
+}
+
+/// Run one admission instance until `shutdown`.
+pub async fn run(
+    config: Arc<SluiceConfig>,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    faults: Faults,
+) -> Result<(), AdmissionServiceError> {
+    let pool = open_database(&config, SCHEMA, &[&MIGRATOR]).await?;
+    kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
+    let publisher = Publisher::new(&config.kafka)?;
+    let core = Arc::new(AdmissionCore::new(
+        config.clone(),
+        pool.clone(),
+        publisher.clone(),
+        faults,
+    ));
+    let grant_progress = Arc::new(ConsumerProgress::default());
+
+    let (mut routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"])?;
+    routes.add_service(sluice_proto::v1::admission_server::AdmissionServer::new(
+        service::AdmissionApi {
+            core: core.clone(),
+            limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
+            rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
+        },
+    ));
+
+    let mut supervisor = Supervisor::new(shutdown.clone());
+    let requested_topic = config.topic(&config.topics.requested);
+    {
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let factory = Arc::new(consumers::RequestConsumer {
+            core: core.clone(),
+            topic: Arc::from(requested_topic.as_str()),
+        });
+        supervisor.spawn("job request consumer", async move {
+            kafka::run_partitioned_consumer(
+                &config.kafka,
+                ConsumerOptions {
+                    group: config.group(&config.admission.consumer_group),
+                    topic: requested_topic,
+                    channel_capacity: 10_000,
+                    track_end: false,
+                },
+                factory,
+                Arc::new(ConsumerProgress::default()),
+                shutdown,
+            )
+            .await
+        });
+    }
+    {
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let factory = Arc::new(consumers::GrantConsumer { core: core.clone() });
+        let progress = grant_progress.clone();
+        supervisor.spawn("grant consumer", async move {
+            kafka::run_partitioned_consumer(
+                &config.kafka,
+                ConsumerOptions {
+                    group: config.group(&config.admission.consumer_group),
+                    topic: config.topic(&config.topics.grants),
+                    channel_capacity: 10_000,
+                    track_end: true,
+                },
+                factory,
+                progress,
+                shutdown,
+            )
+            .await
+        });
+    }
+    supervisor.spawn("sweeper", sweeper::run(core.clone(), grant_progress, shutdown.clone()));
+    supervisor.spawn("grpc server", grpc::serve(listener, routes, shutdown.clone()));
+    health.set_serving(true).await;
+    tracing::info!("admission started");
+    let outcome = supervisor.wait().await;
+    health.set_serving(false).await;
+    publisher.flush(Duration::from_secs(5));
+    pool.close().await;
+    outcome.map_err(AdmissionServiceError::Stopped)
+}

@@ -1,0 +1,468 @@
+//! The job state machine as pure functions: given a job row and what
+//! happened, the new row and the effects to publish. The callers write the
+//! new row with a compare-and-set on (status, attempt, step), so of two
+//! racing transitions (a lease expiry and a late completion) exactly one wins.
+
+use sluice_proto::v1 as pb;
+
+use crate::chain::{History, RetrySettings, StoredStep};
+
+pub type Status = pb::JobStatus;
+
+/// The mutable part of a job row plus what transitions need to read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobState {
+    pub job_id: String,
+    pub status: Status,
+    pub attempt: u32,
+    pub attempts_used: u32,
+    pub max_attempts: u32,
+    pub step: u32,
+    pub chain: Vec<StoredStep>,
+    pub retry: RetrySettings,
+    pub lease_ms: i64,
+    pub run_timeout_ms: Option<i64>,
+    pub due_at_ms: Option<i64>,
+    pub step_started_at_ms: Option<i64>,
+    pub admitted_at_ms: Option<i64>,
+    pub claimed_by: Option<String>,
+    pub claimed_at_ms: Option<i64>,
+    pub lease_expires_at_ms: Option<i64>,
+    pub finished_at_ms: Option<i64>,
+    pub cancel_reason: Option<String>,
+    pub last_error: String,
+    pub history: History,
+}
+
+/// Something to publish after the new row is saved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// Acquire the job's current step (its current attempt).
+    Acquire,
+    /// Publish the job to its task group's admitted topic.
+    Admitted,
+    /// Release tickets of `attempt` for these steps (held, or waiting).
+    Release {
+        attempt: u32,
+        steps: Vec<u32>,
+        reason: pb::ReleaseReason,
+    },
+    /// Remove the job's waiting rate ticket at `step`.
+    CancelRateWait { attempt: u32, step: u32 },
+}
+
+/// Timing settings transitions need.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub resend_waiting_after_ms: i64,
+    pub claim_timeout_ms: i64,
+}
+
+/// Why an attempt ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttemptEnd {
+    Succeeded,
+    Failed { error: String, non_retryable: bool },
+    HandedBack { reason: String },
+    LeaseExpired,
+    RunTimedOut,
+}
+
+impl JobState {
+    pub fn chain_len(&self) -> u32 {
+        u32::try_from(self.chain.len()).unwrap_or(u32::MAX)
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, Status::Succeeded | Status::Failed | Status::Cancelled)
+    }
+
+    /// Effects that give back everything the current attempt holds or waits for.
+    pub fn release_everything(&self, reason: pb::ReleaseReason) -> Vec<Effect> {
+        let held_through = match self.status {
+            Status::Waiting => self.step.saturating_add(1).min(self.chain_len()),
+            Status::Admitted | Status::Running | Status::Cancelling => self.chain_len(),
+            _ => 0,
+        };
+        let steps: Vec<u32> = (0..held_through)
+            .filter(|index| {
+                self.chain
+                    .get(usize::try_from(*index).unwrap_or(usize::MAX))
+                    .is_some_and(StoredStep::is_ticketed)
+            })
+            .collect();
+        let mut effects = Vec::new();
+        if !steps.is_empty() {
+            effects.push(Effect::Release {
+                attempt: self.attempt,
+                steps,
+                reason,
+            });
+        }
+        if self.status == Status::Waiting {
+            let waiting_on_rate = self
+                .chain
+                .get(usize::try_from(self.step).unwrap_or(usize::MAX))
+                .is_some_and(|step| !step.is_ticketed());
+            if waiting_on_rate {
+                effects.push(Effect::CancelRateWait {
+                    attempt: self.attempt,
+                    step: self.step,
+                });
+            }
+        }
+        effects
+    }
+
+    fn record(&mut self, now_ms: i64, outcome: &str, detail: String) {
+        self.history.records.push(pb::AttemptRecord {
+            attempt: self.attempt,
+            outcome: outcome.to_string(),
+            detail,
+            at_ms: now_ms,
+        });
+        // Bounded: the newest 50 records.
+        let excess = self.history.records.len().saturating_sub(50);
+        if excess > 0 {
+            self.history.records.drain(..excess);
+        }
+    }
+
+    fn clear_run(&mut self) {
+        self.claimed_by = None;
+        self.claimed_at_ms = None;
+        self.lease_expires_at_ms = None;
+        self.admitted_at_ms = None;
+    }
+
+    fn finish(&mut self, now_ms: i64, status: Status) {
+        self.status = status;
+        self.finished_at_ms = Some(now_ms);
+        self.due_at_ms = None;
+        self.lease_expires_at_ms = None;
+    }
+}
+
+/// A new attempt starts acquiring from step 0 (or is admitted at once when
+/// it has no limits).
+pub fn start_acquiring(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
+    job.step = 0;
+    job.step_started_at_ms = Some(now_ms);
+    if job.chain.is_empty() {
+        job.status = Status::Admitted;
+        job.admitted_at_ms = Some(now_ms);
+        job.due_at_ms = Some(now_ms + timing.claim_timeout_ms);
+        return vec![Effect::Admitted];
+    }
+    job.status = Status::Waiting;
+    job.due_at_ms = Some(now_ms + timing.resend_waiting_after_ms);
+    vec![Effect::Acquire]
+}
+
+/// The sweeper found the job due.
+pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
+    match job.status {
+        Status::Scheduled => start_acquiring(job, now_ms, timing),
+        Status::Waiting => {
+            // Waited long: re-send the pending acquire (idempotent at the owner).
+            job.due_at_ms = Some(now_ms + timing.resend_waiting_after_ms);
+            vec![Effect::Acquire]
+        }
+        Status::Admitted => {
+            // Nobody claimed it within claim_timeout: publish again.
+            job.due_at_ms = Some(now_ms + timing.claim_timeout_ms);
+            vec![Effect::Admitted]
+        }
+        Status::Running | Status::Cancelling => {
+            let lease_over = job.lease_expires_at_ms.is_some_and(|at| at <= now_ms);
+            let run_over = job.status == Status::Running
+                && matches!((job.run_timeout_ms, job.claimed_at_ms), (Some(limit), Some(claimed)) if claimed + limit <= now_ms);
+            if lease_over {
+                end_attempt(job, now_ms, AttemptEnd::LeaseExpired, timing)
+            } else if run_over {
+                end_attempt(job, now_ms, AttemptEnd::RunTimedOut, timing)
+            } else {
+                job.due_at_ms = running_due_at(job);
+                Vec::new()
+            }
+        }
+        _ => {
+            job.due_at_ms = None;
+            Vec::new()
+        }
+    }
+}
+
+/// When a running job must be looked at: its lease end or run-time end.
+pub fn running_due_at(job: &JobState) -> Option<i64> {
+    let run_end = match (job.status, job.run_timeout_ms, job.claimed_at_ms) {
+        (Status::Running, Some(limit), Some(claimed)) => Some(claimed + limit),
+        _ => None,
+    };
+    match (job.lease_expires_at_ms, run_end) {
+        (Some(lease), Some(run)) => Some(lease.min(run)),
+        (lease, run) => lease.or(run),
+    }
+}
+
+/// End the running attempt. Only valid from Running or Cancelling.
+pub fn end_attempt(job: &mut JobState, now_ms: i64, end: AttemptEnd, timing: Timing) -> Vec<Effect> {
+    debug_assert!(matches!(job.status, Status::Running | Status::Cancelling));
+    let was_cancelling = job.status == Status::Cancelling;
+    let (reason, outcome, detail) = match &end {
+        AttemptEnd::Succeeded => (pb::ReleaseReason::Succeeded, "succeeded", String::new()),
+        AttemptEnd::Failed { error, .. } => (pb::ReleaseReason::Failed, "failed", error.clone()),
+        AttemptEnd::HandedBack { reason } => (pb::ReleaseReason::HandedBack, "handed_back", reason.clone()),
+        AttemptEnd::LeaseExpired => (
+            pb::ReleaseReason::LeaseExpired,
+            "lease_expired",
+            format!("no heartbeat within the {} ms lease", job.lease_ms),
+        ),
+        AttemptEnd::RunTimedOut => (
+            pb::ReleaseReason::Failed,
+            "run_timed_out",
+            format!(
+                "ran longer than the task group's {} ms run timeout",
+                job.run_timeout_ms.unwrap_or_default()
+            ),
+        ),
+    };
+    let effects = job.release_everything(if was_cancelling {
+        pb::ReleaseReason::Cancelled
+    } else {
+        reason
+    });
+    job.record(
+        now_ms,
+        if was_cancelling { "cancelled" } else { outcome },
+        detail.clone(),
+    );
+    job.clear_run();
+    if was_cancelling {
+        job.finish(now_ms, Status::Cancelled);
+        return effects;
+    }
+    let mut all_effects = effects;
+    match end {
+        AttemptEnd::Succeeded => job.finish(now_ms, Status::Succeeded),
+        AttemptEnd::HandedBack { .. } => {
+            // A new attempt identity, but no attempt used up.
+            job.attempt += 1;
+            all_effects.extend(start_acquiring(job, now_ms, timing));
+        }
+        AttemptEnd::Failed { non_retryable, .. } => {
+            job.attempts_used += 1;
+            job.last_error = detail;
+            if non_retryable || job.attempts_used >= job.max_attempts {
+                job.finish(now_ms, Status::Failed);
+            } else {
+                schedule_retry(job, now_ms);
+            }
+        }
+        AttemptEnd::LeaseExpired => {
+            job.attempts_used += 1;
+            job.last_error = detail;
+            if job.retry.fail_on_lease_expiry || job.attempts_used >= job.max_attempts {
+                job.finish(now_ms, Status::Failed);
+            } else {
+                schedule_retry(job, now_ms);
+            }
+        }
+        AttemptEnd::RunTimedOut => {
+            job.attempts_used += 1;
+            job.last_error = detail;
+            if job.attempts_used >= job.max_attempts {
+                job.finish(now_ms, Status::Failed);
+            } else {
+                schedule_retry(job, now_ms);
+            }
+        }
+    }
+    all_effects
+}
+
+fn schedule_retry(job: &mut JobState, now_ms: i64) {
+    job.attempt += 1;
+    job.step = 0;
+    job.status = Status::Scheduled;
+    job.due_at_ms = Some(now_ms + job.retry.backoff_ms(job.attempts_used));
+}
+
+/// Cancel: a job not running ends now and gives everything back; a running
+/// job keeps its tickets until its worker confirms or the lease expires.
+pub fn cancel(job: &mut JobState, now_ms: i64, reason: &str) -> Vec<Effect> {
+    match job.status {
+        Status::Running => {
+            job.status = Status::Cancelling;
+            job.cancel_reason = Some(reason.to_string());
+            Vec::new()
+        }
+        Status::Scheduled | Status::Waiting | Status::Admitted => {
+            let effects = job.release_everything(pb::ReleaseReason::Cancelled);
+            job.cancel_reason = Some(reason.to_string());
+            job.record(now_ms, "cancelled", reason.to_string());
+            job.clear_run();
+            job.finish(now_ms, Status::Cancelled);
+            effects
+        }
+        _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(key: &str, kind: pb::LimitKind) -> StoredStep {
+        StoredStep {
+            tenant: "t".to_string(),
+            key: key.to_string(),
+            kind: kind as i32,
+            max_concurrency: 1,
+            ..Default::default()
+        }
+    }
+
+    fn job(status: Status) -> JobState {
+        JobState {
+            job_id: "j".to_string(),
+            status,
+            attempt: 1,
+            attempts_used: 0,
+            max_attempts: 3,
+            step: 0,
+            chain: vec![
+                step("a", pb::LimitKind::Concurrency),
+                step("b", pb::LimitKind::Floating),
+                step("r", pb::LimitKind::Rate),
+            ],
+            retry: RetrySettings {
+                max_attempts: 3,
+                initial_backoff_ms: 1000,
+                max_backoff_ms: 60_000,
+                multiplier: 2.0,
+                fail_on_lease_expiry: false,
+            },
+            lease_ms: 30_000,
+            run_timeout_ms: None,
+            due_at_ms: None,
+            step_started_at_ms: None,
+            admitted_at_ms: None,
+            claimed_by: Some("w".to_string()),
+            claimed_at_ms: Some(0),
+            lease_expires_at_ms: Some(30_000),
+            finished_at_ms: None,
+            cancel_reason: None,
+            last_error: String::new(),
+            history: History::default(),
+        }
+    }
+
+    const TIMING: Timing = Timing {
+        resend_waiting_after_ms: 5_000,
+        claim_timeout_ms: 60_000,
+    };
+
+    #[test]
+    fn failure_releases_ticketed_steps_and_schedules_a_retry_with_backoff() {
+        let mut running = job(Status::Running);
+        running.step = 3;
+        let effects = end_attempt(
+            &mut running,
+            100,
+            AttemptEnd::Failed {
+                error: "boom".to_string(),
+                non_retryable: false,
+            },
+            TIMING,
+        );
+        assert_eq!(
+            effects,
+            vec![Effect::Release {
+                attempt: 1,
+                steps: vec![0, 1],
+                reason: pb::ReleaseReason::Failed
+            }]
+        );
+        assert_eq!(running.status, Status::Scheduled);
+        assert_eq!((running.attempt, running.attempts_used), (2, 1));
+        assert_eq!(running.due_at_ms, Some(1_100));
+        assert_eq!(running.last_error, "boom");
+    }
+
+    #[test]
+    fn hand_back_starts_a_new_attempt_without_using_one() {
+        let mut running = job(Status::Running);
+        let effects = end_attempt(
+            &mut running,
+            5,
+            AttemptEnd::HandedBack {
+                reason: "shutdown".to_string(),
+            },
+            TIMING,
+        );
+        assert_eq!(running.status, Status::Waiting);
+        assert_eq!((running.attempt, running.attempts_used), (2, 0));
+        assert_eq!(effects.last(), Some(&Effect::Acquire));
+    }
+
+    #[test]
+    fn attempts_run_out_and_lease_policy_fail_is_honoured() {
+        let mut last = job(Status::Running);
+        last.attempts_used = 2;
+        end_attempt(&mut last, 5, AttemptEnd::LeaseExpired, TIMING);
+        assert_eq!(last.status, Status::Failed);
+        let mut strict = job(Status::Running);
+        strict.retry.fail_on_lease_expiry = true;
+        end_attempt(&mut strict, 5, AttemptEnd::LeaseExpired, TIMING);
+        assert_eq!(strict.status, Status::Failed);
+        assert_eq!(strict.history.records[0].outcome, "lease_expired");
+    }
+
+    #[test]
+    fn cancel_of_a_waiting_job_releases_held_and_waiting_tickets() {
+        let mut waiting = job(Status::Waiting);
+        waiting.step = 2;
+        let effects = cancel(&mut waiting, 9, "user");
+        assert_eq!(waiting.status, Status::Cancelled);
+        assert_eq!(
+            effects,
+            vec![
+                Effect::Release {
+                    attempt: 1,
+                    steps: vec![0, 1],
+                    reason: pb::ReleaseReason::Cancelled
+                },
+                Effect::CancelRateWait { attempt: 1, step: 2 }
+            ]
+        );
+    }
+
+    #[test]
+    fn cancel_of_a_running_job_keeps_tickets_until_the_worker_confirms() {
+        let mut running = job(Status::Running);
+        assert!(cancel(&mut running, 9, "user").is_empty());
+        assert_eq!(running.status, Status::Cancelling);
+        let effects = end_attempt(&mut running, 10, AttemptEnd::Succeeded, TIMING);
+        assert_eq!(running.status, Status::Cancelled);
+        assert!(matches!(
+            effects[0],
+            Effect::Release {
+                reason: pb::ReleaseReason::Cancelled,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn run_timeout_ends_a_job_that_heartbeats_but_hangs() {
+        let mut running = job(Status::Running);
+        running.run_timeout_ms = Some(1_000);
+        running.lease_expires_at_ms = Some(50_000);
+        assert_eq!(running_due_at(&running), Some(1_000));
+        let effects = on_due(&mut running, 1_000, TIMING);
+        assert!(!effects.is_empty());
+        assert_eq!(running.status, Status::Scheduled);
+        assert_eq!(running.history.records[0].outcome, "run_timed_out");
+    }
+}

@@ -1,0 +1,261 @@
+{{/*
+Chart name, truncated to 63 characters (DNS label limit).
+*/}}
+{{- define "sluice.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name: <release>-<chart>, or the release name alone when
+it already contains the chart name.
+*/}}
+{{- define "sluice.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Chart name and version, for the helm.sh/chart label.
+*/}}
+{{- define "sluice.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels on every resource.
+*/}}
+{{- define "sluice.labels" -}}
+helm.sh/chart: {{ include "sluice.chart" . }}
+{{ include "sluice.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | replace "+" "_" | trunc 63 | trimSuffix "-" | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sluice
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Labels that select every pod of the release.
+*/}}
+{{- define "sluice.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+The four services. valuesKey: their block in values.yaml; section: their
+section of the configuration file; partitionsKey: the kafka.partitions entry
+whose partitions they own (empty for admission, which owns none).
+*/}}
+{{- define "sluice.componentTable" -}}
+admission:
+  valuesKey: admission
+  binary: sluice-admission
+  section: admission
+  partitionsKey: ""
+limit-grant:
+  valuesKey: limitGrant
+  binary: sluice-limit-grant
+  section: limit_grant
+  partitionsKey: limitCommands
+rate-window:
+  valuesKey: rateWindow
+  binary: sluice-rate-window
+  section: rate_window
+  partitionsKey: rateCommands
+refresh-dispatcher:
+  valuesKey: refreshDispatcher
+  binary: sluice-refresh-dispatcher
+  section: refresh_dispatcher
+  partitionsKey: refreshDue
+{{- end }}
+
+{{/*
+Name of one component's resources: <fullname>-<component>, kept within 63
+characters by shortening the prefix. Takes (dict "root" $ "component" NAME).
+*/}}
+{{- define "sluice.componentFullname" -}}
+{{- $prefix := include "sluice.fullname" .root | trunc (int (sub 62 (len .component))) | trimSuffix "-" }}
+{{- printf "%s-%s" $prefix .component }}
+{{- end }}
+
+{{/*
+Labels of one component's resources. Takes (dict "root" $ "component" NAME).
+*/}}
+{{- define "sluice.componentLabels" -}}
+{{ include "sluice.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Selector labels of one component's pods. Takes (dict "root" $ "component" NAME).
+*/}}
+{{- define "sluice.componentSelectorLabels" -}}
+{{ include "sluice.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+In-cluster gRPC endpoint of one component's Service.
+Takes (dict "root" $ "component" NAME).
+*/}}
+{{- define "sluice.componentEndpoint" -}}
+{{- $table := include "sluice.componentTable" .root | fromYaml }}
+{{- $values := index .root.Values (index $table .component).valuesKey }}
+{{- printf "http://%s.%s.svc:%d" (include "sluice.componentFullname" .) .root.Release.Namespace (int $values.port) }}
+{{- end }}
+
+{{/*
+The ServiceAccount the services (and the test pod) run as.
+*/}}
+{{- define "sluice.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sluice.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The ServiceAccount the pre-install hook Jobs run as. Hooks run before the
+release's own ServiceAccount exists, so the chart creates a hook-scoped one.
+*/}}
+{{- define "sluice.hookServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- printf "%s-hooks" (include "sluice.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- else }}
+{{- include "sluice.serviceAccountName" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The image reference: digest wins over tag; tag defaults to appVersion.
+*/}}
+{{- define "sluice.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of the Secret holding the PostgreSQL URL.
+*/}}
+{{- define "sluice.postgresSecretName" -}}
+{{- default (printf "%s-postgres" (include "sluice.fullname" .)) .Values.postgres.existingSecret }}
+{{- end }}
+
+{{/*
+Environment variables carrying credentials. They come only from Secrets
+(secretKeyRef); the configuration file never holds them. The PostgreSQL URL
+and the Kafka SASL credentials are separate so each hook Job gets only what
+it uses.
+*/}}
+{{- define "sluice.postgresEnv" -}}
+- name: SLUICE__POSTGRES__URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sluice.postgresSecretName" . }}
+      key: {{ .Values.postgres.urlKey }}
+{{- end }}
+
+{{- define "sluice.kafkaEnv" -}}
+{{- with .Values.kafka.sasl }}
+{{- if .existingSecret }}
+- name: SLUICE__KAFKA__SASL_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret }}
+      key: {{ .usernameKey }}
+- name: SLUICE__KAFKA__SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret }}
+      key: {{ .passwordKey }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sluice.secretEnv" -}}
+{{ include "sluice.postgresEnv" . }}
+{{- with include "sluice.kafkaEnv" . }}
+{{ . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the configuration file is mounted, and the arguments that point at it.
+*/}}
+{{- define "sluice.configPath" -}}
+/etc/sluice/sluice.toml
+{{- end }}
+
+{{/*
+Volumes every Sluice pod mounts: the configuration file and a writable /tmp
+(the root filesystem is read-only). Takes (dict "root" $ "configMap" NAME).
+*/}}
+{{- define "sluice.volumes" -}}
+- name: config
+  configMap:
+    name: {{ .configMap }}
+- name: tmp
+  emptyDir:
+    medium: Memory
+    sizeLimit: 64Mi
+{{- end }}
+
+{{- define "sluice.volumeMounts" -}}
+- name: config
+  mountPath: /etc/sluice
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{/*
+Fails rendering on values the schema cannot check because they relate two
+keys.
+*/}}
+{{- define "sluice.validate" -}}
+{{- $root := . }}
+{{- $table := include "sluice.componentTable" . | fromYaml }}
+{{- range $component, $spec := $table }}
+{{- $values := index $root.Values $spec.valuesKey }}
+{{- if $spec.partitionsKey }}
+{{- $partitions := int (index $root.Values.kafka.partitions $spec.partitionsKey) }}
+{{- if gt (int $values.replicas) $partitions }}
+{{- fail (printf "%s.replicas (%d) exceeds kafka.partitions.%s (%d): %s owns partitions of that topic, so an instance beyond the partition count owns nothing and only adds rebalances. Lower the replicas (a partition count never changes after the topic exists)." $spec.valuesKey (int $values.replicas) $spec.partitionsKey $partitions $component) }}
+{{- end }}
+{{- if and $values.autoscaling.enabled (gt (int $values.autoscaling.maxReplicas) $partitions) }}
+{{- fail (printf "%s.autoscaling.maxReplicas (%d) exceeds kafka.partitions.%s (%d): %s cannot use more instances than partitions." $spec.valuesKey (int $values.autoscaling.maxReplicas) $spec.partitionsKey $partitions $component) }}
+{{- end }}
+{{- end }}
+{{- if and $values.autoscaling.enabled (gt (int $values.autoscaling.minReplicas) (int $values.autoscaling.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) exceeds maxReplicas (%d)." $spec.valuesKey (int $values.autoscaling.minReplicas) (int $values.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- if and $values.autoscaling.enabled (not $values.autoscaling.targetCPUUtilizationPercentage) (not $values.autoscaling.targetMemoryUtilizationPercentage) }}
+{{- fail (printf "%s.autoscaling needs targetCPUUtilizationPercentage or targetMemoryUtilizationPercentage." $spec.valuesKey) }}
+{{- end }}
+{{- if and $root.Values.metrics.enabled (eq (int $values.port) (int $root.Values.metrics.port)) }}
+{{- fail (printf "metrics.port (%d) collides with %s.port." (int $root.Values.metrics.port) $spec.valuesKey) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
+{{- fail "metrics.serviceMonitor.enabled needs metrics.enabled: the ServiceMonitor scrapes the metrics port." }}
+{{- end }}
+{{- range $key, $value := .Values.kafka.properties }}
+{{- if regexMatch "(?i)(password|secret|jaas|sasl\\.username|private|token)" $key }}
+{{- fail (printf "kafka.properties.%s looks like a credential: the configuration file is a ConfigMap. Put SASL credentials in a Secret and name it in kafka.sasl.existingSecret." $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
