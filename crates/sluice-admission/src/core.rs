@@ -451,14 +451,11 @@ impl AdmissionCore {
                 result.lease_ms = u64::try_from(*lease_ms).unwrap_or_default();
                 result.payload = payload.clone();
             } else if let Some(row) = others.get(&job_id) {
+                // A claim wins once, even for the worker that won it: a second
+                // delivery of the same attempt must not run twice. A worker that
+                // lost the answer to its claim confirms ownership by Heartbeat.
                 let running = matches!(row.state.status, Status::Running | Status::Cancelling);
-                if running && row.state.attempt == attempt && row.state.claimed_by.as_deref() == Some(worker_id) {
-                    // The same worker retrying a claim that won.
-                    result.outcome = pb::ClaimOutcome::Claimed as i32;
-                    result.lease_expires_at_ms = row.state.lease_expires_at_ms.unwrap_or_default();
-                    result.lease_ms = u64::try_from(row.state.lease_ms).unwrap_or_default();
-                    result.payload = row.payload.clone();
-                } else if running && row.state.attempt == attempt {
+                if running && row.state.attempt == attempt {
                     result.outcome = pb::ClaimOutcome::Taken as i32;
                 } else {
                     result.outcome = pb::ClaimOutcome::Stale as i32;

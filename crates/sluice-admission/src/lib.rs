@@ -100,7 +100,7 @@ pub async fn run(
             kafka::run_partitioned_consumer(
                 &config.kafka,
                 ConsumerOptions {
-                    group: config.group(&config.admission.consumer_group),
+                    group: config.group(&format!("{}-requests", config.admission.consumer_group)),
                     topic: requested_topic,
                     channel_capacity: 10_000,
                     track_end: false,
@@ -121,7 +121,7 @@ pub async fn run(
             kafka::run_partitioned_consumer(
                 &config.kafka,
                 ConsumerOptions {
-                    group: config.group(&config.admission.consumer_group),
+                    group: config.group(&format!("{}-grants", config.admission.consumer_group)),
                     topic: config.topic(&config.topics.grants),
                     channel_capacity: 10_000,
                     track_end: true,

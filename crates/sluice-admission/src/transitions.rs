@@ -51,6 +51,9 @@ pub enum Effect {
     CancelRateWait { attempt: u32, step: u32 },
 }
 
+/// The longest gap between two re-sends of a waiting job's acquire.
+pub const MAX_RESEND_INTERVAL_MS: i64 = 10 * 60 * 1000;
+
 /// Timing settings transitions need.
 #[derive(Clone, Copy, Debug)]
 pub struct Timing {
@@ -164,8 +167,12 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
     match job.status {
         Status::Scheduled => start_acquiring(job, now_ms, timing),
         Status::Waiting => {
-            // Waited long: re-send the pending acquire (idempotent at the owner).
-            job.due_at_ms = Some(now_ms + timing.resend_waiting_after_ms);
+            // Waited long: re-send the pending acquire (idempotent at the
+            // owner). A long wait in a full queue is normal, so the interval
+            // doubles with the time already waited, up to ten minutes.
+            let waited = now_ms - job.step_started_at_ms.unwrap_or(now_ms);
+            let interval = waited.clamp(timing.resend_waiting_after_ms, MAX_RESEND_INTERVAL_MS);
+            job.due_at_ms = Some(now_ms + interval);
             vec![Effect::Acquire]
         }
         Status::Admitted => {
@@ -452,6 +459,20 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn waiting_resends_back_off_with_the_time_waited() {
+        let mut waiting = job(Status::Waiting);
+        waiting.step_started_at_ms = Some(0);
+        assert_eq!(on_due(&mut waiting, 5_000, TIMING), vec![Effect::Acquire]);
+        assert_eq!(waiting.due_at_ms, Some(10_000));
+        on_due(&mut waiting, 10_000, TIMING);
+        assert_eq!(waiting.due_at_ms, Some(20_000));
+        on_due(&mut waiting, 20_000, TIMING);
+        assert_eq!(waiting.due_at_ms, Some(40_000));
+        on_due(&mut waiting, 100_000_000, TIMING);
+        assert_eq!(waiting.due_at_ms, Some(100_000_000 + MAX_RESEND_INTERVAL_MS));
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub async fn bind(address: &str) -> Result<TcpListener, GrpcError> {
     })
 }
 
+/// The health service name liveness probes ask for.
+pub const LIVENESS_SERVICE: &str = "liveness";
+
 /// Reports serving status for the whole server ("") and each named service.
 #[derive(Clone)]
 pub struct Health {
@@ -41,7 +44,12 @@ pub struct Health {
 }
 
 impl Health {
+    /// Readiness: "" and each named service. The `liveness` service stays
+    /// SERVING while the process runs (an owner rebuilding is not dead).
     pub async fn set_serving(&self, serving: bool) {
+        self.reporter
+            .set_service_status(LIVENESS_SERVICE, ServingStatus::Serving)
+            .await;
         let status = if serving {
             ServingStatus::Serving
         } else {

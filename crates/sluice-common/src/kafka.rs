@@ -394,9 +394,12 @@ impl InMsg {
 }
 
 /// Stores "processed up to here" for one partition; auto-commit sends it.
+///
+/// Holds the consumer weakly: when the consumer loop ends, the consumer is
+/// closed (it leaves the group at once) even if a partition task lingers.
 #[derive(Clone)]
 pub struct OffsetStore {
-    consumer: Arc<StreamConsumer<RebalanceContext>>,
+    consumer: std::sync::Weak<StreamConsumer<RebalanceContext>>,
     topic: Arc<str>,
     partition: i32,
 }
@@ -404,6 +407,9 @@ pub struct OffsetStore {
 impl OffsetStore {
     /// Every message below `next_offset` is durable and published.
     pub fn store(&self, next_offset: i64) {
+        let Some(consumer) = self.consumer.upgrade() else {
+            return;
+        };
         let mut list = TopicPartitionList::new();
         if list
             .add_partition_offset(&self.topic, self.partition, Offset::Offset(next_offset))
@@ -411,7 +417,7 @@ impl OffsetStore {
         {
             return;
         }
-        if let Err(error) = self.consumer.store_offsets(&list) {
+        if let Err(error) = consumer.store_offsets(&list) {
             // After a revoke the store is refused; the new owner re-reads from
             // the last committed offset and processing is idempotent.
             tracing::debug!(topic = %self.topic, partition = self.partition, %error, "offset store refused");
@@ -493,7 +499,18 @@ pub struct RebalanceContext {
     progress: Arc<ConsumerProgress>,
 }
 
-impl ClientContext for RebalanceContext {}
+impl ClientContext for RebalanceContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        // Partition ends are reported through the message stream as well;
+        // librdkafka's global copy of them is not an error.
+        if matches!(error, KafkaError::PartitionEOF(_))
+            || error.rdkafka_error_code() == Some(RDKafkaErrorCode::PartitionEOF)
+        {
+            return;
+        }
+        tracing::error!(%error, reason, "kafka client error");
+    }
+}
 
 impl ConsumerContext for RebalanceContext {
     fn pre_rebalance(&self, _consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -591,7 +608,7 @@ pub async fn run_partitioned_consumer(
             messages: receiver,
             stop: stop.clone(),
             offsets: OffsetStore {
-                consumer: consumer.clone(),
+                consumer: Arc::downgrade(&consumer),
                 topic: topic.clone(),
                 partition,
             },
@@ -611,22 +628,23 @@ pub async fn run_partitioned_consumer(
         tokio::select! {
             _ = shutdown.cancelled() => break Ok(()),
             Some((partition, outcome)) = finished.recv() => {
-                if let Err(error) = outcome {
-                    match error {
-                        PartitionTaskError::Crashed => {
-                            shutdown.crash();
-                            break Ok(());
-                        }
-                        PartitionTaskError::Stopped { .. } => {
-                            tracing::error!(topic = %topic, partition, %error, "partition task stopped; alert: its input is not being processed");
-                        }
+                match outcome {
+                    Err(PartitionTaskError::Crashed) => {
+                        shutdown.crash();
+                        break Ok(());
                     }
-                }
-                // Keep the entry (stopped) so the partition is not restarted by
-                // the next message; a new assignment restarts it.
-                if let Some(entry) = running.get(&partition) {
-                    if entry.sender.is_closed() {
-                        entry.stop.cancel();
+                    Err(error @ PartitionTaskError::Stopped { .. }) => {
+                        // Keep the dead entry: the partition stays stopped (and
+                        // the instance not ready) until a new assignment.
+                        tracing::error!(topic = %topic, partition, %error, "partition task stopped; alert: its input is not being processed");
+                    }
+                    Ok(()) => {
+                        // Revoked, or fenced by a newer owner. If the partition
+                        // is still assigned here, the next reconcile takes it
+                        // over again.
+                        if running.get(&partition).is_some_and(|entry| entry.sender.is_closed()) {
+                            running.remove(&partition);
+                        }
                     }
                 }
             }
@@ -692,6 +710,13 @@ pub async fn run_partitioned_consumer(
         }
     }
     consumer.unsubscribe();
+    // Closing waits for the group to acknowledge the leave: do it off the
+    // async runtime. Offset stores hold the consumer weakly, so this is the
+    // last strong reference.
+    let closed = tokio::task::spawn_blocking(move || drop(consumer)).await;
+    if closed.is_err() {
+        tracing::warn!(topic = %topic, "closing the consumer panicked");
+    }
     outcome
 }
 

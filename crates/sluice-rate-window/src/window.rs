@@ -129,7 +129,8 @@ impl WindowSpec {
     }
 }
 
-/// The outcome of [`SlidingWindow::try_acquire`].
+/// The outcome of [`SlidingWindow::try_acquire`]. A cost of zero is always
+/// granted and records nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
     /// The units were recorded at `at_ms`, which is `now_ms` unless the clamp
@@ -217,7 +218,9 @@ impl SlidingWindow {
         }
         self.record_grant(decision_ms, cost);
         let units_in_window_after_grant = view.units_in_window + cost;
-        debug_assert_eq!(units_in_window_after_grant, self.units_stored());
+        // Recording evicts everything outside this window (unless nothing was
+        // recorded), so what is stored is exactly this window.
+        debug_assert!(cost == 0 || units_in_window_after_grant == self.units_stored());
         Ok(Decision::Granted {
             at_ms: decision_ms,
             remaining: self.spec.limit - units_in_window_after_grant,
@@ -248,9 +251,7 @@ impl SlidingWindow {
     pub fn entries(&self) -> impl Iterator<Item = (i64, u64)> + '_ {
         let mut units_granted_before_entry = self.units_granted_before_oldest_entry;
         self.entries.iter().map(move |entry| {
-            let units = entry
-                .units_granted_through
-                .wrapping_sub(units_granted_before_entry);
+            let units = entry.units_granted_through.wrapping_sub(units_granted_before_entry);
             units_granted_before_entry = entry.units_granted_through;
             (entry.at_ms, units)
         })
@@ -265,12 +266,8 @@ impl SlidingWindow {
     /// millisecond are added up, rows of zero units are ignored, and rows that
     /// can no longer matter (older than the window at the newest row) are
     /// dropped. The clamp moves to the newest row. On error nothing changes.
-    pub fn restore(
-        &mut self,
-        grants: impl IntoIterator<Item = (i64, u64)>,
-    ) -> Result<(), WindowError> {
-        let mut sorted_grants: Vec<(i64, u64)> =
-            grants.into_iter().filter(|(_, units)| *units > 0).collect();
+    pub fn restore(&mut self, grants: impl IntoIterator<Item = (i64, u64)>) -> Result<(), WindowError> {
+        let mut sorted_grants: Vec<(i64, u64)> = grants.into_iter().filter(|(_, units)| *units > 0).collect();
         sorted_grants.sort_unstable_by_key(|(at_ms, _)| *at_ms);
         let mut restored_entries: VecDeque<Entry> = VecDeque::with_capacity(sorted_grants.len());
         let mut units_granted_through: u64 = 0;
@@ -360,9 +357,7 @@ impl SlidingWindow {
         let units_stored_before_window = self
             .entries
             .get(first_inside_index - 1)
-            .map_or(0, |last_outside_entry| {
-                self.units_stored_through(last_outside_entry)
-            });
+            .map_or(0, |last_outside_entry| self.units_stored_through(last_outside_entry));
         WindowView {
             first_inside_index,
             units_stored_before_window,
@@ -380,9 +375,9 @@ impl SlidingWindow {
         // also covers a window holding more than a lowered limit.
         let units_that_must_leave = view.units_in_window - (self.spec.limit - cost);
         let units_stored_through_target = view.units_stored_before_window + units_that_must_leave;
-        let leaving_entry_index = self.entries.partition_point(|entry| {
-            self.units_stored_through(entry) < units_stored_through_target
-        });
+        let leaving_entry_index = self
+            .entries
+            .partition_point(|entry| self.units_stored_through(entry) < units_stored_through_target);
         debug_assert!(leaving_entry_index >= view.first_inside_index);
         debug_assert!(leaving_entry_index < self.entries.len());
         let Some(leaving_entry) = self.entries.get(leaving_entry_index) else {
@@ -398,15 +393,19 @@ impl SlidingWindow {
 
     fn record_grant(&mut self, at_ms: i64, cost: u64) {
         debug_assert!(at_ms >= self.latest_grant_ms);
-        self.latest_grant_ms = at_ms;
-        self.evict_entries_outside_window_ending_at(at_ms);
+        // A grant of nothing is not persisted, so it must not move the clamp
+        // either: a window restored from `entries()` would not know about it.
         if cost == 0 {
             return;
         }
-        let units_granted_before = self.entries.back().map_or(
-            self.units_granted_before_oldest_entry,
-            |newest_entry| newest_entry.units_granted_through,
-        );
+        self.latest_grant_ms = at_ms;
+        self.evict_entries_outside_window_ending_at(at_ms);
+        let units_granted_before = self
+            .entries
+            .back()
+            .map_or(self.units_granted_before_oldest_entry, |newest_entry| {
+                newest_entry.units_granted_through
+            });
         let units_granted_through = units_granted_before.wrapping_add(cost);
         match self.entries.back_mut() {
             Some(newest_entry) if newest_entry.at_ms == at_ms => {
@@ -541,10 +540,7 @@ mod tests {
         assert_eq!(rate.entries().collect::<Vec<_>>(), vec![(5, 8)]);
         assert_eq!(
             rate.try_acquire(5, 2).unwrap(),
-            Decision::Granted {
-                at_ms: 5,
-                remaining: 0
-            }
+            Decision::Granted { at_ms: 5, remaining: 0 }
         );
         assert_eq!(deferred_to(rate.try_acquire(6, 1).unwrap()), 1005);
     }
@@ -572,8 +568,9 @@ mod tests {
             }
         );
         assert_eq!(rate.entries().collect::<Vec<_>>(), vec![(0, 1)]);
-        // A zero-cost grant still moves the clamp: time does not go back.
-        assert_eq!(rate.latest_grant_ms(), Some(10));
+        // Not persisted, so it leaves the clamp alone (see `record_grant`).
+        assert_eq!(rate.latest_grant_ms(), Some(0));
+        assert_eq!(granted_at(rate.try_acquire(5, 0).unwrap()), 5);
     }
 
     #[test]
@@ -629,10 +626,7 @@ mod tests {
         restored.restore(persisted).unwrap();
         assert_eq!(restored.latest_grant_ms(), Some(90));
         for (now_ms, cost) in [(50, 1), (95, 2), (100, 3), (130, 4), (190, 5)] {
-            assert_eq!(
-                restored.earliest(now_ms, cost),
-                original.earliest(now_ms, cost)
-            );
+            assert_eq!(restored.earliest(now_ms, cost), original.earliest(now_ms, cost));
         }
         assert_eq!(deferred_to(restored.try_acquire(95, 3).unwrap()), 130);
     }
@@ -832,7 +826,10 @@ mod tests {
                 .filter(|(at_ms, _)| *at_ms > window_end_ms - window_ms && at_ms <= window_end_ms)
                 .map(|(_, units)| units)
                 .sum();
-            assert!(units <= spec.limit(), "{units} units in the window ending at {window_end_ms}");
+            assert!(
+                units <= spec.limit(),
+                "{units} units in the window ending at {window_end_ms}"
+            );
         }
     }
 
@@ -894,8 +891,10 @@ mod tests {
                         let expected_earliest_ms = model.earliest(now_ms, cost, spec);
                         let decision_ms = model.decision_time(now_ms);
                         if expected_earliest_ms == decision_ms {
-                            model.grants.push((decision_ms, cost));
-                            model.latest_grant_ms = Some(decision_ms);
+                            if cost > 0 {
+                                model.grants.push((decision_ms, cost));
+                                model.latest_grant_ms = Some(decision_ms);
+                            }
                             let remaining = spec.limit() - model.units_in_window(decision_ms, spec.window_ms());
                             prop_assert_eq!(decision, Ok(Decision::Granted { at_ms: decision_ms, remaining }));
                         } else {

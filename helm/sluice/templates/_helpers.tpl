@@ -84,8 +84,7 @@ Name of one component's resources: <fullname>-<component>, kept within 63
 characters by shortening the prefix. Takes (dict "root" $ "component" NAME).
 */}}
 {{- define "sluice.componentFullname" -}}
-{{- $prefix := include "sluice.fullname" .root | trunc (int (sub 62 (len .component))) | trimSuffix "-" }}
-{{- printf "%s-%s" $prefix .component }}
+{{- include "sluice.suffixedName" (dict "root" .root "suffix" .component) }}
 {{- end }}
 
 {{/*
@@ -102,6 +101,25 @@ Selector labels of one component's pods. Takes (dict "root" $ "component" NAME).
 {{- define "sluice.componentSelectorLabels" -}}
 {{ include "sluice.selectorLabels" .root }}
 app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+<fullname>-<suffix> within 63 characters. Takes (dict "root" $ "suffix" S).
+*/}}
+{{- define "sluice.suffixedName" -}}
+{{- $prefix := include "sluice.fullname" .root | trunc (int (sub 62 (len .suffix))) | trimSuffix "-" }}
+{{- printf "%s-%s" $prefix .suffix }}
+{{- end }}
+
+{{/*
+The ConfigMap with the configuration file, and its hook copy.
+*/}}
+{{- define "sluice.configMapName" -}}
+{{- include "sluice.suffixedName" (dict "root" . "suffix" "config") }}
+{{- end }}
+
+{{- define "sluice.hooksConfigMapName" -}}
+{{- include "sluice.suffixedName" (dict "root" . "suffix" "hooks-config") }}
 {{- end }}
 
 {{/*
@@ -131,7 +149,7 @@ release's own ServiceAccount exists, so the chart creates a hook-scoped one.
 */}}
 {{- define "sluice.hookServiceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
-{{- printf "%s-hooks" (include "sluice.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- include "sluice.suffixedName" (dict "root" . "suffix" "hooks") }}
 {{- else }}
 {{- include "sluice.serviceAccountName" . }}
 {{- end }}
@@ -188,7 +206,7 @@ it uses.
 
 {{- define "sluice.secretEnv" -}}
 {{ include "sluice.postgresEnv" . }}
-{{- with include "sluice.kafkaEnv" . }}
+{{- with include "sluice.kafkaEnv" . | trim }}
 {{ . }}
 {{- end }}
 {{- end }}
@@ -252,6 +270,9 @@ keys.
 {{- end }}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.enabled: the ServiceMonitor scrapes the metrics port." }}
+{{- end }}
+{{- if and .Values.kafka.sasl.existingSecret (not (hasPrefix "SASL_" .Values.kafka.securityProtocol)) }}
+{{- fail "kafka.sasl.existingSecret is set but kafka.securityProtocol is not SASL_SSL or SASL_PLAINTEXT: the credentials would never be used." }}
 {{- end }}
 {{- range $key, $value := .Values.kafka.properties }}
 {{- if regexMatch "(?i)(password|secret|jaas|sasl\\.username|private|token)" $key }}

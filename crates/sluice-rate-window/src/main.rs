@@ -1,0 +1,24 @@
+//! `sluice-rate-window [--config FILE] [run|migrate]`
+
+use std::sync::Arc;
+
+use clap::Parser;
+use sluice_common::cli::{ServiceArgs, ServiceCommand};
+use sluice_common::{grpc, telemetry, Faults, Shutdown};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = ServiceArgs::parse();
+    let config = Arc::new(args.load_config()?);
+    let _telemetry = telemetry::init(&config.telemetry, "sluice-rate-window")?;
+    match args.command.unwrap_or_default() {
+        ServiceCommand::Migrate => sluice_rate_window::migrate(&config).await?,
+        ServiceCommand::Run => {
+            let shutdown = Shutdown::new();
+            shutdown.trigger_on_signals();
+            let listener = grpc::bind(&config.rate_window.listen).await?;
+            sluice_rate_window::run(config, listener, shutdown, Faults::none()).await?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,24 @@
+//! `sluice-refresh-dispatcher [--config FILE] [run|migrate]`
+
+use std::sync::Arc;
+
+use clap::Parser;
+use sluice_common::cli::{ServiceArgs, ServiceCommand};
+use sluice_common::{grpc, telemetry, Faults, Shutdown};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = ServiceArgs::parse();
+    let config = Arc::new(args.load_config()?);
+    let _telemetry = telemetry::init(&config.telemetry, "sluice-refresh-dispatcher")?;
+    match args.command.unwrap_or_default() {
+        ServiceCommand::Migrate => sluice_refresh_dispatcher::migrate(&config).await?,
+        ServiceCommand::Run => {
+            let shutdown = Shutdown::new();
+            shutdown.trigger_on_signals();
+            let listener = grpc::bind(&config.refresh_dispatcher.listen).await?;
+            sluice_refresh_dispatcher::run(config, listener, shutdown, Faults::none()).await?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Sets up what Sluice needs on this machine, installing only what is missing
+# and starting only what is not running:
+#   scripts/dev-env.sh tools      build tools (protoc, zlib headers, pkg-config)
+#   scripts/dev-env.sh postgres   PostgreSQL on 127.0.0.1:5432 with trust auth for local tests
+#   scripts/dev-env.sh broker     tansu (a Kafka-protocol broker) on 127.0.0.1:9092
+#   scripts/dev-env.sh all        all three
+# Environment: SLUICE_BROKER_PORT (9092), SLUICE_STATE_DIR ($HOME/.cache/sluice).
+set -euo pipefail
+
+STATE_DIR="${SLUICE_STATE_DIR:-$HOME/.cache/sluice}"
+BROKER_PORT="${SLUICE_BROKER_PORT:-9092}"
+TANSU_VERSION="0.6.0"
+mkdir -p "$STATE_DIR"
+
+say() { printf '==> %s\n' "$*"; }
+
+sudo_if_needed() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+apt_install() {
+  say "installing Debian packages: $*"
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null \
+    || { sudo_if_needed apt-get update -q >/dev/null && sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null; }
+}
+
+port_open() {
+  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && exec 3>&- 3<&-
+}
+
+ensure_tools() {
+  local missing=()
+  command -v protoc >/dev/null || missing+=(protobuf-compiler)
+  command -v pkg-config >/dev/null || missing+=(pkg-config)
+  command -v make >/dev/null || missing+=(make)
+  command -v cc >/dev/null || missing+=(gcc)
+  [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+  if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; else say "build tools present"; fi
+  if ! command -v cargo-nextest >/dev/null; then
+    say "cargo-nextest missing: tests will run with plain 'cargo test'"
+  fi
+}
+
+ensure_postgres() {
+  if command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432; then
+    say "PostgreSQL is running on 127.0.0.1:5432"
+  else
+    if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
+      apt_install postgresql
+    fi
+    local version
+    version=$(ls /etc/postgresql | sort -n | tail -1)
+    local hba="/etc/postgresql/$version/main/pg_hba.conf"
+    if ! grep -Eq '^host\s+all\s+all\s+127\.0\.0\.1/32\s+trust' "$hba"; then
+      say "allowing trust auth for 127.0.0.1 in $hba (local tests only)"
+      sudo_if_needed sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
+    fi
+    say "starting PostgreSQL $version"
+    sudo_if_needed pg_ctlcluster --skip-systemctl-redirect "$version" main start 2>/dev/null \
+      || sudo_if_needed pg_ctlcluster "$version" main start \
+      || sudo_if_needed pg_ctlcluster "$version" main reload
+    for _ in $(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+    pg_isready -q -h 127.0.0.1 -p 5432 || { echo "PostgreSQL did not start" >&2; exit 1; }
+  fi
+  if ! psql -h 127.0.0.1 -U postgres -d postgres -Atqc 'select 1' >/dev/null 2>&1; then
+    echo "cannot connect as postgres@127.0.0.1 without a password; allow trust for 127.0.0.1 in pg_hba.conf" >&2
+    exit 1
+  fi
+}
+
+ensure_broker() {
+  if ! command -v tansu >/dev/null; then
+    say "installing tansu $TANSU_VERSION (a Kafka-protocol broker) with cargo: this takes ~13 minutes once"
+    cargo install tansu --version "$TANSU_VERSION" --locked --no-default-features --features dynostore
+  fi
+  if port_open "$BROKER_PORT"; then
+    say "a broker is listening on 127.0.0.1:$BROKER_PORT"
+    return
+  fi
+  say "starting tansu on 127.0.0.1:$BROKER_PORT (memory storage; log: $STATE_DIR/tansu.log)"
+  # Only the broker's own process gets these settings.
+  nohup env -u LISTENER_URL -u STORAGE_ENGINE -u OTEL_EXPORTER_OTLP_ENDPOINT \
+    tansu broker \
+      --listener-url "tcp://127.0.0.1:$BROKER_PORT" \
+      --advertised-listener-url "tcp://127.0.0.1:$BROKER_PORT" \
+      --storage-engine memory://tansu/ \
+      >"$STATE_DIR/tansu.log" 2>&1 &
+  echo $! >"$STATE_DIR/tansu.pid"
+  for _ in $(seq 1 50); do port_open "$BROKER_PORT" && break; sleep 0.2; done
+  port_open "$BROKER_PORT" || { echo "tansu did not start; see $STATE_DIR/tansu.log" >&2; exit 1; }
+}
+
+case "${1:-all}" in
+  tools) ensure_tools ;;
+  postgres) ensure_postgres ;;
+  broker) ensure_broker ;;
+  all) ensure_tools; ensure_postgres; ensure_broker ;;
+  *) echo "usage: $0 [tools|postgres|broker|all]" >&2; exit 2 ;;
+esac

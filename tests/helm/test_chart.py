@@ -1,0 +1,754 @@
+#!/usr/bin/env python3
+"""Renders the Sluice Helm chart and asserts on what it renders.
+
+Run by scripts/helm-check.sh with the tools venv's Python:
+
+    SLUICE_HELM=/path/to/helm python3 tests/helm/test_chart.py [-v] [TestCase.test_name]
+
+Needs helm v3 (SLUICE_HELM, else the one scripts/install-helm-tools.sh puts in
+$SLUICE_TOOLS_DIR/bin, else `helm` on PATH) and PyYAML. Only the standard
+library otherwise. Each test renders the chart with `helm template` and fails
+if the property it names breaks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+import unittest
+from functools import lru_cache
+from pathlib import Path
+
+
+def tools_dir() -> Path:
+    """Where scripts/install-helm-tools.sh installs helm and the venv."""
+    configured = os.environ.get("SLUICE_TOOLS_DIR")
+    if configured:
+        return Path(configured)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "sluice" / "tools"
+
+
+try:
+    import yaml
+except ModuleNotFoundError:
+    # Plain `python3 tests/helm/test_chart.py`: rerun with the tools venv.
+    venv = tools_dir() / "venv"
+    venv_python = venv / "bin" / "python"
+    if venv_python.exists() and Path(sys.prefix).resolve() != venv.resolve():
+        os.execv(str(venv_python), [str(venv_python), __file__, *sys.argv[1:]])
+    sys.exit("PyYAML is missing: run scripts/install-helm-tools.sh (or scripts/helm-check.sh)")
+
+ROOT = Path(__file__).resolve().parents[2]
+# SLUICE_CHART_DIR points the test at another copy of the chart (e.g. to
+# check that a deliberately broken chart fails it).
+CHART = Path(os.environ.get("SLUICE_CHART_DIR") or ROOT / "helm" / "sluice").resolve()
+PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
+OPTIONS_VALUES = CHART / "ci" / "options-values.yaml"
+RELEASE = "rel"
+NAMESPACE = "sluice-test"
+KUBE_VERSION = "1.32.0"
+
+# A value no legitimate rendering contains: if it shows up in a ConfigMap,
+# a secret leaked.
+SENTINEL = "S3ntinel-Passw0rd-7f3a9c"
+
+COMPONENTS = {
+    # component: (values key, binary, partitions key or None, default port)
+    "admission": ("admission", "sluice-admission", None, 50051),
+    "limit-grant": ("limitGrant", "sluice-limit-grant", "limitCommands", 50052),
+    "rate-window": ("rateWindow", "sluice-rate-window", "rateCommands", 50053),
+    "refresh-dispatcher": ("refreshDispatcher", "sluice-refresh-dispatcher", "refreshDue", 50054),
+}
+SECRET_ENV = {"SLUICE__POSTGRES__URL", "SLUICE__KAFKA__SASL_USERNAME", "SLUICE__KAFKA__SASL_PASSWORD"}
+
+# Values sets every structural test runs against.
+EXISTING_SECRETS = (
+    "--set", "postgres.existingSecret=pg-credentials",
+    "--set", "postgres.urlKey=database-url",
+    "--set", "kafka.securityProtocol=SASL_SSL",
+    "--set", "kafka.sasl.existingSecret=kafka-credentials",
+    "--set", "kafka.sasl.usernameKey=user",
+    "--set", "kafka.sasl.passwordKey=pass",
+)
+VALUE_SETS = {
+    "default": (),
+    "production": ("--values", str(PRODUCTION_VALUES)),
+    "existing-secrets": EXISTING_SECRETS,
+}
+
+
+def helm_binary() -> str:
+    configured = os.environ.get("SLUICE_HELM")
+    if configured:
+        return configured
+    cached = tools_dir() / "bin" / "helm"
+    if cached.exists():
+        return str(cached)
+    found = shutil.which("helm")
+    if not found:
+        sys.exit("helm not found: run scripts/install-helm-tools.sh or set SLUICE_HELM")
+    return found
+
+
+HELM = helm_binary()
+
+
+class RenderError(Exception):
+    pass
+
+
+@lru_cache(maxsize=None)
+def render(*args: str) -> tuple[dict, ...]:
+    """`helm template` with extra arguments; the parsed documents."""
+    command = [
+        HELM, "template", RELEASE, str(CHART),
+        "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION, *args,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RenderError(result.stderr.strip())
+    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+
+
+def render_text(*args: str) -> str:
+    command = [
+        HELM, "template", RELEASE, str(CHART),
+        "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION, *args,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RenderError(result.stderr.strip())
+    return result.stdout
+
+
+def of_kind(documents, kind: str) -> list[dict]:
+    return [doc for doc in documents if doc["kind"] == kind]
+
+
+def named(documents, kind: str, name: str) -> dict:
+    matches = [doc for doc in of_kind(documents, kind) if doc["metadata"]["name"] == name]
+    if len(matches) != 1:
+        raise AssertionError(f"expected one {kind} {name}, found {len(matches)}")
+    return matches[0]
+
+
+def component_name(component: str) -> str:
+    return f"{RELEASE}-sluice-{component}"
+
+
+def pod_spec(document: dict) -> dict:
+    if document["kind"] == "Pod":
+        return document["spec"]
+    return document["spec"]["template"]["spec"]
+
+
+def workloads(documents) -> list[dict]:
+    kinds = {"Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob", "Pod"}
+    found = []
+    for doc in documents:
+        if doc["kind"] not in kinds:
+            continue
+        if doc["kind"] == "CronJob":
+            doc = {"kind": "Job", "metadata": doc["metadata"], "spec": doc["spec"]["jobTemplate"]["spec"]}
+        found.append(doc)
+    return found
+
+
+def all_containers(spec: dict) -> list[dict]:
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
+def hook_annotations(document: dict) -> dict:
+    return document["metadata"].get("annotations") or {}
+
+
+def hook_phases(document: dict) -> set[str]:
+    value = hook_annotations(document).get("helm.sh/hook", "")
+    return {phase.strip() for phase in value.split(",") if phase.strip()}
+
+
+def config_toml(documents, name: str = f"{RELEASE}-sluice-config") -> dict:
+    return tomllib.loads(named(documents, "ConfigMap", name)["data"]["sluice.toml"])
+
+
+def env_by_name(container: dict) -> dict:
+    return {entry["name"]: entry for entry in container.get("env") or []}
+
+
+class ChartTestCase(unittest.TestCase):
+    maxDiff = None
+
+    def assertRenderFails(self, *args: str, message: str) -> str:
+        with self.assertRaises(RenderError, msg=f"rendering with {args} should fail") as caught:
+            render(*args)
+        self.assertIn(message, str(caught.exception))
+        return str(caught.exception)
+
+
+class SecretsTest(ChartTestCase):
+    """No secret is ever rendered into a ConfigMap; credentials only come
+    from Secrets through secretKeyRef."""
+
+    # Every place a careless chart could accept a credential. Each attempt
+    # must either be refused or leave no trace of the sentinel in a ConfigMap.
+    SENTINEL_ATTEMPTS = (
+        ("--set", f"postgres.url=postgres://sluice:{SENTINEL}@db:5432/sluice"),
+        ("--set", f"postgres.password={SENTINEL}"),
+        ("--set", f"kafka.sasl.password={SENTINEL}"),
+        ("--set", f"kafka.sasl.username={SENTINEL}"),
+        ("--set", f"kafka.password={SENTINEL}"),
+        ("--set-string", f"kafka.properties.sasl\\.password={SENTINEL}"),
+        ("--set-string", f"kafka.properties.sasl\\.jaas\\.config=user password={SENTINEL}"),
+        ("--set-string", f"kafka.properties.ssl\\.key\\.password={SENTINEL}"),
+    )
+
+    def test_sentinel_secret_never_reaches_a_configmap(self):
+        refused = 0
+        for attempt in self.SENTINEL_ATTEMPTS:
+            for base in VALUE_SETS.values():
+                with self.subTest(attempt=attempt, base=base):
+                    try:
+                        text = render_text(*base, *attempt)
+                    except RenderError:
+                        refused += 1
+                        continue
+                    documents = [doc for doc in yaml.safe_load_all(text) if doc]
+                    for config_map in of_kind(documents, "ConfigMap"):
+                        self.assertNotIn(SENTINEL, yaml.safe_dump(config_map),
+                                         f"{config_map['metadata']['name']} holds the secret")
+                    self.assertNotIn(SENTINEL, text, "the secret was rendered somewhere")
+        # The schema and the kafka.properties guard refuse every attempt.
+        self.assertEqual(refused, len(self.SENTINEL_ATTEMPTS) * len(VALUE_SETS))
+
+    def test_sasl_credentials_need_a_sasl_protocol(self):
+        self.assertRenderFails("--set", "kafka.sasl.existingSecret=kafka-credentials",
+                               message="kafka.securityProtocol is not SASL_SSL or SASL_PLAINTEXT")
+
+    def test_credential_like_kafka_properties_are_refused(self):
+        self.assertRenderFails(
+            "--set-string", "kafka.properties.sasl\\.password=x",
+            message="looks like a credential",
+        )
+
+    def test_config_file_holds_no_credential(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                config_maps = of_kind(documents, "ConfigMap")
+                self.assertGreaterEqual(len(config_maps), 1)
+                for config_map in config_maps:
+                    for key, text in config_map["data"].items():
+                        self.assertNotIn("postgres://", text)
+                        self.assertNotIn("postgresql://", text)
+                        if key.endswith(".toml"):
+                            config = tomllib.loads(text)
+                            self.assertNotIn("url", config.get("postgres", {}))
+                            self.assertNotIn("sasl_username", config.get("kafka", {}))
+                            self.assertNotIn("sasl_password", config.get("kafka", {}))
+                            for prop in config.get("kafka", {}).get("properties", {}):
+                                self.assertNotRegex(prop, r"(?i)password|secret|jaas")
+
+    def test_credentials_come_only_from_secret_key_refs(self):
+        expectations = {
+            "default": {"SLUICE__POSTGRES__URL": (f"{RELEASE}-sluice-postgres", "url")},
+            "production": {
+                "SLUICE__POSTGRES__URL": ("sluice-postgres", "url"),
+                "SLUICE__KAFKA__SASL_USERNAME": ("sluice-kafka", "username"),
+                "SLUICE__KAFKA__SASL_PASSWORD": ("sluice-kafka", "password"),
+            },
+            "existing-secrets": {
+                "SLUICE__POSTGRES__URL": ("pg-credentials", "database-url"),
+                "SLUICE__KAFKA__SASL_USERNAME": ("kafka-credentials", "user"),
+                "SLUICE__KAFKA__SASL_PASSWORD": ("kafka-credentials", "pass"),
+            },
+        }
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                expected = expectations[name]
+                for document in workloads(documents):
+                    for container in all_containers(pod_spec(document)):
+                        env = env_by_name(container)
+                        for variable, entry in env.items():
+                            if variable in SECRET_ENV or "PASSWORD" in variable or variable.endswith("_URL"):
+                                self.assertNotIn("value", entry, f"{variable} has a literal value")
+                                self.assertIn("secretKeyRef", entry.get("valueFrom", {}), variable)
+                        self.assertFalse(container.get("envFrom"), "envFrom could pull in a ConfigMap")
+                # Every service gets the PostgreSQL URL and (when configured)
+                # the SASL credentials from the named Secret and keys.
+                for component in COMPONENTS:
+                    deployment = named(documents, "Deployment", component_name(component))
+                    env = env_by_name(pod_spec(deployment)["containers"][0])
+                    for variable, (secret, key) in expected.items():
+                        self.assertIn(variable, env, f"{component} lacks {variable}")
+                        reference = env[variable]["valueFrom"]["secretKeyRef"]
+                        self.assertEqual((reference["name"], reference["key"]), (secret, key))
+                    if "SLUICE__KAFKA__SASL_PASSWORD" not in expected:
+                        self.assertNotIn("SLUICE__KAFKA__SASL_PASSWORD", env)
+
+    def test_chart_renders_no_secret_object(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                self.assertEqual(of_kind(render(*args), "Secret"), [])
+
+
+class SecurityContextTest(ChartTestCase):
+    """Every container and init container runs as non-root with a read-only
+    root filesystem, no privilege escalation, no capabilities, seccomp."""
+
+    def effective(self, pod: dict, container: dict, field: str):
+        own = (container.get("securityContext") or {}).get(field)
+        return own if own is not None else (pod.get("securityContext") or {}).get(field)
+
+    def test_every_container_is_hardened(self):
+        # values: (arguments, hook Jobs, containers in all)
+        cases = {
+            # 4 services + 4 migrations + topics + 4 health checks.
+            **{name: (args, 2, 13) for name, args in VALUE_SETS.items()},
+            # No hook Jobs.
+            "options": (("--values", str(OPTIONS_VALUES)), 0, 8),
+        }
+        for name, (args, expected_jobs, expected_containers) in cases.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                seen = {"Deployment": 0, "Job": 0, "Pod": 0}
+                containers_checked = 0
+                for document in workloads(documents):
+                    seen[document["kind"]] = seen.get(document["kind"], 0) + 1
+                    spec = pod_spec(document)
+                    for container in all_containers(spec):
+                        where = f"{document['kind']}/{document['metadata']['name']}/{container['name']}"
+                        context = container.get("securityContext") or {}
+                        self.assertIs(self.effective(spec, container, "runAsNonRoot"), True, where)
+                        run_as_user = self.effective(spec, container, "runAsUser")
+                        self.assertIsNotNone(run_as_user, f"{where}: no numeric runAsUser")
+                        self.assertNotEqual(run_as_user, 0, where)
+                        self.assertIs(context.get("readOnlyRootFilesystem"), True, where)
+                        self.assertIs(context.get("allowPrivilegeEscalation"), False, where)
+                        self.assertNotEqual(context.get("privileged"), True, where)
+                        self.assertIn("ALL", (context.get("capabilities") or {}).get("drop") or [], where)
+                        self.assertFalse((context.get("capabilities") or {}).get("add"), where)
+                        seccomp = context.get("seccompProfile") or (spec.get("securityContext") or {}).get("seccompProfile")
+                        self.assertEqual((seccomp or {}).get("type"), "RuntimeDefault", where)
+                        containers_checked += 1
+                    self.assertIs(spec.get("automountServiceAccountToken"), False,
+                                  f"{document['metadata']['name']} mounts an API token")
+                # Deployments, the hook Jobs and the test pod were all checked.
+                self.assertEqual(seen["Deployment"], 4)
+                self.assertEqual(seen["Job"], expected_jobs)
+                self.assertEqual(seen["Pod"], 1)
+                self.assertEqual(containers_checked, expected_containers)
+
+    def test_writable_tmp_for_read_only_root(self):
+        documents = render()
+        for document in workloads(documents):
+            spec = pod_spec(document)
+            volumes = {volume["name"]: volume for volume in spec.get("volumes") or []}
+            for container in all_containers(spec):
+                mounts = {mount["mountPath"]: mount["name"] for mount in container.get("volumeMounts") or []}
+                self.assertIn("/tmp", mounts, container["name"])
+                self.assertIn("emptyDir", volumes[mounts["/tmp"]])
+
+
+class ProbesTest(ChartTestCase):
+    """Every Deployment has native gRPC liveness and readiness probes on its
+    gRPC port; readiness asks for the overall ("") status."""
+
+    def test_every_deployment_has_grpc_probes(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                deployments = of_kind(render(*args), "Deployment")
+                self.assertEqual(len(deployments), 4)
+                for deployment in deployments:
+                    for container in pod_spec(deployment)["containers"]:
+                        where = f"{deployment['metadata']['name']}/{container['name']}"
+                        ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+                        self.assertIn("grpc", ports, where)
+                        for probe in ("readinessProbe", "livenessProbe"):
+                            self.assertIn(probe, container, f"{where} has no {probe}")
+                            self.assertIn("grpc", container[probe], f"{where} {probe} is not gRPC")
+                            self.assertEqual(container[probe]["grpc"]["port"], ports["grpc"], where)
+                        # Readiness reflects partition rebuilds: the overall status.
+                        self.assertIn(container["readinessProbe"]["grpc"].get("service", ""), ("",), where)
+
+    def test_probe_ports_follow_the_service_port(self):
+        documents = render("--set", "rateWindow.port=6000")
+        deployment = named(documents, "Deployment", component_name("rate-window"))
+        container = pod_spec(deployment)["containers"][0]
+        self.assertEqual(container["readinessProbe"]["grpc"]["port"], 6000)
+        self.assertEqual(container["livenessProbe"]["grpc"]["port"], 6000)
+        self.assertEqual(config_toml(documents)["rate_window"]["listen"], "0.0.0.0:6000")
+        self.assertEqual(config_toml(documents)["admission"]["rate_window_endpoint"],
+                         f"http://{component_name('rate-window')}.{NAMESPACE}.svc:6000")
+
+
+class HookJobsTest(ChartTestCase):
+    """Migrations and topic creation run as pre-install/pre-upgrade hooks,
+    in order, after the hook-scoped ServiceAccount and ConfigMap."""
+
+    def weight(self, document: dict) -> int:
+        return int(hook_annotations(document).get("helm.sh/hook-weight", "0"))
+
+    def test_migration_job_is_a_pre_install_pre_upgrade_hook(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                job = named(documents, "Job", f"{RELEASE}-sluice-migrate")
+                self.assertTrue({"pre-install", "pre-upgrade"} <= hook_phases(job), hook_phases(job))
+                policy = hook_annotations(job).get("helm.sh/hook-delete-policy", "")
+                self.assertIn("before-hook-creation", policy)
+                spec = pod_spec(job)
+                self.assertEqual(spec["restartPolicy"], "Never")
+                # Every service's `migrate`, one after the other.
+                commands = [(c["command"][0], c["args"][-1]) for c in all_containers(spec)]
+                self.assertEqual(commands, [(f"/usr/local/bin/{binary}", "migrate")
+                                            for _, binary, _, _ in COMPONENTS.values()])
+                self.assertEqual(len(spec["containers"]), 1, "init containers run in order; one main")
+                self.assertFalse(config_toml(documents)["postgres"]["run_migrations"])
+
+    def test_topic_job_is_a_hook_after_migrations(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                migrate = named(documents, "Job", f"{RELEASE}-sluice-migrate")
+                topics = named(documents, "Job", f"{RELEASE}-sluice-topics")
+                self.assertTrue({"pre-install", "pre-upgrade"} <= hook_phases(topics), hook_phases(topics))
+                self.assertIn("before-hook-creation", hook_annotations(topics).get("helm.sh/hook-delete-policy", ""))
+                self.assertLess(self.weight(migrate), self.weight(topics))
+                container = pod_spec(topics)["containers"][0]
+                self.assertEqual(container["command"], ["/usr/local/bin/sluice"])
+                self.assertEqual(container["args"][:2], ["topics", "ensure"])
+                self.assertFalse(config_toml(documents)["kafka"]["create_topics"])
+
+    def test_hook_jobs_only_use_hook_resources(self):
+        documents = render()
+        jobs = of_kind(documents, "Job")
+        self.assertEqual(len(jobs), 2)
+        for job in jobs:
+            spec = pod_spec(job)
+            account = named(documents, "ServiceAccount", spec["serviceAccountName"])
+            config_names = [v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v]
+            self.assertEqual(len(config_names), 1)
+            config_map = named(documents, "ConfigMap", config_names[0])
+            # Pre-install hooks run before the release's resources exist, so
+            # everything a Job uses must be a hook itself, created before it.
+            for dependency in (account, config_map):
+                self.assertTrue({"pre-install", "pre-upgrade"} <= hook_phases(dependency),
+                                dependency["metadata"]["name"])
+                self.assertLess(self.weight(dependency), self.weight(job))
+            # Same configuration as the services.
+            self.assertEqual(config_map["data"], named(documents, "ConfigMap", f"{RELEASE}-sluice-config")["data"])
+
+    def test_jobs_get_only_the_credentials_they_use(self):
+        documents = render("--values", str(PRODUCTION_VALUES))
+        migrate = named(documents, "Job", f"{RELEASE}-sluice-migrate")
+        topics = named(documents, "Job", f"{RELEASE}-sluice-topics")
+        for container in all_containers(pod_spec(migrate)):
+            self.assertEqual(set(env_by_name(container)) & SECRET_ENV, {"SLUICE__POSTGRES__URL"})
+        self.assertEqual(set(env_by_name(pod_spec(topics)["containers"][0])) & SECRET_ENV,
+                         {"SLUICE__KAFKA__SASL_USERNAME", "SLUICE__KAFKA__SASL_PASSWORD"})
+
+    def test_disabling_the_jobs_hands_the_work_to_the_services(self):
+        documents = render("--set", "migrations.enabled=false", "--set", "topicsJob.enabled=false")
+        self.assertEqual(of_kind(documents, "Job"), [])
+        config = config_toml(documents)
+        self.assertTrue(config["postgres"]["run_migrations"])
+        self.assertTrue(config["kafka"]["create_topics"])
+
+
+class ReplicaCapTest(ChartTestCase):
+    """Partition-owning services cannot have more replicas than partitions."""
+
+    def test_replicas_above_partition_count_fail(self):
+        for component, (values_key, _, partitions_key, _) in COMPONENTS.items():
+            if partitions_key is None:
+                continue
+            with self.subTest(component=component):
+                self.assertRenderFails(
+                    "--set", f"kafka.partitions.{partitions_key}=4",
+                    "--set", f"{values_key}.replicas=5",
+                    message=f"{values_key}.replicas (5) exceeds kafka.partitions.{partitions_key} (4)",
+                )
+                documents = render("--set", f"kafka.partitions.{partitions_key}=4",
+                                   "--set", f"{values_key}.replicas=4")
+                self.assertEqual(named(documents, "Deployment", component_name(component))["spec"]["replicas"], 4)
+
+    def test_limit_grant_default_partitions(self):
+        self.assertRenderFails("--set", "limitGrant.replicas=13",
+                               message="exceeds kafka.partitions.limitCommands (12)")
+
+    def test_autoscaling_max_above_partition_count_fails(self):
+        self.assertRenderFails(
+            "--set", "rateWindow.autoscaling.enabled=true",
+            "--set", "rateWindow.autoscaling.maxReplicas=13",
+            message="rateWindow.autoscaling.maxReplicas (13) exceeds kafka.partitions.rateCommands (12)",
+        )
+
+    def test_admission_has_no_cap(self):
+        documents = render("--set", "admission.replicas=40")
+        self.assertEqual(named(documents, "Deployment", component_name("admission"))["spec"]["replicas"], 40)
+
+
+class ScalingTest(ChartTestCase):
+    def test_production_values(self):
+        documents = render("--values", str(PRODUCTION_VALUES))
+        config = config_toml(documents)
+        for partitions in config["kafka"]["partitions"].values():
+            self.assertGreaterEqual(partitions, 3)
+        hpas = of_kind(documents, "HorizontalPodAutoscaler")
+        self.assertEqual([hpa["spec"]["scaleTargetRef"]["name"] for hpa in hpas], [component_name("admission")])
+        self.assertGreaterEqual(hpas[0]["spec"]["minReplicas"], 3)
+        for component in COMPONENTS:
+            deployment = named(documents, "Deployment", component_name(component))
+            if component == "admission":
+                # The HPA owns the replica count.
+                self.assertNotIn("replicas", deployment["spec"])
+            else:
+                self.assertEqual(deployment["spec"]["replicas"], 3)
+        self.assertEqual(len(of_kind(documents, "PodDisruptionBudget")), 4)
+        self.assertEqual(len(of_kind(documents, "ServiceMonitor")), 1)
+
+    def test_owner_autoscaling_is_off_by_default(self):
+        documents = render()
+        self.assertEqual(of_kind(documents, "HorizontalPodAutoscaler"), [])
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        for values_key, _, partitions_key, _ in COMPONENTS.values():
+            self.assertFalse(values[values_key]["autoscaling"]["enabled"], values_key)
+
+    def test_pdbs_select_their_deployment(self):
+        documents = render("--values", str(PRODUCTION_VALUES))
+        for component in COMPONENTS:
+            pdb = named(documents, "PodDisruptionBudget", component_name(component))
+            labels = pod_spec_labels(named(documents, "Deployment", component_name(component)))
+            self.assertTrue(selects(pdb["spec"]["selector"]["matchLabels"], labels), component)
+
+    def test_topology_spread_selects_own_pods(self):
+        documents = render()
+        for component in COMPONENTS:
+            deployment = named(documents, "Deployment", component_name(component))
+            constraints = pod_spec(deployment)["topologySpreadConstraints"]
+            self.assertTrue(constraints)
+            for constraint in constraints:
+                self.assertTrue(selects(constraint["labelSelector"]["matchLabels"], pod_spec_labels(deployment)))
+
+
+def pod_spec_labels(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+class WiringTest(ChartTestCase):
+    """Services, endpoints, configuration and the helm test pod agree."""
+
+    def test_services_select_their_deployment(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                for component, (_, binary, _, port) in COMPONENTS.items():
+                    service = named(documents, "Service", component_name(component))
+                    deployment = named(documents, "Deployment", component_name(component))
+                    self.assertTrue(selects(service["spec"]["selector"], pod_spec_labels(deployment)))
+                    # No other Deployment's pods behind this Service.
+                    for other in COMPONENTS:
+                        if other != component:
+                            other_labels = pod_spec_labels(named(documents, "Deployment", component_name(other)))
+                            self.assertFalse(selects(service["spec"]["selector"], other_labels))
+                    grpc = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]
+                    self.assertEqual(grpc["port"], port)
+                    container = pod_spec(deployment)["containers"][0]
+                    self.assertEqual(container["command"], [f"/usr/local/bin/{binary}"])
+                    self.assertEqual(container["args"][-1], "run")
+
+    def test_config_file_matches_values(self):
+        documents = render("--values", str(PRODUCTION_VALUES))
+        values = yaml.safe_load(PRODUCTION_VALUES.read_text())
+        config = config_toml(documents)
+        self.assertEqual(config["kafka"]["brokers"], values["kafka"]["brokers"])
+        self.assertEqual(config["kafka"]["partitions"]["limit_commands"], values["kafka"]["partitions"]["limitCommands"])
+        self.assertEqual(config["kafka"]["partitions"]["rate_commands"], values["kafka"]["partitions"]["rateCommands"])
+        self.assertEqual(config["kafka"]["partitions"]["refresh_due"], values["kafka"]["partitions"]["refreshDue"])
+        self.assertEqual(config["kafka"]["properties"]["security.protocol"], "SASL_SSL")
+        self.assertEqual(config["kafka"]["properties"]["sasl.mechanisms"], "SCRAM-SHA-512")
+        self.assertEqual(config["telemetry"]["otlp_endpoint"], values["telemetry"]["otlpEndpoint"])
+        self.assertIsInstance(config["telemetry"]["sampling_ratio"], float)
+        self.assertEqual(config["telemetry"]["sampling_ratio"], values["telemetry"]["samplingRatio"])
+        self.assertEqual(set(config["task_groups"]), set(values["taskGroups"]))
+        self.assertEqual(config["task_groups"]["emails"]["caps"], [{"key": "smtp", "max": 50, "scope": "global"}])
+        self.assertEqual(config["task_groups"]["emails"]["run_timeout"], "15m")
+        # Admission reaches the other services through their Services.
+        for key, component in (("limit_grant_endpoint", "limit-grant"), ("rate_window_endpoint", "rate-window")):
+            service = named(documents, "Service", component_name(component))
+            port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
+            self.assertEqual(config["admission"][key], f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
+
+    def test_default_sampling_ratio_is_a_toml_float(self):
+        config = config_toml(render())
+        self.assertIsInstance(config["telemetry"]["sampling_ratio"], float)
+        self.assertEqual(config["telemetry"]["sampling_ratio"], 1.0)
+
+    def test_partition_owners_advertise_their_pod_ip(self):
+        documents = render()
+        config = config_toml(documents)
+        for component, (values_key, _, partitions_key, port) in COMPONENTS.items():
+            if partitions_key is None:
+                continue
+            section = config[component.replace("-", "_")]
+            self.assertEqual(section["advertised_endpoint"], "")
+            self.assertEqual(section["listen"], f"0.0.0.0:{port}")
+            env = env_by_name(pod_spec(named(documents, "Deployment", component_name(component)))["containers"][0])
+            self.assertEqual(env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP")
+
+    def test_config_change_rolls_the_pods(self):
+        def checksums(*args):
+            return {
+                d["metadata"]["name"]: d["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+                for d in of_kind(render(*args), "Deployment")
+            }
+        before = checksums()
+        after = checksums("--set", "telemetry.samplingRatio=0.5")
+        self.assertEqual(set(before), set(after))
+        for name in before:
+            self.assertNotEqual(before[name], after[name], name)
+        self.assertEqual(before, checksums(), "the checksum must be stable")
+
+    def test_helm_test_pod_checks_every_service(self):
+        documents = render()
+        pods = of_kind(documents, "Pod")
+        self.assertEqual(len(pods), 1)
+        pod = pods[0]
+        self.assertIn("test", hook_phases(pod))
+        self.assertEqual(pod["spec"]["restartPolicy"], "Never")
+        endpoints = set()
+        for container in pod["spec"]["containers"]:
+            self.assertEqual(container["command"], ["/usr/local/bin/sluice"])
+            self.assertEqual(container["args"][:2], ["health", "--endpoint"])
+            endpoints.add(container["args"][2])
+        expected = set()
+        for component in COMPONENTS:
+            service = named(documents, "Service", component_name(component))
+            port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
+            expected.add(f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
+        self.assertEqual(endpoints, expected)
+
+    def test_service_monitor_scrapes_the_metrics_ports(self):
+        documents = render("--values", str(PRODUCTION_VALUES))
+        monitor = of_kind(documents, "ServiceMonitor")[0]
+        self.assertEqual(monitor["apiVersion"], "monitoring.coreos.com/v1")
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        endpoint_ports = {endpoint["port"] for endpoint in monitor["spec"]["endpoints"]}
+        selected = [s for s in of_kind(documents, "Service") if selects(selector, s["metadata"]["labels"])]
+        self.assertEqual(len(selected), 4)
+        for service in selected:
+            names = {port["name"] for port in service["spec"]["ports"]}
+            self.assertTrue(endpoint_ports <= names, service["metadata"]["name"])
+        for deployment in of_kind(documents, "Deployment"):
+            ports = {p["name"]: p["containerPort"] for p in pod_spec(deployment)["containers"][0]["ports"]}
+            self.assertEqual(ports.get("metrics"), 9090)
+        self.assertEqual(monitor["spec"]["namespaceSelector"]["matchNames"], [NAMESPACE])
+
+    def test_service_monitor_needs_metrics(self):
+        self.assertRenderFails("--set", "metrics.serviceMonitor.enabled=true",
+                               message="metrics.serviceMonitor.enabled needs metrics.enabled")
+
+    def test_network_policy_admits_the_release_and_the_test_pod(self):
+        documents = render("--values", str(PRODUCTION_VALUES))
+        policies = of_kind(documents, "NetworkPolicy")
+        self.assertEqual(len(policies), 4)
+        test_pod_labels = of_kind(documents, "Pod")[0]["metadata"]["labels"]
+        for policy in policies:
+            peers = policy["spec"]["ingress"][0]["from"]
+            release_peer = [p for p in peers if "podSelector" in p and "namespaceSelector" not in p][0]
+            self.assertTrue(selects(release_peer["podSelector"]["matchLabels"], test_pod_labels))
+            for component in COMPONENTS:
+                labels = pod_spec_labels(named(documents, "Deployment", component_name(component)))
+                self.assertTrue(selects(release_peer["podSelector"]["matchLabels"], labels))
+
+
+class NamesTest(ChartTestCase):
+    def test_long_names_stay_within_dns_label_limits(self):
+        long_name = "a" * 63
+        documents = render("--set", f"fullnameOverride={long_name}")
+        names = [(doc["kind"], doc["metadata"]["name"]) for doc in documents]
+        self.assertEqual(len(names), len(set(names)), "two resources share a name")
+        for kind, name in names:
+            # Services, Jobs (job-name label), pods and labels: DNS labels.
+            self.assertLessEqual(len(name), 63, f"{kind} {name}")
+            self.assertRegex(name, r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", f"{kind} {name}")
+
+
+class SchemaTest(ChartTestCase):
+    """values.schema.json refuses malformed values."""
+
+    def test_invalid_values_are_refused(self):
+        cases = (
+            ("--set", "telemetry.samplingRatio=1.5"),
+            ("--set", "kafka.partitions.limitCommands=0"),
+            ("--set", "admission.port=70000"),
+            ("--set", "telemetry.logFormat=xml"),
+            ("--set", "taskGroups.default.lease=soon"),
+            ("--set", "taskGroups.bad/name.lease=30s"),
+            ("--set", "postgres.maxConnections=1"),
+            ("--set", "limitGrant.replicaz=2"),
+            ("--set", "image.pullPolicy=Sometimes"),
+            ("--set", "kafka.securityProtocol=TLS"),
+        )
+        for case in cases:
+            with self.subTest(case=case):
+                with self.assertRaises(RenderError):
+                    render(*case)
+
+    def test_every_value_is_documented(self):
+        """Every key in values.yaml has a comment line right above it (or
+        belongs to a documented block of Kubernetes passthrough objects)."""
+        lines = (CHART / "values.yaml").read_text().splitlines()
+        undocumented = []
+        passthrough_depth = None
+        for index, line in enumerate(lines):
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#"):
+                continue
+            indent = len(line) - len(line.lstrip())
+            if passthrough_depth is not None:
+                if indent > passthrough_depth:
+                    continue
+                passthrough_depth = None
+            if stripped.startswith("- ") or ":" not in stripped:
+                continue
+            comment = []
+            above = index - 1
+            while above >= 0 and lines[above].strip().startswith("#"):
+                comment.insert(0, lines[above].strip())
+                above -= 1
+            opens_block = stripped.endswith(":")
+            if not opens_block and not comment:
+                undocumented.append(f"line {index + 1}: {stripped}")
+            if opens_block and comment and comment[0].startswith("# --"):
+                # A documented passthrough object (resources, strategy, ...).
+                passthrough_depth = indent
+        self.assertEqual(undocumented, [])
+
+
+def main() -> int:
+    verbosity = 2 if "-v" in sys.argv else 1
+    names = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    loader = unittest.TestLoader()
+    if names:
+        suite = loader.loadTestsFromNames(names, sys.modules[__name__])
+    else:
+        suite = loader.loadTestsFromModule(sys.modules[__name__])
+    result = unittest.TextTestRunner(verbosity=verbosity, stream=sys.stdout).run(suite)
+    failed = len(result.failures) + len(result.errors)
+    passed = result.testsRun - failed - len(result.skipped)
+    print(f"helm-chart: {passed} passed, {failed} failed")
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,662 @@
+//! Harness for end-to-end tests and benchmarks: starts real Sluice service
+//! instances in this process on 127.0.0.1:0 against the real broker and
+//! PostgreSQL, each test with its own topic prefix, schema prefix and consumer
+//! groups, so tests run in parallel and rerun without cleanup.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use prost::Message;
+use rand::Rng;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Header, Message as _, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sluice_common::kafka::client_config;
+use sluice_common::{Faults, Shutdown, SluiceConfig};
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::admission_client::AdmissionClient;
+use sluice_proto::v1::limits_client::LimitsClient;
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+static LOGGING: Once = Once::new();
+
+/// Logs for tests: `RUST_LOG` or warnings only.
+pub fn init_logging() {
+    LOGGING.call_once(|| {
+        let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_string());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    });
+}
+
+/// A unique prefix, valid for topics, consumer groups and schemas.
+pub fn unique_prefix(name: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let clean: String = name
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .take(16)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    let random: u32 = rand::rng().random();
+    format!("it_{clean}_{}_{random:08x}_", COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Test configuration: defaults, the test's prefixes, small partition counts
+/// and short timers, then `overrides`.
+pub fn test_config(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<SluiceConfig> {
+    let prefix = unique_prefix(name);
+    let mut settings: Vec<(&str, &str)> = vec![
+        ("kafka.topic_prefix", prefix.as_str()),
+        ("postgres.schema_prefix", prefix.as_str()),
+        ("postgres.max_connections", "8"),
+        ("kafka.partitions.requested", "2"),
+        ("kafka.partitions.admitted", "2"),
+        ("kafka.partitions.limit_commands", "4"),
+        ("kafka.partitions.rate_commands", "2"),
+        ("kafka.partitions.grants", "2"),
+        ("kafka.partitions.refresh_due", "2"),
+        ("kafka.partitions.refresh_tasks", "1"),
+        ("kafka.session_timeout_ms", "6000"),
+        // Idle consumers spin inside tansu at small fetch waits; many tests
+        // run at once, so trade a little latency for CPU.
+        ("kafka.fetch_wait_max_ms", "25"),
+        ("admission.sweep_interval", "200ms"),
+        ("admission.resend_waiting_after", "5s"),
+        ("admission.claim_timeout", "10s"),
+        ("admission.stand_behind_interval", "1s"),
+        ("limit_grant.ticket_grace", "3s"),
+    ];
+    settings.extend_from_slice(overrides);
+    Ok(SluiceConfig::load_with(None, &settings)?)
+}
+
+/// One running service instance.
+pub struct Node {
+    pub name: &'static str,
+    pub endpoint: String,
+    pub shutdown: Shutdown,
+    pub faults: Faults,
+    handle: Option<JoinHandle<Result<(), String>>>,
+}
+
+impl Node {
+    /// Graceful stop.
+    pub async fn stop(mut self) {
+        self.shutdown.trigger();
+        self.join().await;
+    }
+
+    /// Stop at once, skipping every flush (a killed process).
+    pub async fn kill(mut self) {
+        self.shutdown.crash();
+        self.join().await;
+    }
+
+    /// Wait until the node stops by itself (a fault hook crashed it).
+    pub async fn wait_stopped(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        while !self.handle.as_ref().is_none_or(JoinHandle::is_finished) {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{} did not stop within {timeout:?}",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.join().await;
+        Ok(())
+    }
+
+    async fn join(&mut self) {
+        if let Some(handle) = self.handle.take() {
+            match tokio::time::timeout(Duration::from_secs(30), handle).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(error))) => tracing::info!(node = self.name, %error, "node stopped with an error"),
+                Ok(Err(join_error)) => tracing::warn!(node = self.name, %join_error, "node task failed"),
+                Err(_) => tracing::warn!(node = self.name, "node did not stop within 30s"),
+            }
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.shutdown.crash();
+    }
+}
+
+async fn listener() -> anyhow::Result<(tokio::net::TcpListener, String)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("http://{}", listener.local_addr()?);
+    Ok((listener, endpoint))
+}
+
+pub async fn start_limit_grant(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
+    let (listener, endpoint) = listener().await?;
+    let shutdown = Shutdown::new();
+    let handle = tokio::spawn({
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let faults = faults.clone();
+        async move {
+            sluice_limit_grant::run(config, listener, shutdown, faults)
+                .await
+                .map_err(|error| error.to_string())
+        }
+    });
+    Ok(Node {
+        name: "limit-grant",
+        endpoint,
+        shutdown,
+        faults,
+        handle: Some(handle),
+    })
+}
+
+/// Start admission; it reaches limit-grant at `config.admission.limit_grant_endpoint`.
+pub async fn start_admission(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
+    let (listener, endpoint) = listener().await?;
+    let shutdown = Shutdown::new();
+    let handle = tokio::spawn({
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let faults = faults.clone();
+        async move {
+            sluice_admission::run(config, listener, shutdown, faults)
+                .await
+                .map_err(|error| error.to_string())
+        }
+    });
+    Ok(Node {
+        name: "admission",
+        endpoint,
+        shutdown,
+        faults,
+        handle: Some(handle),
+    })
+}
+
+/// A whole stack: one limit-grant and one admission (more can be added).
+pub struct Stack {
+    pub config: Arc<SluiceConfig>,
+    pub limit_grants: Vec<Node>,
+    pub admissions: Vec<Node>,
+    pub pool: PgPool,
+}
+
+impl Stack {
+    /// Start `limit_grants` limit-grant instances, then one admission pointed
+    /// at the first of them. Waits until every partition has an owner.
+    pub async fn start(mut config: SluiceConfig, limit_grants: usize) -> anyhow::Result<Stack> {
+        init_logging();
+        let pool = admin_pool(&config).await?;
+        // Create topics up front so consumers of every instance see them.
+        sluice_common::kafka::ensure_topics(&config.kafka, &sluice_common::service::all_topics(&config), true).await?;
+        let bootstrap = Arc::new(config.clone());
+        let mut nodes = Vec::new();
+        for _ in 0..limit_grants {
+            nodes.push(start_limit_grant(&bootstrap, Faults::none()).await?);
+        }
+        if let Some(first) = nodes.first() {
+            config.admission.limit_grant_endpoint = first.endpoint.clone();
+        }
+        let config = Arc::new(config);
+        let mut stack = Stack {
+            config,
+            limit_grants: nodes,
+            admissions: Vec::new(),
+            pool,
+        };
+        stack.add_admission(Faults::none()).await?;
+        stack.wait_owned(Duration::from_secs(60)).await?;
+        Ok(stack)
+    }
+
+    pub async fn add_admission(&mut self, faults: Faults) -> anyhow::Result<()> {
+        let node = start_admission(&self.config, faults).await?;
+        wait_serving(&node.endpoint, Duration::from_secs(60)).await?;
+        self.admissions.push(node);
+        Ok(())
+    }
+
+    pub async fn add_limit_grant(&mut self, faults: Faults) -> anyhow::Result<()> {
+        let node = start_limit_grant(&self.config, faults).await?;
+        self.limit_grants.push(node);
+        Ok(())
+    }
+
+    /// Wait until every limit-command partition has an owner row.
+    pub async fn wait_owned(&self, timeout: Duration) -> anyhow::Result<()> {
+        let expected = i64::from(self.config.kafka.partitions.limit_commands);
+        let query = format!("SELECT count(*) FROM \"{}\".owners", self.config.schema("limit_grant"));
+        let deadline = Instant::now() + timeout;
+        loop {
+            let owned: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(query.clone()))
+                .fetch_one(&self.pool)
+                .await;
+            if owned.as_ref().is_ok_and(|count| *count >= expected) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "partitions not owned within {timeout:?}: {owned:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn admission_client(&self) -> anyhow::Result<AdmissionClient<Channel>> {
+        let endpoint = &self.admissions.first().context("no admission")?.endpoint;
+        Ok(AdmissionClient::new(connect(endpoint).await?))
+    }
+
+    pub async fn limits_client(&self) -> anyhow::Result<LimitsClient<Channel>> {
+        let endpoint = &self.limit_grants.first().context("no limit-grant")?.endpoint;
+        Ok(LimitsClient::new(connect(endpoint).await?))
+    }
+
+    /// Tickets (held or waiting) left in limit-grant's tables.
+    pub async fn tickets_left(&self) -> anyhow::Result<i64> {
+        let query = format!("SELECT count(*) FROM \"{}\".tickets", self.config.schema("limit_grant"));
+        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(query))
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
+    /// Count of jobs per status code in admission's table.
+    pub async fn job_statuses(&self) -> anyhow::Result<HashMap<i16, i64>> {
+        let query = format!(
+            "SELECT status, count(*) FROM \"{}\".jobs GROUP BY status",
+            self.config.schema("admission")
+        );
+        let rows: Vec<(i16, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(query)).fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().collect())
+    }
+
+    /// (priority, enqueued_at_us) of every job, by id.
+    pub async fn job_order(&self) -> anyhow::Result<HashMap<String, (i16, i64)>> {
+        let query = format!(
+            "SELECT job_id, priority, enqueued_at_us FROM \"{}\".jobs",
+            self.config.schema("admission")
+        );
+        let rows: Vec<(String, i16, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(query)).fetch_all(&self.pool).await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, priority, at)| (id, (priority, at)))
+            .collect())
+    }
+
+    pub async fn stop(self) {
+        for node in self.admissions {
+            node.stop().await;
+        }
+        for node in self.limit_grants {
+            node.stop().await;
+        }
+        self.pool.close().await;
+    }
+}
+
+/// A pool for test assertions (no schema on the search path).
+pub async fn admin_pool(config: &SluiceConfig) -> anyhow::Result<PgPool> {
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(config.postgres.url.expose())
+        .await?)
+}
+
+pub async fn connect(endpoint: &str) -> anyhow::Result<Channel> {
+    Ok(tonic::transport::Endpoint::from_shared(endpoint.to_string())?
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await?)
+}
+
+/// Whether the endpoint's standard health service says SERVING.
+pub async fn health_serving(endpoint: &str) -> anyhow::Result<bool> {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    let mut client = tonic_health::pb::health_client::HealthClient::new(connect(endpoint).await?);
+    let response = client
+        .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+        .await?;
+    Ok(response.into_inner().status == ServingStatus::Serving as i32)
+}
+
+/// Wait until the endpoint's health service says SERVING.
+pub async fn wait_serving(endpoint: &str, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if health_serving(endpoint).await.unwrap_or(false) {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{endpoint} not serving within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Producing job requests over Kafka
+
+pub struct RequestProducer {
+    producer: FutureProducer,
+    topic: String,
+}
+
+impl RequestProducer {
+    pub fn new(config: &SluiceConfig) -> anyhow::Result<Self> {
+        let mut client = client_config(&config.kafka);
+        client.set("linger.ms", "5").set("enable.idempotence", "true");
+        Ok(RequestProducer {
+            producer: client.create()?,
+            topic: config.topic(&config.topics.requested),
+        })
+    }
+
+    /// Send messages (any bytes) and wait for every ack.
+    pub async fn send_messages(&self, messages: Vec<RawRequest>) -> anyhow::Result<()> {
+        let mut deliveries = Vec::with_capacity(messages.len());
+        for message in &messages {
+            let mut headers = OwnedHeaders::new();
+            for (name, value) in &message.headers {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(value),
+                });
+            }
+            let mut record = FutureRecord::<[u8], [u8]>::to(&self.topic)
+                .payload(&message.payload)
+                .headers(headers);
+            if let Some(key) = &message.key {
+                record = record.key(key);
+            }
+            loop {
+                match self.producer.send_result(record) {
+                    Ok(delivery) => {
+                        deliveries.push(delivery);
+                        break;
+                    }
+                    Err((
+                        rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                        returned,
+                    )) => {
+                        record = returned;
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Err((error, _)) => anyhow::bail!("produce failed: {error}"),
+                }
+            }
+        }
+        for delivery in deliveries {
+            delivery
+                .await
+                .context("delivery cancelled")?
+                .map_err(|(error, _)| anyhow::anyhow!("delivery failed: {error}"))?;
+        }
+        Ok(())
+    }
+
+    /// Send protobuf requests keyed by their payload, so they spread over partitions.
+    pub async fn send(&self, requests: &[pb::JobRequest]) -> anyhow::Result<()> {
+        self.send_messages(
+            requests
+                .iter()
+                .map(|request| RawRequest {
+                    key: Some(request.payload.clone()),
+                    payload: request.encode_to_vec(),
+                    headers: Vec::new(),
+                })
+                .collect(),
+        )
+        .await
+    }
+}
+
+/// One message for `jobs.requested`, as bytes.
+#[derive(Clone, Debug, Default)]
+pub struct RawRequest {
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+/// A job on one concurrency key.
+pub fn concurrency_job(tenant: &str, key: &str, max: u32, priority: u32, payload: &str) -> pb::JobRequest {
+    pb::JobRequest {
+        tenant: tenant.to_string(),
+        task_group: "default".to_string(),
+        priority: Some(priority),
+        payload: payload.as_bytes().to_vec(),
+        limits: vec![pb::Limit {
+            kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                key: key.to_string(),
+                max_concurrency: max,
+            })),
+        }],
+        ..Default::default()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Workers
+
+/// One run of one attempt, as a test worker saw it.
+#[derive(Clone, Debug)]
+pub struct RunRecord {
+    pub job_id: String,
+    pub attempt: u32,
+    pub payload: String,
+    pub claimed_at: Instant,
+    pub finished_at: Instant,
+}
+
+#[derive(Default)]
+pub struct Recorder {
+    pub runs: Mutex<Vec<RunRecord>>,
+    pub claim_outcomes: Mutex<HashMap<i32, u64>>,
+    pub deliveries: AtomicU64,
+}
+
+impl Recorder {
+    pub fn runs(&self) -> Vec<RunRecord> {
+        self.runs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
+
+    pub fn completed(&self) -> usize {
+        self.runs.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).len()
+    }
+
+    fn count_claim(&self, outcome: i32) {
+        *self
+            .claim_outcomes
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(outcome)
+            .or_default() += 1;
+    }
+}
+
+/// How a test worker behaves.
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    pub worker_id: String,
+    pub task_group: String,
+    pub group: String,
+    pub concurrency: usize,
+    pub min_run: Duration,
+    pub max_run: Duration,
+}
+
+/// Consume admitted jobs, claim, "run" for a random short time, complete.
+/// Runs until `stop` is cancelled.
+pub async fn run_worker(
+    config: Arc<SluiceConfig>,
+    admission_endpoint: String,
+    options: WorkerOptions,
+    recorder: Arc<Recorder>,
+    stop: Shutdown,
+) -> anyhow::Result<()> {
+    let mut client_settings = client_config(&config.kafka);
+    client_settings
+        .set("group.id", &options.group)
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "true")
+        .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
+    let consumer: StreamConsumer = client_settings.create()?;
+    consumer.subscribe(&[&config.admitted_topic(&options.task_group)])?;
+    let client = AdmissionClient::new(connect(&admission_endpoint).await?);
+    let slots = Arc::new(tokio::sync::Semaphore::new(options.concurrency));
+    let mut running = tokio::task::JoinSet::new();
+    loop {
+        let message = tokio::select! {
+            _ = stop.cancelled() => break,
+            received = consumer.recv() => received?,
+        };
+        recorder.deliveries.fetch_add(1, Ordering::Relaxed);
+        let admitted = pb::AdmittedJob::decode(message.payload().unwrap_or_default())?;
+        let permit = slots.clone().acquire_owned().await?;
+        let mut client = client.clone();
+        let recorder = recorder.clone();
+        let options = options.clone();
+        running.spawn(async move {
+            let _permit = permit;
+            let claimed = client
+                .claim(pb::ClaimRequest {
+                    worker_id: options.worker_id.clone(),
+                    jobs: vec![pb::JobAttempt {
+                        job_id: admitted.job_id.clone(),
+                        attempt: admitted.attempt,
+                    }],
+                })
+                .await;
+            let Ok(claimed) = claimed else {
+                return;
+            };
+            let Some(result) = claimed.into_inner().results.pop() else {
+                return;
+            };
+            recorder.count_claim(result.outcome);
+            if result.outcome != pb::ClaimOutcome::Claimed as i32 {
+                return;
+            }
+            let claimed_at = Instant::now();
+            let run_for = if options.max_run > options.min_run {
+                rand::rng().random_range(options.min_run..options.max_run)
+            } else {
+                options.min_run
+            };
+            tokio::time::sleep(run_for).await;
+            let finished_at = Instant::now();
+            let completed = client
+                .complete(pb::CompleteRequest {
+                    worker_id: options.worker_id.clone(),
+                    completions: vec![pb::Completion {
+                        job_id: admitted.job_id.clone(),
+                        attempt: admitted.attempt,
+                        outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+                    }],
+                })
+                .await;
+            let accepted = completed.is_ok_and(|response| {
+                response
+                    .into_inner()
+                    .results
+                    .first()
+                    .is_some_and(|result| result.outcome == pb::CompleteOutcome::Accepted as i32)
+            });
+            if accepted {
+                recorder
+                    .runs
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .push(RunRecord {
+                        job_id: admitted.job_id,
+                        attempt: admitted.attempt,
+                        payload: String::from_utf8_lossy(&admitted.payload).to_string(),
+                        claimed_at,
+                        finished_at,
+                    });
+            }
+        });
+        while running.try_join_next().is_some() {}
+    }
+    running.shutdown().await;
+    Ok(())
+}
+
+/// The largest number of overlapping runs among `runs`.
+pub fn max_overlap(runs: &[&RunRecord]) -> usize {
+    let mut edges: Vec<(Instant, i32)> = Vec::with_capacity(runs.len() * 2);
+    for run in runs {
+        edges.push((run.claimed_at, 1));
+        edges.push((run.finished_at, -1));
+    }
+    // At equal instants, ends go first: touching intervals do not overlap.
+    edges.sort_by(|left, right| left.0.cmp(&right.0).then(left.1.cmp(&right.1)));
+    let mut current = 0i32;
+    let mut peak = 0i32;
+    for (_, delta) in edges {
+        current += delta;
+        peak = peak.max(current);
+    }
+    usize::try_from(peak).unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------
+// Observing grant events
+
+/// Reads the grant topic with its own group and keeps every event in order
+/// of arrival (per grant partition, that is emission order).
+pub async fn observe_grants(
+    config: Arc<SluiceConfig>,
+    events: Arc<Mutex<Vec<pb::GrantEvent>>>,
+    stop: Shutdown,
+) -> anyhow::Result<()> {
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set("group.id", format!("{}observer", config.kafka.topic_prefix))
+        .set("auto.offset.reset", "earliest")
+        .set("fetch.wait.max.ms", "5");
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[&config.topic(&config.topics.grants)])?;
+    loop {
+        let message = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            received = consumer.recv() => received?,
+        };
+        let batch = pb::GrantEventBatch::decode(message.payload().unwrap_or_default())?;
+        events
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .extend(batch.events);
+    }
+}
+
+/// Poll `condition` until it holds.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut condition: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await? {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,151 @@
+//! Crash points, injected deterministically with fault hooks: each run must
+//! still complete every job, never overrun a key, run each job once, and end
+//! with no ticket held.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_common::{FaultPoint, Faults, Shutdown};
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+
+use crate::flow::{check_runs, three_hundred_requests};
+
+/// Which node a scenario breaks, and how.
+enum Break {
+    /// Arm `point` on the first limit-grant; when it fires, start a new one.
+    LimitGrant(FaultPoint),
+    /// Arm `point` on the first admission (a second one serves workers and
+    /// takes over its partitions).
+    Admission(FaultPoint),
+    /// Kill the second of two limit-grant instances after `after` completions.
+    KillSecondLimitGrant { after: usize },
+}
+
+async fn run_scenario(name: &str, broken: Break) -> anyhow::Result<()> {
+    let limit_grants = match broken {
+        Break::KillSecondLimitGrant { .. } => 2,
+        _ => 1,
+    };
+    let mut stack = Stack::start(test_config(name, &[])?, limit_grants).await?;
+    stack.add_admission(Faults::none()).await?;
+    let worker_endpoint = stack.admissions[1].endpoint.clone();
+    match &broken {
+        // Let a few batches through first, so the crash lands mid-run.
+        Break::LimitGrant(point) => stack.limit_grants[0].faults.arm(*point, 5, 1),
+        Break::Admission(point) => stack.admissions[0].faults.arm(*point, 1, 1),
+        Break::KillSecondLimitGrant { .. } => {}
+    }
+
+    let stop = Shutdown::new();
+    let recorder = Arc::new(Recorder::default());
+    let worker_stack = WorkerTarget {
+        stack: &stack,
+        endpoint: worker_endpoint,
+    };
+    worker_stack.start(&recorder, &stop);
+    RequestProducer::new(&stack.config)?
+        .send(&three_hundred_requests())
+        .await?;
+
+    match broken {
+        Break::LimitGrant(point) => {
+            stack.limit_grants[0].wait_stopped(Duration::from_secs(60)).await?;
+            assert_eq!(stack.limit_grants[0].faults.fired(point), 1);
+            let crashed = stack.limit_grants.remove(0);
+            drop(crashed);
+            stack.add_limit_grant(Faults::none()).await?;
+        }
+        Break::Admission(point) => {
+            stack.admissions[0].wait_stopped(Duration::from_secs(60)).await?;
+            assert_eq!(stack.admissions[0].faults.fired(point), 1);
+        }
+        Break::KillSecondLimitGrant { after } => {
+            eventually(Duration::from_secs(60), "some completions", || async {
+                Ok(recorder.completed() >= after)
+            })
+            .await?;
+            let second = stack.limit_grants.remove(1);
+            second.kill().await;
+        }
+    }
+
+    eventually(Duration::from_secs(180), "300 completions", || async {
+        Ok(recorder.completed() == 300)
+    })
+    .await?;
+    check_runs(&recorder, 300, 2);
+    eventually(Duration::from_secs(60), "no ticket left", || async {
+        Ok(stack.tickets_left().await? == 0)
+    })
+    .await?;
+    let statuses = stack.job_statuses().await?;
+    assert_eq!(
+        statuses.get(&(pb::JobStatus::Succeeded as i16)),
+        Some(&300),
+        "{statuses:?}"
+    );
+    stop.trigger();
+    stack.stop().await;
+    Ok(())
+}
+
+struct WorkerTarget<'a> {
+    stack: &'a Stack,
+    endpoint: String,
+}
+
+impl WorkerTarget<'_> {
+    fn start(&self, recorder: &Arc<Recorder>, stop: &Shutdown) {
+        for index in 0..2 {
+            let options = WorkerOptions {
+                worker_id: format!("worker-{index}"),
+                task_group: "default".to_string(),
+                group: format!("{}workers", self.stack.config.kafka.topic_prefix),
+                concurrency: 8,
+                min_run: Duration::from_millis(1),
+                max_run: Duration::from_millis(20),
+            };
+            tokio::spawn(run_worker(
+                self.stack.config.clone(),
+                self.endpoint.clone(),
+                options,
+                recorder.clone(),
+                stop.clone(),
+            ));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limit_grant_killed_after_commit_before_publish() -> anyhow::Result<()> {
+    run_scenario("lgcommit", Break::LimitGrant(FaultPoint::OwnerAfterCommitBeforePublish)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn limit_grant_killed_after_publish_before_offset_commit() -> anyhow::Result<()> {
+    run_scenario(
+        "lgoffset",
+        Break::LimitGrant(FaultPoint::OwnerAfterPublishBeforeOffsetStore),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admission_killed_after_saving_jobs_before_sending_acquires() -> anyhow::Result<()> {
+    run_scenario("admsave", Break::Admission(FaultPoint::AdmissionAfterSaveBeforeAcquire)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admission_killed_after_publish_before_offset_commit() -> anyhow::Result<()> {
+    run_scenario(
+        "admoffset",
+        Break::Admission(FaultPoint::AdmissionAfterPublishBeforeOffsetStore),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_of_two_limit_grants_killed_mid_run() -> anyhow::Result<()> {
+    run_scenario("lgkill", Break::KillSecondLimitGrant { after: 80 }).await
+}

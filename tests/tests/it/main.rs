@@ -1,0 +1,5 @@
+//! End-to-end tests on the real broker (tansu or Kafka at 127.0.0.1:9092) and
+//! PostgreSQL (127.0.0.1:5432). `make test` starts both.
+
+mod crash;
+mod flow;
