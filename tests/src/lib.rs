@@ -294,6 +294,18 @@ impl Stack {
             .collect())
     }
 
+    /// Stop every node and keep the data (benchmarks read statistics after).
+    pub async fn stop_nodes(&mut self) {
+        for node in self.admissions.drain(..) {
+            node.stop().await;
+        }
+        for node in self.limit_grants.drain(..) {
+            node.stop().await;
+        }
+    }
+
+    /// Stop every node, then drop the test's schemas (a failed test leaves
+    /// them for inspection; unique names make that harmless).
     pub async fn stop(self) {
         for node in self.admissions {
             node.stop().await;
@@ -301,11 +313,20 @@ impl Stack {
         for node in self.limit_grants {
             node.stop().await;
         }
+        cleanup(&self.config, &self.pool).await;
         self.pool.close().await;
     }
 }
 
-/// A pool for test assertions (no schema on the search path).
+/// Drop the schemas named with this test's prefix. Topics stay: deleting
+/// topics on tansu makes librdkafka 2.12 crash in its metadata cache (seen in
+/// `make bench`), and unique names keep runs apart anyway.
+pub async fn cleanup(config: &SluiceConfig, pool: &PgPool) {
+    if let Err(error) = sluice_common::storage::drop_schemas_with_prefix(pool, &config.postgres.schema_prefix).await {
+        tracing::warn!(%error, "dropping test schemas failed");
+    }
+}
+
 pub async fn admin_pool(config: &SluiceConfig) -> anyhow::Result<PgPool> {
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)

@@ -1,6 +1,8 @@
 //! `sluice`: run everything locally (`sluice dev`), set up topics, migrate,
 //! and check health.
 
+mod try_it;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +36,23 @@ enum Command {
         #[command(subcommand)]
         command: TopicsCommand,
     },
+    /// Enqueue jobs on one key and run them with a worker, showing the limit
+    /// hold (an example against a running stack).
+    Try {
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        endpoint: String,
+        #[arg(long, default_value_t = 30)]
+        jobs: usize,
+        #[arg(long, default_value_t = 2)]
+        limit: u32,
+        #[arg(long, default_value = "try-key")]
+        key: String,
+        #[arg(long, default_value = "demo")]
+        tenant: String,
+        /// How long the worker holds each job, e.g. 300ms.
+        #[arg(long, default_value = "300ms")]
+        hold: String,
+    },
     /// Exit 0 when the gRPC health service at ENDPOINT reports SERVING.
     Health {
         #[arg(long, default_value = "http://127.0.0.1:50051")]
@@ -56,6 +75,30 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Health { endpoint, service } => health(&endpoint, &service).await,
+        Command::Try {
+            endpoint,
+            jobs,
+            limit,
+            key,
+            tenant,
+            hold,
+        } => {
+            let config = SluiceConfig::load(cli.config.as_deref())?;
+            let hold =
+                sluice_common::config::parse_duration(&hold).map_err(|message| anyhow::anyhow!("--hold: {message}"))?;
+            try_it::run(
+                &config,
+                try_it::TryOptions {
+                    endpoint,
+                    jobs,
+                    limit,
+                    key,
+                    tenant,
+                    hold,
+                },
+            )
+            .await
+        }
         Command::Dev => {
             let config = Arc::new(SluiceConfig::load(cli.config.as_deref())?);
             let _telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;

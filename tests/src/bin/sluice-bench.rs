@@ -1,1 +1,417 @@
-fn main() {}
+//! `make bench`: Sluice's throughput and latency on this machine, against the
+//! real broker and PostgreSQL, next to a plain Kafka relay on the same broker.
+//! Prints its figures as one JSON object on the last line.
+//!
+//! Environment: BENCH_JOBS (20000), BENCH_KEYS (1000), BENCH_LIMIT (5),
+//! BENCH_FETCH_WAIT_MS (5), BENCH_LATENCY_JOBS (300).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use prost::Message as _;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::Message;
+use sluice_common::kafka::{client_config, ensure_topics, TopicSpec};
+use sluice_common::{Shutdown, SluiceConfig};
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::admission_client::AdmissionClient;
+
+/// Kafka hops on one job's path: request, acquire, grant, admitted, release.
+const HOPS_PER_JOB: usize = 5;
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let jobs = env_number("BENCH_JOBS", 20_000);
+    let keys = env_number("BENCH_KEYS", 1_000);
+    let limit = u32::try_from(env_number("BENCH_LIMIT", 5))?;
+    let fetch_wait_ms = env_number("BENCH_FETCH_WAIT_MS", 5);
+    let latency_jobs = env_number("BENCH_LATENCY_JOBS", 300);
+    let fetch_wait = fetch_wait_ms.to_string();
+    let overrides: Vec<(&str, &str)> = vec![
+        ("kafka.fetch_wait_max_ms", fetch_wait.as_str()),
+        ("kafka.partitions.requested", "4"),
+        ("kafka.partitions.admitted", "4"),
+        ("kafka.partitions.limit_commands", "8"),
+        ("kafka.partitions.grants", "8"),
+        ("postgres.max_connections", "16"),
+        ("admission.resend_waiting_after", "60s"),
+        ("admission.claim_timeout", "120s"),
+        ("limit_grant.ticket_grace", "60s"),
+        ("admission.stand_behind_interval", "20s"),
+    ];
+
+    eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit} (fetch.wait.max.ms={fetch_wait_ms})");
+    let mut stack = Stack::start(test_config("bench", &overrides)?, 1).await?;
+    let writes_before = pg_writes(&stack).await?;
+    let throughput = run_throughput(&stack, jobs, keys, limit).await?;
+    eprintln!("bench: {:.0} admitted jobs/s", throughput);
+
+    eprintln!("bench: release-to-admit latency on a saturated key ({latency_jobs} jobs)");
+    let latencies = run_latency(&stack, latency_jobs).await?;
+
+    let config = stack.config.clone();
+    stack.stop_nodes().await;
+    let writes_after = pg_writes(&stack).await?;
+    let total_jobs = jobs + latency_jobs;
+    let pg_writes_per_job = to_f64(writes_after - writes_before) / to_f64(total_jobs);
+    cleanup(&config, &stack.pool).await;
+
+    eprintln!("bench: plain relay, {jobs} messages through {HOPS_PER_JOB} consume->produce hops");
+    let relay = run_relay(&config, jobs).await?;
+
+    let figures = serde_json::json!({
+        "admitted_jobs_per_s": round(throughput),
+        "jobs": jobs,
+        "keys": keys,
+        "limit": limit,
+        "relay_jobs_per_s": round(relay),
+        "hops_per_job": HOPS_PER_JOB,
+        "ratio_to_relay": (throughput / relay * 1000.0).round() / 1000.0,
+        "release_to_admit_p50_ms": round(percentile(&latencies, 0.50)),
+        "release_to_admit_p99_ms": round(percentile(&latencies, 0.99)),
+        "fetch_wait_max_ms": fetch_wait_ms,
+        "pg_writes_per_job": (pg_writes_per_job * 100.0).round() / 100.0,
+    });
+    println!("{figures}");
+    Ok(())
+}
+
+fn to_f64(value: u64) -> f64 {
+    // Counts here stay far below 2^52.
+    #[allow(clippy::cast_precision_loss)]
+    let converted = value as f64;
+    converted
+}
+
+fn round(value: f64) -> f64 {
+    (value * 10.0).round() / 10.0
+}
+
+fn percentile(sorted: &[f64], quantile: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let index = ((sorted.len() - 1) as f64 * quantile).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+/// Rows inserted, updated and deleted in the bench's schemas so far.
+async fn pg_writes(stack: &Stack) -> anyhow::Result<u64> {
+    // Statistics reach the shared counters when backends report; stopped
+    // nodes have closed their connections, which flushes them.
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&stack.pool)
+        .await?;
+    let total: Option<i64> = sqlx::query_scalar(
+        "SELECT sum(n_tup_ins + n_tup_upd + n_tup_del)::bigint FROM pg_stat_user_tables WHERE starts_with(schemaname, $1)",
+    )
+    .bind(&stack.config.postgres.schema_prefix)
+    .fetch_one(&stack.pool)
+    .await?;
+    Ok(u64::try_from(total.unwrap_or(0)).unwrap_or(0))
+}
+
+fn consumer(config: &SluiceConfig, group: &str, topic: &str) -> anyhow::Result<StreamConsumer> {
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set("group.id", group)
+        .set("auto.offset.reset", "earliest")
+        .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string())
+        .set("fetch.min.bytes", "1");
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[topic])?;
+    Ok(consumer)
+}
+
+/// Workers that claim and complete at once, in batches.
+async fn batch_worker(
+    config: Arc<SluiceConfig>,
+    endpoint: String,
+    group: String,
+    worker_id: String,
+    completed: Arc<AtomicU64>,
+    stop: Shutdown,
+) -> anyhow::Result<()> {
+    let consumer = consumer(&config, &group, &config.admitted_topic("default"))?;
+    let mut admission = AdmissionClient::new(connect(&endpoint).await?);
+    loop {
+        let first = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            received = consumer.recv() => received?,
+        };
+        let mut batch = vec![pb::AdmittedJob::decode(first.payload().unwrap_or_default())?];
+        drop(first);
+        while batch.len() < 500 {
+            match tokio::time::timeout(Duration::from_millis(1), consumer.recv()).await {
+                Ok(received) => {
+                    let message = received?;
+                    batch.push(pb::AdmittedJob::decode(message.payload().unwrap_or_default())?);
+                }
+                Err(_) => break,
+            }
+        }
+        let claimed = admission
+            .claim(pb::ClaimRequest {
+                worker_id: worker_id.clone(),
+                jobs: batch
+                    .iter()
+                    .map(|job| pb::JobAttempt {
+                        job_id: job.job_id.clone(),
+                        attempt: job.attempt,
+                    })
+                    .collect(),
+            })
+            .await?
+            .into_inner();
+        let completions: Vec<pb::Completion> = claimed
+            .results
+            .into_iter()
+            .filter(|result| result.outcome == pb::ClaimOutcome::Claimed as i32)
+            .map(|result| pb::Completion {
+                job_id: result.job_id,
+                attempt: result.attempt,
+                outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+            })
+            .collect();
+        if completions.is_empty() {
+            continue;
+        }
+        let count = u64::try_from(completions.len())?;
+        admission
+            .complete(pb::CompleteRequest {
+                worker_id: worker_id.clone(),
+                completions,
+            })
+            .await?;
+        completed.fetch_add(count, Ordering::Relaxed);
+    }
+}
+
+async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyhow::Result<f64> {
+    let completed = Arc::new(AtomicU64::new(0));
+    let stop = Shutdown::new();
+    let group = format!("{}bench-workers", stack.config.kafka.topic_prefix);
+    for index in 0..4 {
+        tokio::spawn(batch_worker(
+            stack.config.clone(),
+            stack.admissions[0].endpoint.clone(),
+            group.clone(),
+            format!("bench-worker-{index}"),
+            completed.clone(),
+            stop.clone(),
+        ));
+    }
+    // Let the worker group settle before the clock starts.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let requests: Vec<pb::JobRequest> = (0..jobs)
+        .map(|index| {
+            let key = format!("key-{}", index % keys);
+            concurrency_job("bench", &key, limit, 50, &format!("{index}"))
+        })
+        .collect();
+    let producer = RequestProducer::new(&stack.config)?;
+    let started = Instant::now();
+    producer.send(&requests).await?;
+    eventually(Duration::from_secs(600), "every bench job completed", || {
+        let completed = completed.clone();
+        async move { Ok(completed.load(Ordering::Relaxed) >= jobs) }
+    })
+    .await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    stop.trigger();
+    Ok(to_f64(jobs) / elapsed)
+}
+
+/// Completion to the next admission on one saturated key (limit 1).
+async fn run_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
+    let requests: Vec<pb::JobRequest> = (0..jobs)
+        .map(|index| concurrency_job("bench", "saturated", 1, 50, &format!("lat-{index}")))
+        .collect();
+    let mut admission = stack.admission_client().await?;
+    admission
+        .enqueue_batch(pb::EnqueueBatchRequest { jobs: requests })
+        .await
+        .context("enqueue latency jobs")?;
+    let mut limits = stack.limits_client().await?;
+    eventually(Duration::from_secs(120), "the saturated key's queue filled", || {
+        let mut limits = limits.clone();
+        async move {
+            let state = limits
+                .describe_key(pb::DescribeKeyRequest {
+                    key: Some(pb::KeyRef {
+                        tenant: "bench".to_string(),
+                        key: "saturated".to_string(),
+                    }),
+                    ticket: None,
+                    first_waiters: 1,
+                })
+                .await?
+                .into_inner()
+                .state
+                .unwrap_or_default();
+            Ok(u64::from(state.waiting) + u64::try_from(state.holders.len())? == jobs)
+        }
+    })
+    .await?;
+    let _ = &mut limits;
+    let consumer = consumer(
+        &stack.config,
+        &format!("{}latency-worker", stack.config.kafka.topic_prefix),
+        &stack.config.admitted_topic("default"),
+    )?;
+    let mut latencies = Vec::with_capacity(usize::try_from(jobs)?);
+    let mut released_at: Option<Instant> = None;
+    let mut done = 0;
+    while done < jobs {
+        let message = tokio::time::timeout(Duration::from_secs(60), consumer.recv())
+            .await
+            .context("no admitted job for 60s")??;
+        let job = pb::AdmittedJob::decode(message.payload().unwrap_or_default())?;
+        if !String::from_utf8_lossy(&job.payload).starts_with("lat-") {
+            continue;
+        }
+        if let Some(at) = released_at.take() {
+            latencies.push(at.elapsed().as_secs_f64() * 1000.0);
+        }
+        let claimed = admission
+            .claim(pb::ClaimRequest {
+                worker_id: "latency".to_string(),
+                jobs: vec![pb::JobAttempt {
+                    job_id: job.job_id.clone(),
+                    attempt: job.attempt,
+                }],
+            })
+            .await?
+            .into_inner();
+        if claimed.results.first().map(|result| result.outcome) != Some(pb::ClaimOutcome::Claimed as i32) {
+            continue;
+        }
+        released_at = Some(Instant::now());
+        admission
+            .complete(pb::CompleteRequest {
+                worker_id: "latency".to_string(),
+                completions: vec![pb::Completion {
+                    job_id: job.job_id,
+                    attempt: job.attempt,
+                    outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+                }],
+            })
+            .await?;
+        done += 1;
+    }
+    latencies.sort_by(f64::total_cmp);
+    Ok(latencies)
+}
+
+/// A plain consume->produce relay with `HOPS_PER_JOB` hops, same broker and
+/// fetch settings: `messages` messages of ~120 bytes.
+async fn run_relay(config: &SluiceConfig, messages: u64) -> anyhow::Result<f64> {
+    let prefix = unique_prefix("relay");
+    let topics: Vec<String> = (0..=HOPS_PER_JOB).map(|hop| format!("{prefix}relay-{hop}")).collect();
+    let specs: Vec<TopicSpec> = topics
+        .iter()
+        .map(|name| TopicSpec {
+            name: name.clone(),
+            partitions: 8,
+            internal: false,
+        })
+        .collect();
+    ensure_topics(&config.kafka, &specs, true).await?;
+    let producer: FutureProducer = {
+        let mut settings = client_config(&config.kafka);
+        settings
+            .set("linger.ms", config.kafka.linger_ms.to_string())
+            .set("batch.size", "1000000")
+            .set("queue.buffering.max.messages", "1000000");
+        settings.create()?
+    };
+    let stop = Shutdown::new();
+    let arrived = Arc::new(AtomicU64::new(0));
+    // Stage i reads relay-i and writes relay-(i+1); the last topic is counted.
+    for hop in 0..HOPS_PER_JOB {
+        let input = consumer(config, &format!("{prefix}stage-{hop}"), &topics[hop])?;
+        let output = topics[hop + 1].clone();
+        let producer = producer.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                let message = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    received = input.recv() => match received { Ok(message) => message, Err(_) => continue },
+                };
+                let payload = message.payload().unwrap_or_default().to_vec();
+                let key = message.key().unwrap_or_default().to_vec();
+                drop(message);
+                let mut record = FutureRecord::<[u8], [u8]>::to(&output).payload(&payload).key(&key);
+                loop {
+                    match producer.send_result(record) {
+                        Ok(_delivery) => break,
+                        Err((_, returned)) => {
+                            record = returned;
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
+                }
+            }
+        });
+    }
+    let sink = consumer(config, &format!("{prefix}sink"), &topics[HOPS_PER_JOB])?;
+    {
+        let arrived = arrived.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    received = sink.recv() => if received.is_ok() { arrived.fetch_add(1, Ordering::Relaxed); },
+                }
+            }
+        });
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let payload = vec![b'x'; 120];
+    let started = Instant::now();
+    let mut by_key: HashMap<u64, Vec<u8>> = HashMap::new();
+    for index in 0..messages {
+        let key = by_key
+            .entry(index % 1000)
+            .or_insert_with(|| index.to_string().into_bytes());
+        let mut record = FutureRecord::<[u8], [u8]>::to(&topics[0])
+            .payload(&payload)
+            .key(key.as_slice());
+        loop {
+            match producer.send_result(record) {
+                Ok(_delivery) => break,
+                Err((_, returned)) => {
+                    record = returned;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+    eventually(Duration::from_secs(600), "every relayed message arrived", || {
+        let arrived = arrived.clone();
+        async move { Ok(arrived.load(Ordering::Relaxed) >= messages) }
+    })
+    .await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    stop.trigger();
+    Ok(to_f64(messages) / elapsed)
+}

@@ -2,4 +2,7 @@
 //! PostgreSQL (127.0.0.1:5432). `make test` starts both.
 
 mod crash;
+mod deadletter;
+mod fencing;
 mod flow;
+mod introspection;

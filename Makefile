@@ -1,0 +1,51 @@
+# The contract README and CI both call. Every target installs what is missing
+# and starts what must run (scripts/dev-env.sh), then does its job.
+
+SHELL := /bin/bash
+export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
+CARGO ?= cargo
+NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
+
+.PHONY: help setup run build test fmt-check clippy unit-and-integration helm-check bench fmt
+
+help:
+	@echo "make run         set up and run Sluice locally (all four services in one process)"
+	@echo "make test        set up and run every check: fmt, clippy, unit and integration tests, helm-check"
+	@echo "make bench       run the benchmarks; the last line printed is one JSON object"
+	@echo "make helm-check  lint, render and schema-validate the Helm chart"
+
+setup:
+	@scripts/dev-env.sh all
+
+build: setup
+	$(CARGO) build --release --locked -p sluice-cli -p sluice-admission -p sluice-limit-grant -p sluice-rate-window -p sluice-refresh-dispatcher
+
+run: build
+	@scripts/run-banner.sh
+	$(CARGO_TARGET_DIR)/release/sluice dev
+
+fmt:
+	$(CARGO) fmt --all
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy: setup
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+
+unit-and-integration: setup
+ifeq ($(NEXTEST),yes)
+	$(CARGO) nextest run --locked --workspace --no-fail-fast
+	$(CARGO) test --locked --workspace --doc
+else
+	$(CARGO) test --locked --workspace --no-fail-fast
+endif
+
+helm-check:
+	@bash scripts/helm-check.sh
+
+test: fmt-check clippy unit-and-integration helm-check
+	@echo "make test: all checks passed"
+
+bench: setup
+	$(CARGO) run --release --locked -p sluice-e2e --bin sluice-bench

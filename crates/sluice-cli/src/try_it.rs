@@ -1,0 +1,155 @@
+//! `sluice try`: a copy-paste example against a running stack. Enqueues jobs
+//! on one concurrency key, runs a worker that claims each admitted job, holds
+//! it for a moment and completes it, and shows them going through at most
+//! `limit` at a time.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use prost::Message as _;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::Message;
+use sluice_common::kafka::client_config;
+use sluice_common::SluiceConfig;
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::admission_client::AdmissionClient;
+
+pub struct TryOptions {
+    pub endpoint: String,
+    pub jobs: usize,
+    pub limit: u32,
+    pub key: String,
+    pub tenant: String,
+    pub hold: Duration,
+}
+
+pub async fn run(config: &SluiceConfig, options: TryOptions) -> anyhow::Result<()> {
+    let channel = tonic::transport::Endpoint::from_shared(options.endpoint.clone())?
+        .connect()
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach admission at {} (is `make run` running?)",
+                options.endpoint
+            )
+        })?;
+    let mut admission = AdmissionClient::new(channel);
+
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set("group.id", format!("sluice-try-{}", uuid::Uuid::new_v4()))
+        .set("auto.offset.reset", "latest")
+        .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
+    let consumer: StreamConsumer = settings.create()?;
+    let topic = config.admitted_topic("default");
+    consumer.subscribe(&[&topic])?;
+    // Wait for the assignment so no admitted job is missed.
+    let ready_by = Instant::now() + Duration::from_secs(20);
+    while consumer.assignment()?.count() == 0 {
+        anyhow::ensure!(Instant::now() < ready_by, "no partition of {topic} assigned within 20s");
+        let _ = tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await;
+    }
+
+    let requests: Vec<pb::JobRequest> = (0..options.jobs)
+        .map(|index| pb::JobRequest {
+            tenant: options.tenant.clone(),
+            task_group: "default".to_string(),
+            payload: format!("try job {index}").into_bytes(),
+            limits: vec![pb::Limit {
+                kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                    key: options.key.clone(),
+                    max_concurrency: options.limit,
+                })),
+            }],
+            ..Default::default()
+        })
+        .collect();
+    let started = Instant::now();
+    let enqueued = admission
+        .enqueue_batch(pb::EnqueueBatchRequest { jobs: requests })
+        .await?
+        .into_inner();
+    let mut ours: HashSet<String> = enqueued.results.into_iter().map(|result| result.job_id).collect();
+    println!(
+        "enqueued {} jobs on key {:?} (tenant {:?}) with max_concurrency {}",
+        ours.len(),
+        options.key,
+        options.tenant,
+        options.limit
+    );
+
+    let running = Arc::new(AtomicUsize::new(0));
+    let peak = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    while !ours.is_empty() {
+        let message = tokio::time::timeout(Duration::from_secs(60), consumer.recv())
+            .await
+            .context("no admitted job for 60s")??;
+        let admitted = pb::AdmittedJob::decode(message.payload().unwrap_or_default())?;
+        if !ours.remove(&admitted.job_id) {
+            continue;
+        }
+        let mut admission = admission.clone();
+        let running = running.clone();
+        let peak = peak.clone();
+        let done = done.clone();
+        let hold = options.hold;
+        let total = options.jobs;
+        tasks.spawn(async move {
+            let claim = admission
+                .claim(pb::ClaimRequest {
+                    worker_id: "sluice-try".to_string(),
+                    jobs: vec![pb::JobAttempt {
+                        job_id: admitted.job_id.clone(),
+                        attempt: admitted.attempt,
+                    }],
+                })
+                .await?
+                .into_inner();
+            if claim.results.first().map(|result| result.outcome) != Some(pb::ClaimOutcome::Claimed as i32) {
+                return anyhow::Ok(());
+            }
+            let now_running = running.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(now_running, Ordering::SeqCst);
+            println!(
+                "{:>7.2}s  start   {}  running now: {now_running}",
+                started.elapsed().as_secs_f64(),
+                admitted.job_id
+            );
+            tokio::time::sleep(hold).await;
+            let left = running.fetch_sub(1, Ordering::SeqCst) - 1;
+            admission
+                .complete(pb::CompleteRequest {
+                    worker_id: "sluice-try".to_string(),
+                    completions: vec![pb::Completion {
+                        job_id: admitted.job_id.clone(),
+                        attempt: admitted.attempt,
+                        outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+                    }],
+                })
+                .await?;
+            let finished = done.fetch_add(1, Ordering::SeqCst) + 1;
+            println!(
+                "{:>7.2}s  done    {}  running now: {left}  ({finished}/{total})",
+                started.elapsed().as_secs_f64(),
+                admitted.job_id
+            );
+            anyhow::Ok(())
+        });
+    }
+    while let Some(joined) = tasks.join_next().await {
+        joined??;
+    }
+    println!(
+        "all {} jobs done in {:.1}s; at most {} ran at once (limit {})",
+        options.jobs,
+        started.elapsed().as_secs_f64(),
+        peak.load(Ordering::SeqCst),
+        options.limit
+    );
+    Ok(())
+}

@@ -1,0 +1,86 @@
+//! Malformed producer messages go to the dead-letter topic with the reason;
+//! the consumer goes on and the next valid job is admitted.
+
+use std::time::Duration;
+
+use prost::Message as _;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use sluice_common::kafka::client_config;
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_are_dead_lettered_with_the_reason_and_the_next_job_is_admitted() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("deadletter", &[("kafka.partitions.requested", "1")])?, 1).await?;
+    let producer = RequestProducer::new(&stack.config)?;
+    let no_tenant = pb::JobRequest {
+        tenant: String::new(),
+        ..concurrency_job("acme", "k", 1, 0, "bad")
+    };
+    let undeclared_group = pb::JobRequest {
+        task_group: "nope".to_string(),
+        ..concurrency_job("acme", "k", 1, 0, "bad")
+    };
+    let valid = concurrency_job("acme", "dl-key", 1, 0, "good");
+    producer
+        .send_messages(vec![
+            RawRequest {
+                payload: b"\xff\xfe not protobuf".to_vec(),
+                ..Default::default()
+            },
+            RawRequest {
+                payload: no_tenant.encode_to_vec(),
+                ..Default::default()
+            },
+            RawRequest {
+                payload: undeclared_group.encode_to_vec(),
+                ..Default::default()
+            },
+            RawRequest {
+                payload: valid.encode_to_vec(),
+                ..Default::default()
+            },
+        ])
+        .await?;
+
+    let mut settings = client_config(&stack.config.kafka);
+    settings
+        .set("group.id", format!("{}dlq-reader", stack.config.kafka.topic_prefix))
+        .set("auto.offset.reset", "earliest");
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[&stack.config.topic(&stack.config.topics.deadletter)])?;
+    let mut reasons = Vec::new();
+    while reasons.len() < 3 {
+        let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv()).await??;
+        let headers = message.headers().expect("dead letters carry headers");
+        let reason = headers
+            .iter()
+            .find(|header| header.key == "sluice-deadletter-reason")
+            .and_then(|header| header.value)
+            .map(|value| String::from_utf8_lossy(value).to_string())
+            .expect("a reason header");
+        let source_offset = headers.iter().any(|header| header.key == "sluice-source-offset");
+        assert!(source_offset, "dead letters say where they came from");
+        reasons.push(reason);
+    }
+    assert!(reasons[0].contains("not a protobuf"), "{reasons:?}");
+    assert!(reasons[1].starts_with("tenant: must not be empty"), "{reasons:?}");
+    assert!(
+        reasons[2].starts_with("task_group: undeclared task group \"nope\""),
+        "{reasons:?}"
+    );
+
+    eventually(Duration::from_secs(30), "the valid job admitted", || async {
+        let statuses = stack.job_statuses().await?;
+        Ok(statuses.get(&(pb::JobStatus::Admitted as i16)) == Some(&1))
+    })
+    .await?;
+    assert_eq!(
+        stack.job_statuses().await?.values().sum::<i64>(),
+        1,
+        "only the valid request became a job"
+    );
+    stack.stop().await;
+    Ok(())
+}

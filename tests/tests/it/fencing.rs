@@ -1,0 +1,96 @@
+//! A stale owner's commit (old epoch) is refused.
+
+use std::time::Duration;
+
+use sluice_common::owner::{bump_epoch, check_epoch, CommitError};
+use sluice_common::partition::key_partition;
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+use sqlx::Connection;
+
+#[tokio::test]
+async fn check_epoch_refuses_an_older_owner() -> anyhow::Result<()> {
+    init_logging();
+    let config = test_config("epochunit", &[])?;
+    let schema = config.schema("limit_grant");
+    let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
+    sluice_common::storage::migrate(&pool, &schema, &sluice_common::owner::MIGRATOR).await?;
+    let mut connection = pool.acquire().await?;
+    let (first_epoch, _) = bump_epoch(&mut connection, 3, "owner-a", "http://a").await?;
+    let (second_epoch, _) = bump_epoch(&mut connection, 3, "owner-b", "http://b").await?;
+    assert_eq!(second_epoch, first_epoch + 1);
+
+    let mut stale = connection.begin().await?;
+    let refused = check_epoch(&mut stale, 3, first_epoch).await;
+    assert!(
+        matches!(refused, Err(CommitError::Fenced { ours, current, .. }) if ours == first_epoch && current == second_epoch),
+        "{refused:?}"
+    );
+    stale.rollback().await?;
+    let mut current = connection.begin().await?;
+    check_epoch(&mut current, 3, second_epoch).await?;
+    current.commit().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_owner_writes_nothing_and_the_partition_is_taken_over_again() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("fenced", &[])?, 1).await?;
+    let schema = stack.config.schema("limit_grant");
+    let partition = key_partition("acme", "fenced-key", stack.config.kafka.partitions.limit_commands);
+    let epoch_query = format!("SELECT epoch FROM \"{schema}\".owners WHERE partition = $1");
+    let epoch_before: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query.clone()))
+        .bind(partition)
+        .fetch_one(&stack.pool)
+        .await?;
+    // Another owner takes the partition over behind the running one's back.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".owners SET epoch = epoch + 1, owner_id = 'intruder' WHERE partition = $1"
+    )))
+    .bind(partition)
+    .execute(&stack.pool)
+    .await?;
+
+    let mut admission = stack.admission_client().await?;
+    let job_id = admission
+        .enqueue(pb::EnqueueRequest {
+            job: Some(concurrency_job("acme", "fenced-key", 1, 0, "fenced")),
+        })
+        .await?
+        .into_inner()
+        .job_id;
+    // The running owner decided the grant in memory, but its commit carried
+    // the old epoch and was refused; it gave the partition up, took it over
+    // again with a new epoch, reloaded and decided again.
+    eventually(Duration::from_secs(30), "the job admitted", || {
+        let mut admission = admission.clone();
+        let job_id = job_id.clone();
+        async move {
+            let job = admission
+                .get_job(pb::GetJobRequest { job_id })
+                .await?
+                .into_inner()
+                .job
+                .unwrap_or_default();
+            Ok(job.status == pb::JobStatus::Admitted as i32)
+        }
+    })
+    .await?;
+    let epoch_after: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query))
+        .bind(partition)
+        .fetch_one(&stack.pool)
+        .await?;
+    assert_eq!(
+        epoch_after,
+        epoch_before + 2,
+        "intruder's bump, then the owner's re-takeover"
+    );
+    let tickets: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{schema}\".tickets WHERE key = 'fenced-key'"
+    )))
+    .fetch_one(&stack.pool)
+    .await?;
+    assert_eq!(tickets, 1, "one ticket: the refused commit wrote nothing");
+    stack.stop().await;
+    Ok(())
+}
