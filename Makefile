@@ -48,4 +48,4 @@ test: fmt-check clippy unit-and-integration helm-check
 	@echo "make test: all checks passed"
 
 bench: setup
-	$(CARGO) run --release --locked -p sluice-e2e --bin sluice-bench
+	@scripts/bench.sh

@@ -36,6 +36,7 @@ ensure_tools() {
   command -v make >/dev/null || missing+=(make)
   command -v cc >/dev/null || missing+=(gcc)
   [ -f /usr/include/zlib.h ] || missing+=(zlib1g-dev)
+  [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; else say "build tools present"; fi
   if ! command -v cargo-nextest >/dev/null; then
     say "cargo-nextest missing: tests will run with plain 'cargo test'"

@@ -48,7 +48,6 @@ CREATE TABLE jobs (
     created_at          timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX jobs_due ON jobs (job_partition, due_at_ms) WHERE due_at_ms IS NOT NULL;
-CREATE INDEX jobs_by_tenant ON jobs (tenant, enqueued_at_us);
 
 -- One row per (tenant, key) inside its window; an expired row may be taken over.
 CREATE TABLE idempotency_keys (

@@ -178,6 +178,7 @@ impl AdmissionCore {
     /// their first effects together with `extra` (e.g. dead letters).
     pub async fn enqueue(&self, incoming: Vec<Incoming>, extra: Outbox) -> Result<Vec<EnqueueOutcome>, AdmissionError> {
         let now_ms = wall_clock_ms();
+        tracing::debug!(jobs = incoming.len(), "enqueue batch");
         let rows: Vec<JobRow> = incoming.iter().map(|request| self.new_row(request, now_ms)).collect();
         let mut outbox = extra;
         let mut outcomes: Vec<Option<EnqueueOutcome>> = vec![None; rows.len()];
@@ -202,6 +203,7 @@ impl AdmissionCore {
                 }
             }
         }
+        let started = std::time::Instant::now();
         let holders = jobs::claim_idempotency_keys(&mut transaction, &claims, now_ms).await?;
         let mut to_insert: Vec<JobRow> = Vec::new();
         let mut insert_positions: Vec<usize> = Vec::new();
@@ -272,7 +274,13 @@ impl AdmissionCore {
                 self.push_pending_effect(&mut outbox, row);
             }
         }
+        let saved = started.elapsed();
         self.publish(outbox).await;
+        tracing::debug!(
+            db_ms = saved.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "enqueue timing"
+        );
 
         let mut results = Vec::with_capacity(rows.len());
         for (index, row) in rows.iter().enumerate() {
@@ -311,6 +319,7 @@ impl AdmissionCore {
     /// wants is answered with a release.
     pub async fn process_grants(&self, events: Vec<pb::GrantEvent>) -> Result<(), AdmissionError> {
         let now_ms = wall_clock_ms();
+        tracing::debug!(events = events.len(), "grant batch");
         let mut keys: Vec<GrantKey> = Vec::with_capacity(events.len());
         let mut by_key: HashMap<GrantKey, pb::GrantEvent> = HashMap::with_capacity(events.len());
         for event in events {
@@ -327,6 +336,7 @@ impl AdmissionCore {
                 keys.push(key);
             }
         }
+        let started = std::time::Instant::now();
         let mut connection = self.pool.acquire().await?;
         let advanced = jobs::apply_grants(
             &mut connection,
@@ -362,7 +372,13 @@ impl AdmissionCore {
             }
         }
         drop(connection);
+        let saved = started.elapsed();
         self.publish(outbox).await;
+        tracing::debug!(
+            db_ms = saved.as_secs_f64() * 1e3,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "grant timing"
+        );
         Ok(())
     }
 
@@ -422,6 +438,7 @@ impl AdmissionCore {
     /// Claim admitted attempts: exactly one claim per attempt wins.
     pub async fn claim(&self, worker_id: &str, attempts: Vec<(String, u32)>) -> Result<ClaimResults, AdmissionError> {
         let now_ms = wall_clock_ms();
+        tracing::debug!(jobs = attempts.len(), "claim batch");
         let mut connection = self.pool.acquire().await?;
         let won = jobs::claim(&mut connection, worker_id, &attempts, now_ms).await?;
         let lost: Vec<String> = attempts
@@ -504,6 +521,7 @@ impl AdmissionCore {
         completions: Vec<(String, u32, AttemptEnd)>,
     ) -> Result<Vec<pb::CompleteResult>, AdmissionError> {
         let now_ms = wall_clock_ms();
+        tracing::debug!(jobs = completions.len(), "complete batch");
         let mut ids: Vec<String> = completions.iter().map(|completion| completion.0.clone()).collect();
         ids.sort_unstable();
         ids.dedup();

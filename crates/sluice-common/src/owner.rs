@@ -556,9 +556,17 @@ impl<S: OwnedStore> PartitionTask<S> {
                     reason: error.to_string(),
                 })?;
             let new_offset = messages.last().map(|message| message.offset);
+            tracing::debug!(
+                service = self.settings.service,
+                partition,
+                messages = messages.len(),
+                effects = outbox.len(),
+                "owner batch"
+            );
             if writes.is_empty() && outbox.is_empty() && replies.is_empty() {
                 return Ok(Step::Done(()));
             }
+            let started = std::time::Instant::now();
             if !writes.is_empty() {
                 match self.commit(context, writes, new_offset).await {
                     Ok(()) => {
@@ -610,10 +618,16 @@ impl<S: OwnedStore> PartitionTask<S> {
                     return Err(PartitionTaskError::Crashed);
                 }
             }
+            let committed = started.elapsed();
             match self.publish_until_done(outbox, input).await {
                 Step::Done(()) => {}
                 Step::Stop => return Ok(Step::Stop),
             }
+            tracing::debug!(
+                commit_ms = committed.as_secs_f64() * 1e3,
+                total_ms = started.elapsed().as_secs_f64() * 1e3,
+                "owner timing"
+            );
             if self.faults.hit(FaultPoint::OwnerAfterPublishBeforeOffsetStore) {
                 return Err(PartitionTaskError::Crashed);
             }

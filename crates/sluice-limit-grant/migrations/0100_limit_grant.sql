@@ -25,7 +25,8 @@ CREATE TABLE tickets (
     PRIMARY KEY (job_id, attempt, step)
 );
 CREATE INDEX tickets_by_partition ON tickets (partition);
-CREATE INDEX tickets_by_key ON tickets (tenant, key);
+-- No index on (tenant, key): every write pays for an index, and only ListKeys
+-- (an admin call over live tickets) would read it.
 
 -- Per-key state that outlives tickets: runtime overrides and floating limits.
 CREATE TABLE keys (
