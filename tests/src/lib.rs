@@ -49,33 +49,52 @@ pub fn unique_prefix(name: &str) -> String {
     format!("it_{clean}_{}_{random:08x}_", COUNTER.fetch_add(1, Ordering::Relaxed))
 }
 
+/// Settings every test shares: small partition counts, short timers.
+const TEST_SETTINGS: &[(&str, &str)] = &[
+    ("postgres.max_connections", "8"),
+    ("kafka.partitions.requested", "2"),
+    ("kafka.partitions.admitted", "2"),
+    ("kafka.partitions.limit_commands", "4"),
+    ("kafka.partitions.rate_commands", "2"),
+    ("kafka.partitions.grants", "2"),
+    ("kafka.partitions.refresh_due", "2"),
+    ("kafka.partitions.refresh_tasks", "1"),
+    ("kafka.session_timeout_ms", "6000"),
+    // Idle consumers spin inside tansu at small fetch waits; many tests
+    // run at once, so trade a little latency for CPU.
+    ("kafka.fetch_wait_max_ms", "25"),
+    ("admission.sweep_interval", "200ms"),
+    ("admission.resend_waiting_after", "5s"),
+    ("admission.claim_timeout", "10s"),
+    ("admission.stand_behind_interval", "1s"),
+    ("limit_grant.ticket_grace", "3s"),
+];
+
 /// Test configuration: defaults, the test's prefixes, small partition counts
 /// and short timers, then `overrides`.
 pub fn test_config(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<SluiceConfig> {
     let prefix = unique_prefix(name);
-    let mut settings: Vec<(&str, &str)> = vec![
-        ("kafka.topic_prefix", prefix.as_str()),
-        ("postgres.schema_prefix", prefix.as_str()),
-        ("postgres.max_connections", "8"),
-        ("kafka.partitions.requested", "2"),
-        ("kafka.partitions.admitted", "2"),
-        ("kafka.partitions.limit_commands", "4"),
-        ("kafka.partitions.rate_commands", "2"),
-        ("kafka.partitions.grants", "2"),
-        ("kafka.partitions.refresh_due", "2"),
-        ("kafka.partitions.refresh_tasks", "1"),
-        ("kafka.session_timeout_ms", "6000"),
-        // Idle consumers spin inside tansu at small fetch waits; many tests
-        // run at once, so trade a little latency for CPU.
-        ("kafka.fetch_wait_max_ms", "25"),
-        ("admission.sweep_interval", "200ms"),
-        ("admission.resend_waiting_after", "5s"),
-        ("admission.claim_timeout", "10s"),
-        ("admission.stand_behind_interval", "1s"),
-        ("limit_grant.ticket_grace", "3s"),
-    ];
+    let mut settings: Vec<(&str, &str)> = TEST_SETTINGS.to_vec();
+    settings.push(("kafka.topic_prefix", prefix.as_str()));
+    settings.push(("postgres.schema_prefix", prefix.as_str()));
     settings.extend_from_slice(overrides);
     Ok(SluiceConfig::load_with(None, &settings)?)
+}
+
+/// Like `test_config`, with `toml` (e.g. task groups with caps) layered as a
+/// configuration file under the test's overrides.
+pub fn test_config_toml(name: &str, toml: &str, overrides: &[(&str, &str)]) -> anyhow::Result<SluiceConfig> {
+    let base = test_config(name, overrides)?;
+    let path = std::env::temp_dir().join(format!("{}config.toml", base.kafka.topic_prefix));
+    std::fs::write(&path, toml)?;
+    let prefix = base.kafka.topic_prefix.clone();
+    let mut settings: Vec<(&str, &str)> = TEST_SETTINGS.to_vec();
+    settings.push(("kafka.topic_prefix", prefix.as_str()));
+    settings.push(("postgres.schema_prefix", prefix.as_str()));
+    settings.extend_from_slice(overrides);
+    let loaded = SluiceConfig::load_with(Some(&path), &settings)?;
+    let _ = std::fs::remove_file(&path);
+    Ok(loaded)
 }
 
 /// One running service instance.
@@ -661,6 +680,158 @@ pub async fn observe_grants(
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .extend(batch.events);
     }
+}
+
+/// The job as GetJob shows it.
+pub async fn job_view(client: &AdmissionClient<Channel>, job_id: &str) -> anyhow::Result<pb::JobView> {
+    let mut client = client.clone();
+    Ok(client
+        .get_job(pb::GetJobRequest {
+            job_id: job_id.to_string(),
+        })
+        .await?
+        .into_inner()
+        .job
+        .unwrap_or_default())
+}
+
+/// Wait until the job has `status`; returns its view.
+pub async fn wait_status(
+    client: &AdmissionClient<Channel>,
+    job_id: &str,
+    status: pb::JobStatus,
+    timeout: Duration,
+) -> anyhow::Result<pb::JobView> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let view = job_view(client, job_id).await?;
+        if view.status == status as i32 {
+            return Ok(view);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "job {job_id} not {status:?} within {timeout:?}: {:?} ({})",
+            pb::JobStatus::try_from(view.status),
+            view.reason
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Enqueue one job over gRPC with the given id; returns the response.
+pub async fn enqueue_with_id(
+    client: &AdmissionClient<Channel>,
+    job_id: &str,
+    mut request: pb::JobRequest,
+) -> anyhow::Result<pb::EnqueueResponse> {
+    request.job_id = Some(job_id.to_string());
+    let mut client = client.clone();
+    Ok(client
+        .enqueue(pb::EnqueueRequest { job: Some(request) })
+        .await?
+        .into_inner())
+}
+
+/// Claim one attempt; the outcome.
+pub async fn claim_one(
+    client: &AdmissionClient<Channel>,
+    worker: &str,
+    job_id: &str,
+    attempt: u32,
+) -> anyhow::Result<i32> {
+    let mut client = client.clone();
+    let response = client
+        .claim(pb::ClaimRequest {
+            worker_id: worker.to_string(),
+            jobs: vec![pb::JobAttempt {
+                job_id: job_id.to_string(),
+                attempt,
+            }],
+        })
+        .await?
+        .into_inner();
+    Ok(response.results.first().map_or(0, |result| result.outcome))
+}
+
+/// Complete one attempt with `outcome`; the result.
+pub async fn complete_one(
+    client: &AdmissionClient<Channel>,
+    worker: &str,
+    job_id: &str,
+    attempt: u32,
+    outcome: pb::completion::Outcome,
+) -> anyhow::Result<pb::CompleteResult> {
+    let mut client = client.clone();
+    let response = client
+        .complete(pb::CompleteRequest {
+            worker_id: worker.to_string(),
+            completions: vec![pb::Completion {
+                job_id: job_id.to_string(),
+                attempt,
+                outcome: Some(outcome),
+            }],
+        })
+        .await?
+        .into_inner();
+    response.results.into_iter().next().context("no complete result")
+}
+
+/// Heartbeat one attempt; the outcome.
+pub async fn heartbeat_one(
+    client: &AdmissionClient<Channel>,
+    worker: &str,
+    job_id: &str,
+    attempt: u32,
+) -> anyhow::Result<i32> {
+    let mut client = client.clone();
+    let response = client
+        .heartbeat(pb::HeartbeatRequest {
+            worker_id: worker.to_string(),
+            jobs: vec![pb::JobAttempt {
+                job_id: job_id.to_string(),
+                attempt,
+            }],
+        })
+        .await?
+        .into_inner();
+    Ok(response.results.first().map_or(0, |result| result.outcome))
+}
+
+/// A job listing several concurrency keys.
+pub fn multi_key_job(tenant: &str, keys: &[(&str, u32)], payload: &str) -> pb::JobRequest {
+    pb::JobRequest {
+        tenant: tenant.to_string(),
+        task_group: "default".to_string(),
+        payload: payload.as_bytes().to_vec(),
+        limits: keys
+            .iter()
+            .map(|(key, max)| pb::Limit {
+                kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                    key: key.to_string(),
+                    max_concurrency: *max,
+                })),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// Holders and waiting count of a key, from its owner.
+pub async fn key_state(stack: &Stack, tenant: &str, key: &str) -> anyhow::Result<pb::KeyState> {
+    let mut limits = stack.limits_client().await?;
+    Ok(limits
+        .describe_key(pb::DescribeKeyRequest {
+            key: Some(pb::KeyRef {
+                tenant: tenant.to_string(),
+                key: key.to_string(),
+            }),
+            ticket: None,
+            first_waiters: 10,
+        })
+        .await?
+        .into_inner()
+        .state
+        .unwrap_or_default())
 }
 
 /// Poll `condition` until it holds.

@@ -656,6 +656,104 @@ impl AdmissionCore {
         Ok(handled)
     }
 
+    /// Tell every limit partition which tickets this instance stands behind
+    /// for the jobs of `job_partitions`, as read now. Sent to every partition,
+    /// even with nothing to list, so tickets nobody stands behind expire there
+    /// (a lost release then costs one grace period, not a slot forever).
+    /// Only call it for job partitions whose grant events are processed up
+    /// to date. Returns how many tickets were listed.
+    pub async fn stand_behind(&self, job_partitions: &[i32], grace_ms: i64) -> Result<usize, AdmissionError> {
+        if job_partitions.is_empty() {
+            return Ok(0);
+        }
+        // The snapshot time is taken before the read: everything saved before
+        // it is in what we read.
+        let snapshot_at_ms = wall_clock_ms();
+        let statement = format!(
+            "SELECT job_id, attempt, step, status, chain FROM jobs
+             WHERE job_partition = ANY($1) AND due_at_ms IS NOT NULL AND status IN ({}, {}, {}, {})",
+            Status::Waiting as i32,
+            Status::Admitted as i32,
+            Status::Running as i32,
+            Status::Cancelling as i32
+        );
+        let rows: Vec<(String, i32, i32, i16, Vec<u8>)> = sqlx::query_as(sqlx::AssertSqlSafe(statement))
+            .bind(job_partitions)
+            .fetch_all(&self.pool)
+            .await?;
+        let limit_partitions = self.routes.limit_partitions;
+        let mut by_partition: Vec<Vec<pb::TicketId>> =
+            vec![Vec::new(); usize::try_from(limit_partitions).unwrap_or_default()];
+        let mut listed = 0;
+        for (job_id, attempt, step, status, chain_bytes) in rows {
+            let Ok(chain) = <crate::chain::StoredChain as prost::Message>::decode(chain_bytes.as_slice()) else {
+                tracing::error!(%job_id, "undecodable chain; its tickets are not stood behind");
+                continue;
+            };
+            let step = u32::try_from(step).unwrap_or_default();
+            let held_through = if jobs::status_from_i16(status) == Status::Waiting {
+                step.saturating_add(1)
+            } else {
+                u32::try_from(chain.steps.len()).unwrap_or(u32::MAX)
+            };
+            for (index, chain_step) in chain.steps.iter().enumerate() {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                if index >= held_through || !chain_step.is_ticketed() {
+                    continue;
+                }
+                let partition =
+                    sluice_common::partition::key_partition(&chain_step.tenant, &chain_step.key, limit_partitions);
+                if let Some(tickets) = by_partition.get_mut(usize::try_from(partition).unwrap_or(usize::MAX)) {
+                    tickets.push(pb::TicketId {
+                        job_id: job_id.clone(),
+                        attempt: u32::try_from(attempt).unwrap_or_default(),
+                        step: index,
+                    });
+                    listed += 1;
+                }
+            }
+        }
+        const TICKETS_PER_PART: usize = 10_000;
+        let sweep_id = uuid::Uuid::new_v4().to_string();
+        let covered: Vec<u32> = job_partitions
+            .iter()
+            .filter_map(|partition| u32::try_from(*partition).ok())
+            .collect();
+        let mut outbox = Outbox::new();
+        for (partition, tickets) in by_partition.into_iter().enumerate() {
+            let chunks: Vec<Vec<pb::TicketId>> = if tickets.is_empty() {
+                vec![Vec::new()]
+            } else {
+                tickets.chunks(TICKETS_PER_PART).map(<[pb::TicketId]>::to_vec).collect()
+            };
+            let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
+            for (part, chunk) in chunks.into_iter().enumerate() {
+                let command = pb::LimitCommand {
+                    trace: None,
+                    sent_at_ms: snapshot_at_ms,
+                    command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+                        sweep_id: sweep_id.clone(),
+                        snapshot_at_ms,
+                        job_partitions: covered.clone(),
+                        part: u32::try_from(part).unwrap_or(u32::MAX),
+                        parts,
+                        tickets: chunk,
+                        grace_ms: u64::try_from(grace_ms).unwrap_or_default(),
+                    })),
+                };
+                outbox.push_entry(
+                    &self.routes.limit_commands,
+                    i32::try_from(partition).unwrap_or_default(),
+                    &command,
+                    self.routes.max_message_bytes,
+                );
+            }
+        }
+        self.publish(outbox).await;
+        tracing::debug!(listed, job_partitions = ?job_partitions, "stood behind tickets");
+        Ok(listed)
+    }
+
     pub async fn get_job(&self, job_id: &str) -> Result<Option<JobRow>, AdmissionError> {
         let mut connection = self.pool.acquire().await?;
         Ok(jobs::fetch_jobs(&mut connection, &[job_id.to_string()]).await?.pop())

@@ -6,3 +6,5 @@ mod deadletter;
 mod fencing;
 mod flow;
 mod introspection;
+mod jobs_api;
+mod limits;
