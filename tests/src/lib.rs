@@ -180,6 +180,28 @@ pub async fn start_limit_grant(config: &Arc<SluiceConfig>, faults: Faults) -> an
     })
 }
 
+pub async fn start_rate_window(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
+    let (listener, endpoint) = listener().await?;
+    let shutdown = Shutdown::new();
+    let handle = tokio::spawn({
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let faults = faults.clone();
+        async move {
+            sluice_rate_window::run(config, listener, shutdown, faults)
+                .await
+                .map_err(|error| error.to_string())
+        }
+    });
+    Ok(Node {
+        name: "rate-window",
+        endpoint,
+        shutdown,
+        faults,
+        handle: Some(handle),
+    })
+}
+
 /// Start admission; it reaches limit-grant at `config.admission.limit_grant_endpoint`.
 pub async fn start_admission(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
     let (listener, endpoint) = listener().await?;
@@ -203,10 +225,11 @@ pub async fn start_admission(config: &Arc<SluiceConfig>, faults: Faults) -> anyh
     })
 }
 
-/// A whole stack: one limit-grant and one admission (more can be added).
+/// A whole stack: limit-grant, rate-window and admission instances.
 pub struct Stack {
     pub config: Arc<SluiceConfig>,
     pub limit_grants: Vec<Node>,
+    pub rate_windows: Vec<Node>,
     pub admissions: Vec<Node>,
     pub pool: PgPool,
 }
@@ -227,10 +250,13 @@ impl Stack {
         if let Some(first) = nodes.first() {
             config.admission.limit_grant_endpoint = first.endpoint.clone();
         }
+        let rate_window = start_rate_window(&bootstrap, Faults::none()).await?;
+        config.admission.rate_window_endpoint = rate_window.endpoint.clone();
         let config = Arc::new(config);
         let mut stack = Stack {
             config,
             limit_grants: nodes,
+            rate_windows: vec![rate_window],
             admissions: Vec::new(),
             pool,
         };
@@ -252,24 +278,39 @@ impl Stack {
         Ok(())
     }
 
-    /// Wait until every limit-command partition has an owner row.
+    /// Wait until every limit-command and rate-command partition has an owner row.
     pub async fn wait_owned(&self, timeout: Duration) -> anyhow::Result<()> {
-        let expected = i64::from(self.config.kafka.partitions.limit_commands);
-        let query = format!("SELECT count(*) FROM \"{}\".owners", self.config.schema("limit_grant"));
+        let checks = [
+            ("limit_grant", self.config.kafka.partitions.limit_commands),
+            ("rate_window", self.config.kafka.partitions.rate_commands),
+        ];
         let deadline = Instant::now() + timeout;
-        loop {
-            let owned: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(query.clone()))
-                .fetch_one(&self.pool)
-                .await;
-            if owned.as_ref().is_ok_and(|count| *count >= expected) {
-                return Ok(());
+        for (schema, partitions) in checks {
+            let query = format!("SELECT count(*) FROM \"{}\".owners", self.config.schema(schema));
+            loop {
+                let owned: Result<i64, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(query.clone()))
+                    .fetch_one(&self.pool)
+                    .await;
+                if owned.as_ref().is_ok_and(|count| *count >= i64::from(partitions)) {
+                    break;
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "{schema} partitions not owned within {timeout:?}: {owned:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "partitions not owned within {timeout:?}: {owned:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        Ok(())
+    }
+
+    pub async fn rates_client(
+        &self,
+    ) -> anyhow::Result<sluice_proto::v1::rate_limits_client::RateLimitsClient<Channel>> {
+        let endpoint = &self.rate_windows.first().context("no rate-window")?.endpoint;
+        Ok(sluice_proto::v1::rate_limits_client::RateLimitsClient::new(
+            connect(endpoint).await?,
+        ))
     }
 
     pub async fn admission_client(&self) -> anyhow::Result<AdmissionClient<Channel>> {
@@ -318,6 +359,9 @@ impl Stack {
         for node in self.admissions.drain(..) {
             node.stop().await;
         }
+        for node in self.rate_windows.drain(..) {
+            node.stop().await;
+        }
         for node in self.limit_grants.drain(..) {
             node.stop().await;
         }
@@ -327,6 +371,9 @@ impl Stack {
     /// them for inspection; unique names make that harmless).
     pub async fn stop(self) {
         for node in self.admissions {
+            node.stop().await;
+        }
+        for node in self.rate_windows {
             node.stop().await;
         }
         for node in self.limit_grants {
@@ -832,6 +879,54 @@ pub async fn key_state(stack: &Stack, tenant: &str, key: &str) -> anyhow::Result
         .into_inner()
         .state
         .unwrap_or_default())
+}
+
+/// The most timestamps in any half-open interval `[s, s + window_ms)`.
+pub fn max_in_window(times: &[i64], window_ms: i64) -> usize {
+    let mut sorted = times.to_vec();
+    sorted.sort_unstable();
+    let mut best = 0;
+    let mut end = 0;
+    for start in 0..sorted.len() {
+        while end < sorted.len() && sorted[end] < sorted[start] + window_ms {
+            end += 1;
+        }
+        best = best.max(end - start);
+    }
+    best
+}
+
+/// A job with one inline rate limit.
+pub fn rate_job(tenant: &str, name: &str, limit: i64, duration_ms: i64, payload: &str) -> pb::JobRequest {
+    pb::JobRequest {
+        tenant: tenant.to_string(),
+        task_group: "default".to_string(),
+        payload: payload.as_bytes().to_vec(),
+        limits: vec![pb::Limit {
+            kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                    name: name.to_string(),
+                    unique_key: String::new(),
+                    limit,
+                    duration_ms,
+                    cost: 1,
+                })),
+            })),
+        }],
+        ..Default::default()
+    }
+}
+
+/// First grant time of each rate ticket among observed events.
+pub fn rate_grant_times(events: &[pb::GrantEvent], key: &str) -> Vec<i64> {
+    let mut seen = std::collections::HashSet::new();
+    events
+        .iter()
+        .filter(|event| event.kind == pb::LimitKind::Rate as i32)
+        .filter(|event| event.key.as_ref().is_some_and(|key_ref| key_ref.key == key))
+        .filter(|event| seen.insert(event.ticket.clone()))
+        .map(|event| event.granted_at_ms)
+        .collect()
 }
 
 /// Poll `condition` until it holds.

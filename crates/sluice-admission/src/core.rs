@@ -336,11 +336,33 @@ impl AdmissionCore {
                 keys.push(key);
             }
         }
+        // A rate limit naming no stored resource did not throttle: say so in
+        // the job's history (GetJob shows it).
+        let additions: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|key| match by_key.get(key) {
+                Some(event) if event.unthrottled => jobs::history_append(&[pb::AttemptRecord {
+                    attempt: key.attempt,
+                    outcome: "unthrottled".to_string(),
+                    detail: format!(
+                        "rate limit {} names no stored resource: not throttled",
+                        event
+                            .key
+                            .as_ref()
+                            .map(|key_ref| key_ref.key.as_str())
+                            .unwrap_or_default()
+                    ),
+                    at_ms: event.granted_at_ms,
+                }]),
+                _ => Vec::new(),
+            })
+            .collect();
         let started = std::time::Instant::now();
         let mut connection = self.pool.acquire().await?;
         let advanced = jobs::apply_grants(
             &mut connection,
             &keys,
+            &additions,
             now_ms,
             self.timing.resend_waiting_after_ms,
             self.timing.claim_timeout_ms,

@@ -310,12 +310,25 @@ pub struct GrantKey {
     pub step: u32,
 }
 
+/// Encoded `History` records to append to a job's history (protobuf
+/// repeated fields concatenate), empty for none.
+pub fn history_append(records: &[pb::AttemptRecord]) -> Vec<u8> {
+    if records.is_empty() {
+        return Vec::new();
+    }
+    History {
+        records: records.to_vec(),
+    }
+    .encode_to_vec()
+}
+
 /// Advance every waiting job whose current step was granted. Returns the
 /// advanced rows (after the update); grants that matched nothing are the
 /// caller's to classify.
 pub async fn apply_grants(
     connection: &mut PgConnection,
     grants: &[GrantKey],
+    history_additions: &[Vec<u8>],
     now_ms: i64,
     resend_waiting_after_ms: i64,
     claim_timeout_ms: i64,
@@ -332,8 +345,10 @@ pub async fn apply_grants(
             status = CASE WHEN j.step + 1 >= j.chain_len THEN {admitted} ELSE {waiting} END,
             admitted_at_ms = CASE WHEN j.step + 1 >= j.chain_len THEN $4 ELSE NULL END,
             due_at_ms = CASE WHEN j.step + 1 >= j.chain_len THEN $4 + $6 ELSE $4 + $5 END,
-            step_started_at_ms = $4
-         FROM UNNEST($1::text[], $2::integer[], $3::integer[]) AS g(job_id, attempt, step)
+            step_started_at_ms = $4,
+            history = CASE WHEN octet_length(g.addition) > 0 THEN coalesce(j.history, ''::bytea) || g.addition
+                           ELSE j.history END
+         FROM UNNEST($1::text[], $2::integer[], $3::integer[], $7::bytea[]) AS g(job_id, attempt, step, addition)
          WHERE j.job_id = g.job_id AND j.attempt = g.attempt AND j.step = g.step AND j.status = {waiting}
          RETURNING {columns}",
         admitted = Status::Admitted as i32,
@@ -351,6 +366,7 @@ pub async fn apply_grants(
         .bind(now_ms)
         .bind(resend_waiting_after_ms)
         .bind(claim_timeout_ms)
+        .bind(history_additions)
         .fetch_all(connection)
         .await?;
     rows.iter().map(JobRow::from_row).collect()

@@ -212,6 +212,18 @@ impl AdmissionApi {
             ),
             JobStatus::Unspecified => (None, String::new()),
         };
+        let unthrottled: Vec<&str> = state
+            .history
+            .records
+            .iter()
+            .filter(|record| record.attempt == state.attempt && record.outcome == "unthrottled")
+            .map(|record| record.detail.as_str())
+            .collect();
+        let reason = if unthrottled.is_empty() {
+            reason
+        } else {
+            format!("{reason}; {}", unthrottled.join("; "))
+        };
         pb::JobView {
             job_id: state.job_id.clone(),
             tenant: row.tenant.clone(),

@@ -188,9 +188,18 @@ pub struct OwnerServiceConfig {
     pub listen: String,
     pub advertised_endpoint: String,
     pub consumer_group: String,
+    /// limit-grant: a ticket nobody stands behind for this long is reclaimed.
     #[serde(default = "default_ticket_grace")]
     pub ticket_grace: HumanDuration,
+    /// rate-window: how long a granted ticket is remembered, so a duplicate
+    /// acquire re-sends its grant instead of taking units twice.
+    #[serde(default = "default_granted_retention")]
+    pub granted_retention: HumanDuration,
     pub max_batch: usize,
+}
+
+fn default_granted_retention() -> HumanDuration {
+    HumanDuration(Duration::from_secs(300))
 }
 
 fn default_ticket_grace() -> HumanDuration {

@@ -37,6 +37,25 @@ pub fn not_owner(partition: i32, owner: Option<&str>) -> Status {
     }
 }
 
+/// The endpoint of `partition`'s owner to forward a call to, from the owner
+/// directory in `pool`'s schema. Refuses to forward twice, or to ourselves
+/// (the directory still names us while we give the partition up).
+pub async fn owner_endpoint(
+    pool: &sqlx::PgPool,
+    partition: i32,
+    forwarded: bool,
+    own_endpoint: &str,
+) -> Result<String, Status> {
+    let owner = crate::owner::lookup_owner(pool, partition)
+        .await
+        .map_err(|error| Status::unavailable(format!("owner directory unavailable: {error}")))?;
+    match owner {
+        Some((endpoint, _)) if !forwarded && endpoint != own_endpoint => Ok(endpoint),
+        Some((endpoint, _)) => Err(not_owner(partition, Some(&endpoint))),
+        None => Err(not_owner(partition, None)),
+    }
+}
+
 /// Lazily connected channels to other instances, by endpoint.
 #[derive(Default)]
 pub struct ChannelCache {

@@ -167,3 +167,28 @@ impl Supervisor {
         first_error.map_or(Ok(()), Err)
     }
 }
+
+/// Health follows the owner runtime: not serving while a partition rebuilds.
+pub async fn report_readiness<L: Send + 'static>(
+    registry: std::sync::Arc<crate::owner::OwnerRegistry<L>>,
+    health: crate::grpc::Health,
+    shutdown: Shutdown,
+) -> Result<(), std::convert::Infallible> {
+    let mut ready = registry.watch_ready();
+    health.set_serving(registry.is_ready()).await;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => {
+                health.set_serving(false).await;
+                return Ok(());
+            }
+            changed = ready.changed() => {
+                if changed.is_err() {
+                    return Ok(());
+                }
+                let serving = *ready.borrow_and_update();
+                health.set_serving(serving).await;
+            }
+        }
+    }
+}

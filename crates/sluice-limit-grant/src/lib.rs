@@ -12,7 +12,7 @@ use std::sync::Arc;
 use sluice_common::forward::ChannelCache;
 use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
 use sluice_common::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
-use sluice_common::service::{advertised_endpoint, all_topics, open_database, Supervisor};
+use sluice_common::service::{advertised_endpoint, all_topics, open_database, report_readiness, Supervisor};
 use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
 use tokio::net::TcpListener;
 
@@ -109,29 +109,4 @@ pub async fn run(
     publisher.flush(std::time::Duration::from_secs(5));
     pool.close().await;
     outcome.map_err(LimitGrantError::Stopped)
-}
-
-/// Health follows the owner runtime: not serving while a partition rebuilds.
-pub async fn report_readiness<L: Send + 'static>(
-    registry: Arc<OwnerRegistry<L>>,
-    health: grpc::Health,
-    shutdown: Shutdown,
-) -> Result<(), std::convert::Infallible> {
-    let mut ready = registry.watch_ready();
-    health.set_serving(registry.is_ready()).await;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => {
-                health.set_serving(false).await;
-                return Ok(());
-            }
-            changed = ready.changed() => {
-                if changed.is_err() {
-                    return Ok(());
-                }
-                let serving = *ready.borrow_and_update();
-                health.set_serving(serving).await;
-            }
-        }
-    }
 }

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use sluice_common::forward::{forwarded_request, is_forwarded, not_owner, ChannelCache};
-use sluice_common::owner::{lookup_owner, LocalCallError, OwnerRegistry};
+use sluice_common::forward::{forwarded_request, is_forwarded, owner_endpoint, ChannelCache};
+use sluice_common::owner::{LocalCallError, OwnerRegistry};
 use sluice_common::partition::key_partition;
 use sluice_common::validate::{check_name, FieldError};
 use sluice_proto::v1 as pb;
@@ -37,23 +37,14 @@ fn local_error(error: LocalCallError) -> Status {
 }
 
 impl LimitsApi {
-    /// A client for the partition's owner, unless this call was already
-    /// forwarded or the directory names us (we just lost the partition).
+    /// A client for the partition's owner (see `owner_endpoint`).
     async fn owner_client(
         &self,
         partition: i32,
         forwarded: bool,
     ) -> Result<LimitsClient<tonic::transport::Channel>, Status> {
-        let owner = lookup_owner(&self.pool, partition)
-            .await
-            .map_err(|error| Status::unavailable(format!("owner directory unavailable: {error}")))?;
-        match owner {
-            Some((endpoint, _)) if !forwarded && endpoint != self.own_endpoint => {
-                Ok(LimitsClient::new(self.channels.channel(&endpoint)?))
-            }
-            Some((endpoint, _)) => Err(not_owner(partition, Some(&endpoint))),
-            None => Err(not_owner(partition, None)),
-        }
+        let endpoint = owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await?;
+        Ok(LimitsClient::new(self.channels.channel(&endpoint)?))
     }
 }
 

@@ -68,6 +68,13 @@ async fn main() -> anyhow::Result<()> {
     let pg_writes_per_job = to_f64(writes_after - writes_before) / to_f64(total_jobs);
     cleanup(&config, &stack.pool).await;
 
+    eprintln!("bench: TryAcquire decisions over gRPC on loopback");
+    let rate_stack = Stack::start(test_config("benchrate", &overrides)?, 1).await?;
+    let grpc_decisions = run_try_acquire_grpc(&rate_stack, Duration::from_secs(5)).await?;
+    rate_stack.stop().await;
+    eprintln!("bench: TryAcquire decisions in process (the window core, one thread)");
+    let in_process_decisions = run_try_acquire_in_process(20_000_000);
+
     eprintln!("bench: plain relay, {jobs} messages through {HOPS_PER_JOB} consume->produce hops");
     let relay = run_relay(&config, jobs).await?;
 
@@ -83,6 +90,8 @@ async fn main() -> anyhow::Result<()> {
         "release_to_admit_p99_ms": round(percentile(&latencies, 0.99)),
         "fetch_wait_max_ms": fetch_wait_ms,
         "pg_writes_per_job": (pg_writes_per_job * 100.0).round() / 100.0,
+        "try_acquire_per_s_in_process": in_process_decisions.round(),
+        "try_acquire_per_s_grpc": grpc_decisions.round(),
     });
     println!("{figures}");
     Ok(())
@@ -318,6 +327,68 @@ async fn run_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
     }
     latencies.sort_by(f64::total_cmp);
     Ok(latencies)
+}
+
+/// Decisions per second of the sliding window itself on one thread: cost-1
+/// requests against 1,000,000 per second, the clock advancing 1 ms every
+/// 1,000 calls (so nearly all are granted and the window slides).
+fn run_try_acquire_in_process(decisions: u64) -> f64 {
+    use sluice_rate_window::window::{SlidingWindow, WindowSpec};
+    let Ok(spec) = WindowSpec::new(1_000_000, 1000) else {
+        return 0.0;
+    };
+    let mut window = SlidingWindow::new(spec);
+    let started = Instant::now();
+    let mut allowed = 0u64;
+    for index in 0..decisions {
+        let now_ms = i64::try_from(index / 1000).unwrap_or(i64::MAX);
+        if matches!(
+            window.try_acquire(now_ms, 1),
+            Ok(sluice_rate_window::window::Decision::Granted { .. })
+        ) {
+            allowed += 1;
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    std::hint::black_box(allowed);
+    to_f64(decisions) / elapsed
+}
+
+/// TryAcquire decisions per second over gRPC on loopback: concurrent callers
+/// on 16 keys with a generous limit, so most answers are grants, each durable
+/// before it is returned.
+async fn run_try_acquire_grpc(stack: &Stack, duration: Duration) -> anyhow::Result<f64> {
+    let rates = stack.rates_client().await?;
+    let decisions = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + duration;
+    let mut callers = tokio::task::JoinSet::new();
+    for caller in 0..64u64 {
+        let mut client = rates.clone();
+        let decisions = decisions.clone();
+        callers.spawn(async move {
+            let request = pb::TryAcquireRequest {
+                tenant: "bench".to_string(),
+                limit: Some(pb::RateLimit {
+                    spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                        name: format!("plain-{}", caller % 16),
+                        unique_key: String::new(),
+                        limit: 10_000_000,
+                        duration_ms: 1000,
+                        cost: 1,
+                    })),
+                }),
+                cost: 1,
+            };
+            while Instant::now() < deadline {
+                if client.try_acquire(request.clone()).await.is_ok() {
+                    decisions.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    let started = Instant::now();
+    while callers.join_next().await.is_some() {}
+    Ok(to_f64(decisions.load(Ordering::Relaxed)) / started.elapsed().as_secs_f64())
 }
 
 /// A plain consume->produce relay with `HOPS_PER_JOB` hops, same broker and

@@ -1,6 +1,9 @@
 //! End-to-end tests on the real broker (tansu or Kafka at 127.0.0.1:9092) and
 //! PostgreSQL (127.0.0.1:5432). `make test` starts both.
 
+// Test-only crate: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod crash;
 mod deadletter;
 mod fencing;
@@ -8,3 +11,4 @@ mod flow;
 mod introspection;
 mod jobs_api;
 mod limits;
+mod rate;
