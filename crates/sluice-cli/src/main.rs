@@ -101,8 +101,8 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Dev => {
             let config = Arc::new(SluiceConfig::load(cli.config.as_deref())?);
-            let _telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
-            dev(config).await
+            let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
+            dev(config, &telemetry).await
         }
         Command::Migrate => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
@@ -157,9 +157,10 @@ async fn health(endpoint: &str, service: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn dev(config: Arc<SluiceConfig>) -> anyhow::Result<()> {
+async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -> anyhow::Result<()> {
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals();
+    let metrics = telemetry::spawn_metrics_endpoint(&config.telemetry, telemetry, shutdown.clone()).await?;
     let admission = grpc::bind(&config.admission.listen).await?;
     let limit_grant = grpc::bind(&config.limit_grant.listen).await?;
     let rate_window = grpc::bind(&config.rate_window.listen).await?;
@@ -191,6 +192,9 @@ async fn dev(config: Arc<SluiceConfig>) -> anyhow::Result<()> {
     println!("sluice dev: all four services in one process");
     for (name, address) in addresses {
         println!("  {name:<20} grpc://{address}");
+    }
+    if let Some(metrics) = metrics {
+        println!("  metrics              http://{metrics}/metrics");
     }
     println!("  kafka brokers        {}", config.kafka.brokers);
     println!("  job requests topic   {}", config.topic(&config.topics.requested));

@@ -160,6 +160,14 @@ pub struct TelemetryConfig {
     pub log_level: String,
     pub otlp_endpoint: String,
     pub sampling_ratio: f64,
+    /// Prometheus scrape endpoint (`GET /metrics`); empty: none.
+    pub metrics_listen: String,
+    /// Per-key series for the busiest keys (by waiting, then holders).
+    pub key_metrics_top_n: usize,
+    /// Per-key series (and wait-time histograms) for keys matching these
+    /// `tenant/key` globs, e.g. "acme/payments-*".
+    #[serde(default)]
+    pub key_metrics_patterns: Vec<String>,
 }
 
 #[derive(Clone, Debug, Deserialize)]

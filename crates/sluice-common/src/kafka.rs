@@ -212,7 +212,9 @@ impl Publisher {
                 }
             }
         }
+        let mut produced: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
         for (topic, partition, delivery) in deliveries {
+            *produced.entry(topic.clone()).or_default() += 1;
             let outcome = delivery.await.map_err(|_cancelled| KafkaPlumbingError::Delivery {
                 topic: topic.to_string(),
                 partition: partition.unwrap_or(-1),
@@ -225,6 +227,11 @@ impl Publisher {
                     source: report.0,
                 });
             }
+        }
+        for (topic, count) in produced {
+            crate::metrics::metrics()
+                .produced
+                .add(count, &[opentelemetry::KeyValue::new("topic", topic.to_string())]);
         }
         Ok(())
     }
@@ -510,6 +517,23 @@ impl ClientContext for RebalanceContext {
         }
         tracing::error!(%error, reason, "kafka client error");
     }
+
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        // Consumer lag (tests must not assert on it: tansu's high watermark is off).
+        self.record_lag(&statistics);
+    }
+}
+
+impl RebalanceContext {
+    fn record_lag(&self, statistics: &rdkafka::Statistics) {
+        for (name, topic) in &statistics.topics {
+            for (partition, state) in &topic.partitions {
+                if *partition >= 0 && state.consumer_lag >= 0 {
+                    crate::metrics::metrics().set_consumer_lag(name, *partition, state.consumer_lag);
+                }
+            }
+        }
+    }
 }
 
 impl ConsumerContext for RebalanceContext {
@@ -585,7 +609,8 @@ pub async fn run_partitioned_consumer(
             (kafka.session_timeout_ms / 5).max(100).to_string(),
         )
         .set("fetch.wait.max.ms", kafka.fetch_wait_max_ms.to_string())
-        .set("enable.partition.eof", if options.track_end { "true" } else { "false" });
+        .set("enable.partition.eof", if options.track_end { "true" } else { "false" })
+        .set("statistics.interval.ms", "15000");
     for (key, value) in &kafka.properties {
         client.set(key, value);
     }
@@ -622,6 +647,8 @@ pub async fn run_partitioned_consumer(
         running.insert(partition, Running { sender, stop });
     };
 
+    let topic_attribute = [opentelemetry::KeyValue::new("topic", topic.to_string())];
+    let mut consumed_since_report = 0u64;
     let mut reconcile_timer = tokio::time::interval(Duration::from_millis(100));
     reconcile_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let outcome = loop {
@@ -649,6 +676,10 @@ pub async fn run_partitioned_consumer(
                 }
             }
             _ = reconcile_timer.tick() => {
+                if consumed_since_report > 0 {
+                    crate::metrics::metrics().consumed.add(consumed_since_report, &topic_attribute);
+                    consumed_since_report = 0;
+                }
                 let current: HashSet<i32> = assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
                 running.retain(|partition, entry| {
                     let keep = current.contains(partition);
@@ -673,6 +704,11 @@ pub async fn run_partitioned_consumer(
                         }
                         if options.track_end {
                             progress.update(partition, |state| state.at_end = false);
+                        }
+                        consumed_since_report += 1;
+                        if consumed_since_report >= 256 {
+                            crate::metrics::metrics().consumed.add(consumed_since_report, &topic_attribute);
+                            consumed_since_report = 0;
                         }
                         if !running.contains_key(&partition) {
                             start_task(partition, &mut running);

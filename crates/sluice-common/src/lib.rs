@@ -9,6 +9,7 @@ pub mod faults;
 pub mod forward;
 pub mod grpc;
 pub mod kafka;
+pub mod metrics;
 pub mod owner;
 pub mod partition;
 pub mod service;

@@ -82,6 +82,11 @@ pub trait OwnedState: Send + 'static {
 
     /// When `apply` must run next even without input (lease expiry, slots).
     fn next_wakeup_ms(&self) -> Option<i64>;
+
+    /// The partition's keys, for per-key metrics (bounded by configuration).
+    fn key_stats(&self) -> Vec<crate::metrics::KeyStat> {
+        Vec::new()
+    }
 }
 
 /// Loads and saves a partition's state.
@@ -365,6 +370,8 @@ struct PartitionTask<S: OwnedStore> {
 }
 
 const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// How often an owned partition publishes its keys for per-key metrics.
+const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
 enum Step<T> {
@@ -397,6 +404,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             "partition owned"
         );
 
+        let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
         let outcome = loop {
             let mut messages: Vec<InMsg> = Vec::new();
             let mut locals = Vec::new();
@@ -443,7 +451,12 @@ impl<S: OwnedStore> PartitionTask<S> {
             if let Some(offset) = last_offset {
                 input.offsets.store(offset + 1);
             }
+            if last_key_stats.elapsed() >= KEY_STATS_EVERY {
+                last_key_stats = std::time::Instant::now();
+                crate::metrics::metrics().publish_keys(self.settings.service, partition, Some(state.key_stats()));
+            }
         };
+        crate::metrics::metrics().publish_keys(self.settings.service, partition, None);
         self.registry.unregister(partition, &local_sender);
         if let Err(PartitionTaskError::Stopped { reason, .. }) = &outcome {
             self.registry.mark_stopped(partition, reason.clone());
@@ -556,13 +569,6 @@ impl<S: OwnedStore> PartitionTask<S> {
                     reason: error.to_string(),
                 })?;
             let new_offset = messages.last().map(|message| message.offset);
-            tracing::debug!(
-                service = self.settings.service,
-                partition,
-                messages = messages.len(),
-                effects = outbox.len(),
-                "owner batch"
-            );
             if writes.is_empty() && outbox.is_empty() && replies.is_empty() {
                 return Ok(Step::Done(()));
             }
@@ -570,6 +576,10 @@ impl<S: OwnedStore> PartitionTask<S> {
             if !writes.is_empty() {
                 match self.commit(context, writes, new_offset).await {
                     Ok(()) => {
+                        crate::metrics::metrics().commit_seconds.record(
+                            started.elapsed().as_secs_f64(),
+                            &[opentelemetry::KeyValue::new("service", self.settings.service)],
+                        );
                         if let Some(offset) = new_offset {
                             *applied_offset = offset;
                         }
@@ -618,15 +628,14 @@ impl<S: OwnedStore> PartitionTask<S> {
                     return Err(PartitionTaskError::Crashed);
                 }
             }
-            let committed = started.elapsed();
+            let published_from = std::time::Instant::now();
             match self.publish_until_done(outbox, input).await {
                 Step::Done(()) => {}
                 Step::Stop => return Ok(Step::Stop),
             }
-            tracing::debug!(
-                commit_ms = committed.as_secs_f64() * 1e3,
-                total_ms = started.elapsed().as_secs_f64() * 1e3,
-                "owner timing"
+            crate::metrics::metrics().publish_seconds.record(
+                published_from.elapsed().as_secs_f64(),
+                &[opentelemetry::KeyValue::new("service", self.settings.service)],
             );
             if self.faults.hit(FaultPoint::OwnerAfterPublishBeforeOffsetStore) {
                 return Err(PartitionTaskError::Crashed);

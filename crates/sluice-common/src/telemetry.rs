@@ -8,6 +8,7 @@ use std::collections::HashMap;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use sluice_proto::v1::TraceContext;
@@ -26,16 +27,29 @@ pub enum TelemetryError {
     Exporter { endpoint: String, message: String },
 }
 
-/// Flushes and stops the exporter when dropped (at process exit).
+/// Flushes and stops the exporters when dropped (at process exit).
 #[must_use = "dropping the guard stops trace export"]
 pub struct TelemetryGuard {
     provider: Option<SdkTracerProvider>,
+    meters: Option<SdkMeterProvider>,
+    otlp_metrics: bool,
+    registry: prometheus::Registry,
 }
 
 impl TelemetryGuard {
-    /// Whether an OTLP exporter was started.
+    /// Whether an OTLP trace exporter was started.
     pub fn exporting(&self) -> bool {
         self.provider.is_some()
+    }
+
+    /// Whether an OTLP metric exporter was started.
+    pub fn exporting_metrics(&self) -> bool {
+        self.otlp_metrics
+    }
+
+    /// The registry the Prometheus scrape endpoint serves.
+    pub fn prometheus_registry(&self) -> prometheus::Registry {
+        self.registry.clone()
     }
 }
 
@@ -44,6 +58,11 @@ impl Drop for TelemetryGuard {
         if let Some(provider) = self.provider.take() {
             if let Err(error) = provider.shutdown() {
                 eprintln!("telemetry: flushing traces at exit failed: {error}");
+            }
+        }
+        if let Some(meters) = self.meters.take() {
+            if let Err(error) = meters.shutdown() {
+                eprintln!("telemetry: flushing metrics at exit failed: {error}");
             }
         }
     }
@@ -71,16 +90,23 @@ pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGua
     })?;
     let fmt_layer = match config.log_format {
         LogFormat::Text => tracing_subscriber::fmt::layer().with_target(true).boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer()
-            .json()
-            .with_current_span(true)
-            .flatten_event(true)
-            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer().event_format(JsonWithTrace).boxed(),
     };
-    let provider = match otlp_endpoint(config) {
-        Some(endpoint) => Some(build_provider(&endpoint, config.sampling_ratio, service_name)?),
+    let endpoint = otlp_endpoint(config);
+    let provider = match &endpoint {
+        Some(endpoint) => Some(build_provider(endpoint, config.sampling_ratio, service_name)?),
         None => None,
     };
+    let registry = prometheus::Registry::new();
+    let meters = build_meter_provider(endpoint.as_deref(), &registry, service_name)?;
+    let installed_meters = METER_PROVIDER_SET.set(()).is_ok();
+    if installed_meters {
+        opentelemetry::global::set_meter_provider(meters.clone());
+    }
+    crate::metrics::metrics().set_selection(crate::metrics::KeySelection {
+        top_n: config.key_metrics_top_n,
+        patterns: config.key_metrics_patterns.clone(),
+    });
     let otel_layer = provider.as_ref().map(|provider| {
         tracing_opentelemetry::layer()
             .with_tracer(provider.tracer(service_name.to_string()))
@@ -97,7 +123,185 @@ pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGua
     if let Some(provider) = &provider {
         opentelemetry::global::set_tracer_provider(provider.clone());
     }
-    Ok(TelemetryGuard { provider })
+    Ok(TelemetryGuard {
+        provider,
+        otlp_metrics: endpoint.is_some() && installed_meters,
+        meters: installed_meters.then_some(meters),
+        registry,
+    })
+}
+
+static METER_PROVIDER_SET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+
+fn build_meter_provider(
+    endpoint: Option<&str>,
+    registry: &prometheus::Registry,
+    service_name: &str,
+) -> Result<SdkMeterProvider, TelemetryError> {
+    let prometheus_reader = opentelemetry_prometheus::exporter()
+        .with_registry(registry.clone())
+        .build()
+        .map_err(|error| TelemetryError::Exporter {
+            endpoint: "prometheus".to_string(),
+            message: error.to_string(),
+        })?;
+    let resource = opentelemetry_sdk::Resource::builder()
+        .with_service_name(service_name.to_string())
+        .build();
+    let mut builder = SdkMeterProvider::builder()
+        .with_reader(prometheus_reader)
+        .with_resource(resource);
+    if let Some(endpoint) = endpoint {
+        use opentelemetry_otlp::WithExportConfig;
+        let exporter = opentelemetry_otlp::MetricExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint)
+            .build()
+            .map_err(|error| TelemetryError::Exporter {
+                endpoint: endpoint.to_string(),
+                message: error.to_string(),
+            })?;
+        builder = builder.with_reader(opentelemetry_sdk::metrics::PeriodicReader::builder(exporter).build());
+    }
+    Ok(builder.build())
+}
+
+/// Start the Prometheus scrape endpoint on `telemetry.metrics_listen`
+/// (nothing when empty). Returns the bound address.
+pub async fn spawn_metrics_endpoint(
+    config: &TelemetryConfig,
+    guard: &TelemetryGuard,
+    shutdown: crate::shutdown::Shutdown,
+) -> Result<Option<std::net::SocketAddr>, std::io::Error> {
+    let address = config.metrics_listen.trim();
+    if address.is_empty() {
+        return Ok(None);
+    }
+    let listener = tokio::net::TcpListener::bind(address).await?;
+    let local = listener.local_addr()?;
+    let registry = guard.prometheus_registry();
+    tokio::spawn(async move {
+        if let Err(error) = crate::metrics::serve_prometheus(listener, registry, shutdown).await {
+            tracing::error!(%error, "metrics endpoint stopped");
+        }
+    });
+    Ok(Some(local))
+}
+
+/// JSON log lines with the current span's `trace_id` and `span_id`.
+struct JsonWithTrace;
+
+struct JsonFields<'a>(&'a mut serde_json::Map<String, serde_json::Value>);
+
+impl tracing::field::Visit for JsonFields<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_string(), serde_json::Value::from(value));
+    }
+    fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+        self.0.insert(field.name().to_string(), serde_json::Value::from(value));
+    }
+    fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
+        self.0.insert(field.name().to_string(), serde_json::Value::from(value));
+    }
+    fn record_bool(&mut self, field: &tracing::field::Field, value: bool) {
+        self.0.insert(field.name().to_string(), serde_json::Value::from(value));
+    }
+    fn record_f64(&mut self, field: &tracing::field::Field, value: f64) {
+        self.0.insert(field.name().to_string(), serde_json::Value::from(value));
+    }
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0
+            .insert(field.name().to_string(), serde_json::Value::from(format!("{value:?}")));
+    }
+}
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for JsonWithTrace
+where
+    S: tracing::Subscriber + for<'lookup> tracing_subscriber::registry::LookupSpan<'lookup>,
+    N: for<'writer> tracing_subscriber::fmt::FormatFields<'writer> + 'static,
+{
+    fn format_event(
+        &self,
+        context: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        use opentelemetry::trace::TraceContextExt;
+        let mut line = serde_json::Map::new();
+        line.insert(
+            "timestamp".to_string(),
+            serde_json::Value::from(humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string()),
+        );
+        line.insert(
+            "level".to_string(),
+            serde_json::Value::from(event.metadata().level().as_str()),
+        );
+        line.insert("target".to_string(), serde_json::Value::from(event.metadata().target()));
+        event.record(&mut JsonFields(&mut line));
+        if let Some(span) = context.lookup_current() {
+            line.insert("span".to_string(), serde_json::Value::from(span.name()));
+        }
+        let current = tracing::Span::current().context();
+        let span_context = current.span().span_context().clone();
+        if span_context.is_valid() {
+            line.insert(
+                "trace_id".to_string(),
+                serde_json::Value::from(span_context.trace_id().to_string()),
+            );
+            line.insert(
+                "span_id".to_string(),
+                serde_json::Value::from(span_context.span_id().to_string()),
+            );
+        }
+        writeln!(writer, "{}", serde_json::Value::Object(line))
+    }
+}
+
+/// Record one span of a job's trace with explicit start and end times (a
+/// wait that began in another process, a decision, a publication) as a
+/// child of `parent`, using the tracer named `scope` (the service). Returns
+/// the new span's context for its children; without a tracer (no endpoint)
+/// it returns `parent`, so propagation goes on and nothing is exported.
+pub fn record_span(
+    scope: &'static str,
+    name: &'static str,
+    parent: &TraceContext,
+    start: std::time::SystemTime,
+    end: std::time::SystemTime,
+    attributes: Vec<opentelemetry::KeyValue>,
+) -> TraceContext {
+    use opentelemetry::trace::{Span as _, TraceContextExt, Tracer as _};
+    let parent_context = extract(parent);
+    let tracer = opentelemetry::global::tracer(scope);
+    let mut span = tracer
+        .span_builder(name)
+        .with_start_time(start)
+        .with_attributes(attributes)
+        .start_with_context(&tracer, &parent_context);
+    let context = opentelemetry::Context::new().with_remote_span_context(span.span_context().clone());
+    let valid = span.span_context().is_valid();
+    span.end_with_timestamp(end);
+    if !valid {
+        return parent.clone();
+    }
+    let mut fields = HashMap::new();
+    TraceContextPropagator::new().inject_context(&context, &mut MapCarrier(&mut fields));
+    TraceContext {
+        traceparent: fields.remove("traceparent").unwrap_or_default(),
+        tracestate: fields.remove("tracestate").unwrap_or_default(),
+    }
+}
+
+fn extract(remote: &TraceContext) -> opentelemetry::Context {
+    if remote.traceparent.is_empty() {
+        return opentelemetry::Context::new();
+    }
+    let mut fields = HashMap::new();
+    fields.insert("traceparent".to_string(), remote.traceparent.clone());
+    if !remote.tracestate.is_empty() {
+        fields.insert("tracestate".to_string(), remote.tracestate.clone());
+    }
+    TraceContextPropagator::new().extract(&ReadCarrier(&fields))
 }
 
 fn build_provider(
@@ -166,13 +370,7 @@ pub fn set_remote_parent(span: &tracing::Span, remote: &TraceContext) {
     if remote.traceparent.is_empty() {
         return;
     }
-    let mut fields = HashMap::new();
-    fields.insert("traceparent".to_string(), remote.traceparent.clone());
-    if !remote.tracestate.is_empty() {
-        fields.insert("tracestate".to_string(), remote.tracestate.clone());
-    }
-    let parent = TraceContextPropagator::new().extract(&ReadCarrier(&fields));
-    let _ = span.set_parent(parent);
+    let _ = span.set_parent(extract(remote));
 }
 
 /// Trace context from Kafka headers (`traceparent`, `tracestate`).

@@ -10,12 +10,13 @@ use sluice_common::{grpc, telemetry, Faults, Shutdown};
 async fn main() -> anyhow::Result<()> {
     let args = ServiceArgs::parse();
     let config = Arc::new(args.load_config()?);
-    let _telemetry = telemetry::init(&config.telemetry, "sluice-limit-grant")?;
+    let telemetry_guard = telemetry::init(&config.telemetry, "sluice-limit-grant")?;
     match args.command.unwrap_or_default() {
         ServiceCommand::Migrate => sluice_limit_grant::migrate(&config).await?,
         ServiceCommand::Run => {
             let shutdown = Shutdown::new();
             shutdown.trigger_on_signals();
+            telemetry::spawn_metrics_endpoint(&config.telemetry, &telemetry_guard, shutdown.clone()).await?;
             let listener = grpc::bind(&config.limit_grant.listen).await?;
             sluice_limit_grant::run(config, listener, shutdown, Faults::none()).await?;
         }

@@ -10,12 +10,13 @@ use sluice_common::{grpc, telemetry, Faults, Shutdown};
 async fn main() -> anyhow::Result<()> {
     let args = ServiceArgs::parse();
     let config = Arc::new(args.load_config()?);
-    let _telemetry = telemetry::init(&config.telemetry, "sluice-rate-window")?;
+    let telemetry_guard = telemetry::init(&config.telemetry, "sluice-rate-window")?;
     match args.command.unwrap_or_default() {
         ServiceCommand::Migrate => sluice_rate_window::migrate(&config).await?,
         ServiceCommand::Run => {
             let shutdown = Shutdown::new();
             shutdown.trigger_on_signals();
+            telemetry::spawn_metrics_endpoint(&config.telemetry, &telemetry_guard, shutdown.clone()).await?;
             let listener = grpc::bind(&config.rate_window.listen).await?;
             sluice_rate_window::run(config, listener, shutdown, Faults::none()).await?;
         }
