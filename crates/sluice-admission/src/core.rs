@@ -7,8 +7,10 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use opentelemetry::KeyValue;
 use sluice_common::clock::{wall_clock_ms, wall_clock_us};
 use sluice_common::kafka::{Outbox, Publisher};
+use sluice_common::telemetry::record_span;
 use sluice_common::{FaultPoint, Faults, SluiceConfig};
 use sluice_proto::v1 as pb;
 use sqlx::{Connection, PgPool};
@@ -124,6 +126,22 @@ impl AdmissionCore {
 
     fn new_row(&self, incoming: &Incoming, now_ms: i64) -> JobRow {
         let valid = &incoming.valid;
+        // The job's own span, under the producer's: every span of the job
+        // hangs below it, across services.
+        let now = std::time::SystemTime::now();
+        let job_trace = record_span(
+            SCOPE,
+            "admission.enqueue",
+            &incoming.trace,
+            now,
+            now,
+            vec![
+                KeyValue::new("sluice.job_id", incoming.job_id.clone()),
+                KeyValue::new("sluice.tenant", valid.request.tenant.clone()),
+                KeyValue::new("sluice.task_group", valid.request.task_group.clone()),
+                KeyValue::new("sluice.limits", i64::try_from(valid.chain.len()).unwrap_or(i64::MAX)),
+            ],
+        );
         let mut spec = valid.request.clone();
         spec.payload = Vec::new();
         spec.job_id = Some(incoming.job_id.clone());
@@ -170,7 +188,7 @@ impl AdmissionCore {
             } else {
                 Some(valid.request.idempotency_key.clone())
             },
-            trace: incoming.trace.clone(),
+            trace: job_trace,
         }
     }
 
@@ -274,13 +292,8 @@ impl AdmissionCore {
                 self.push_pending_effect(&mut outbox, row);
             }
         }
-        let saved = started.elapsed();
+        record_commit(started);
         self.publish(outbox).await;
-        tracing::debug!(
-            db_ms = saved.as_secs_f64() * 1e3,
-            total_ms = started.elapsed().as_secs_f64() * 1e3,
-            "enqueue timing"
-        );
 
         let mut results = Vec::with_capacity(rows.len());
         for (index, row) in rows.iter().enumerate() {
@@ -371,12 +384,37 @@ impl AdmissionCore {
         let mut outbox = Outbox::new();
         let mut matched: HashSet<GrantKey> = HashSet::with_capacity(advanced.len());
         for row in &advanced {
-            matched.insert(GrantKey {
+            let key = GrantKey {
                 job_id: row.state.job_id.clone(),
                 attempt: row.state.attempt,
                 step: row.state.step.saturating_sub(1),
-            });
-            self.push_pending_effect(&mut outbox, row);
+            };
+            if let Some(event) = by_key.get(&key) {
+                record_wait_span(row, key.step, event);
+            }
+            matched.insert(key);
+            if row.state.status == Status::Admitted {
+                // The admitted message carries its own span's context: the
+                // worker's handler span hangs below it.
+                let now = std::time::SystemTime::now();
+                let admitted_trace = record_span(
+                    SCOPE,
+                    "admission.admit",
+                    &row.trace,
+                    now,
+                    now,
+                    vec![
+                        KeyValue::new("sluice.job_id", row.state.job_id.clone()),
+                        KeyValue::new("sluice.attempt", i64::from(row.state.attempt)),
+                        KeyValue::new("sluice.task_group", row.task_group.clone()),
+                    ],
+                );
+                let mut published = row.clone();
+                published.trace = admitted_trace;
+                self.push_pending_effect(&mut outbox, &published);
+            } else {
+                self.push_pending_effect(&mut outbox, row);
+            }
         }
         let unmatched: Vec<&GrantKey> = keys.iter().filter(|key| !matched.contains(*key)).collect();
         if !unmatched.is_empty() {
@@ -394,13 +432,8 @@ impl AdmissionCore {
             }
         }
         drop(connection);
-        let saved = started.elapsed();
+        record_commit(started);
         self.publish(outbox).await;
-        tracing::debug!(
-            db_ms = saved.as_secs_f64() * 1e3,
-            total_ms = started.elapsed().as_secs_f64() * 1e3,
-            "grant timing"
-        );
         Ok(())
     }
 
@@ -605,6 +638,34 @@ impl AdmissionCore {
         transaction.commit().await?;
         drop(connection);
 
+        let now = std::time::SystemTime::now();
+        for result in &results {
+            if let Some(row) = rows.get(&result.job_id) {
+                record_span(
+                    SCOPE,
+                    "admission.complete",
+                    &row.trace,
+                    now,
+                    now,
+                    vec![
+                        KeyValue::new("sluice.job_id", result.job_id.clone()),
+                        KeyValue::new("sluice.attempt", i64::from(result.attempt)),
+                        KeyValue::new(
+                            "sluice.outcome",
+                            pb::CompleteOutcome::try_from(result.outcome)
+                                .map(|outcome| outcome.as_str_name().to_string())
+                                .unwrap_or_default(),
+                        ),
+                        KeyValue::new(
+                            "sluice.status",
+                            Status::try_from(result.status)
+                                .map(|status| status.as_str_name().to_string())
+                                .unwrap_or_default(),
+                        ),
+                    ],
+                );
+            }
+        }
         let drop_releases = self.faults.hit(FaultPoint::AdmissionDropRelease);
         let mut outbox = Outbox::new();
         for (job_id, effects) in effects_by_job {
@@ -780,6 +841,55 @@ impl AdmissionCore {
         let mut connection = self.pool.acquire().await?;
         Ok(jobs::fetch_jobs(&mut connection, &[job_id.to_string()]).await?.pop())
     }
+}
+
+fn record_commit(started: std::time::Instant) {
+    sluice_common::metrics::metrics().commit_seconds.record(
+        started.elapsed().as_secs_f64(),
+        &[KeyValue::new("service", "admission")],
+    );
+}
+
+/// The tracer scope of admission's spans.
+const SCOPE: &str = "sluice-admission";
+
+fn at_ms(ms: i64) -> std::time::SystemTime {
+    std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+/// The span covering a job's wait on one limit, from when the key's owner
+/// queued it to the grant.
+fn record_wait_span(row: &JobRow, step_index: u32, event: &pb::GrantEvent) {
+    let step = row.state.chain.get(usize::try_from(step_index).unwrap_or(usize::MAX));
+    let kind = pb::LimitKind::try_from(event.kind).unwrap_or(pb::LimitKind::Unspecified);
+    let key = event.key.clone().unwrap_or_default();
+    let outcome = if event.unthrottled { "unthrottled" } else { "granted" };
+    let start_ms = if event.waiting_since_ms > 0 {
+        event.waiting_since_ms
+    } else {
+        event.granted_at_ms
+    };
+    record_span(
+        SCOPE,
+        "sluice.wait",
+        &row.trace,
+        at_ms(start_ms),
+        at_ms(event.granted_at_ms.max(start_ms)),
+        vec![
+            KeyValue::new("sluice.job_id", row.state.job_id.clone()),
+            KeyValue::new("sluice.step", i64::from(step_index)),
+            KeyValue::new("sluice.tenant", key.tenant),
+            KeyValue::new("sluice.key", key.key),
+            KeyValue::new("sluice.limit_kind", kind.as_str_name()),
+            KeyValue::new("sluice.max", event.max),
+            KeyValue::new("sluice.position_at_enqueue", i64::from(event.position_at_enqueue)),
+            KeyValue::new("sluice.outcome", outcome),
+            KeyValue::new(
+                "sluice.origin",
+                step.map(|step| step.origin.clone()).unwrap_or_default(),
+            ),
+        ],
+    );
 }
 
 /// The same worker completing an attempt whose completion is already saved.

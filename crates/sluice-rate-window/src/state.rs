@@ -382,6 +382,35 @@ impl RatePartition {
     }
 
     fn emit_grant(&self, record: &TicketRecord, key: &pb::RateKeyRef, limit: i64, outbox: &mut Outbox) {
+        let granted_at_ms = record.granted_at_ms.unwrap_or_default();
+        let display = display_key(key);
+        sluice_common::metrics::metrics().record_grant(
+            "rate-window",
+            "rate",
+            &key.tenant,
+            &display,
+            granted_at_ms - record.waiting_since_ms,
+        );
+        let at = |ms: i64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+        sluice_common::telemetry::record_span(
+            "sluice-rate-window",
+            "rate-window.grant",
+            &pb::TraceContext {
+                traceparent: record.traceparent.clone(),
+                tracestate: record.tracestate.clone(),
+            },
+            at(granted_at_ms),
+            at(granted_at_ms),
+            vec![
+                opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
+                opentelemetry::KeyValue::new("sluice.tenant", key.tenant.clone()),
+                opentelemetry::KeyValue::new("sluice.key", display.clone()),
+                opentelemetry::KeyValue::new("sluice.limit", limit),
+                opentelemetry::KeyValue::new("sluice.cost", i64::try_from(record.cost).unwrap_or(i64::MAX)),
+                opentelemetry::KeyValue::new("sluice.unthrottled", record.unthrottled),
+                opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
+            ],
+        );
         let event = pb::GrantEvent {
             trace: Some(pb::TraceContext {
                 traceparent: record.traceparent.clone(),
@@ -484,8 +513,11 @@ impl RatePartition {
             .unwrap_or_default();
         writes.upsert_ticket(record.clone());
         state.waiting.insert(ticket.clone(), record);
-        self.waiting_in.insert(ticket, stored.clone());
+        self.waiting_in.insert(ticket.clone(), stored.clone());
         self.pump(now_ms, &stored, writes, outbox);
+        if self.waiting_in.contains_key(&ticket) {
+            sluice_common::metrics::metrics().rate_deferrals.add(1, &[]);
+        }
         Ok(())
     }
 
@@ -891,6 +923,21 @@ impl OwnedState for RatePartition {
 
     fn next_wakeup_ms(&self) -> Option<i64> {
         self.wakeups.first().map(|(at, _)| *at)
+    }
+
+    fn key_stats(&self) -> Vec<sluice_common::metrics::KeyStat> {
+        let now_ms = sluice_common::clock::wall_clock_ms();
+        self.windows
+            .values()
+            .map(|state| sluice_common::metrics::KeyStat {
+                tenant: state.key.tenant.clone(),
+                key: display_key(&state.key),
+                kind: "rate",
+                holders: state.window.used(now_ms),
+                waiting: u64::try_from(state.queue.len()).unwrap_or(u64::MAX),
+                max: Some(state.window.spec().limit()),
+            })
+            .collect()
     }
 }
 
