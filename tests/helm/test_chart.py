@@ -13,6 +13,7 @@ if the property it names breaks.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -43,6 +44,14 @@ except ModuleNotFoundError:
     sys.exit("PyYAML is missing: run scripts/install-helm-tools.sh (or scripts/helm-check.sh)")
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from config_contract import (  # noqa: E402
+    DEFAULT_TOML,
+    config_contract_errors,
+    deep_merge,
+    missing_required_fields,
+    rust_config_structs,
+)
 # SLUICE_CHART_DIR points the test at another copy of the chart (e.g. to
 # check that a deliberately broken chart fails it).
 CHART = Path(os.environ.get("SLUICE_CHART_DIR") or ROOT / "helm" / "sluice").resolve()
@@ -671,6 +680,129 @@ class WiringTest(ChartTestCase):
                 self.assertTrue(selects(release_peer["podSelector"]["matchLabels"], labels))
 
 
+# ---------------------------------------------------------------------------
+# The configuration file against the Rust code that reads it
+# (config_contract.py), and the dashboard.
+
+DASHBOARD = ROOT / "deploy" / "grafana" / "sluice-dashboard.json"
+CHART_DASHBOARD = CHART / "dashboards" / "sluice.json"
+
+
+class ConfigContractTest(ChartTestCase):
+    """The rendered sluice.toml is one the services accept: config.rs structs
+    are `deny_unknown_fields`, so a key the code does not have would stop
+    every pod at startup."""
+
+    ALL_VALUE_SETS = {**VALUE_SETS, "options": ("--values", str(OPTIONS_VALUES)),
+                      "metrics": ("--set", "metrics.enabled=true",
+                                  "--set-json", 'telemetry.keyMetrics.patterns=["acme/*","*/smtp"]')}
+
+    def test_the_parser_reads_config_rs(self):
+        structs = rust_config_structs()
+        for name in ("SluiceConfig", "PostgresConfig", "KafkaConfig", "TelemetryConfig",
+                     "AdmissionConfig", "OwnerServiceConfig", "TaskGroupConfig", "CapConfig"):
+            self.assertIn(name, structs)
+        self.assertEqual(structs["SluiceConfig"]["task_groups"][0], "BTreeMap<String, TaskGroupConfig>")
+        self.assertTrue(structs["OwnerServiceConfig"]["ticket_grace"][1], "serde default not seen")
+        # The embedded defaults satisfy the same contract.
+        defaults = tomllib.loads(DEFAULT_TOML.read_text())
+        self.assertEqual(config_contract_errors(defaults), [])
+        self.assertEqual(missing_required_fields(defaults), [])
+        # And the check does catch a stray key.
+        self.assertTrue(config_contract_errors({"telemetry": {"metrics_port": 9090}}))
+
+    def test_rendered_config_has_only_keys_the_code_reads(self):
+        for name, args in self.ALL_VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                for config_map in of_kind(documents, "ConfigMap"):
+                    if "sluice.toml" not in config_map.get("data", {}):
+                        continue
+                    config = tomllib.loads(config_map["data"]["sluice.toml"])
+                    self.assertEqual(config_contract_errors(config), [], config_map["metadata"]["name"])
+                    layered = deep_merge(tomllib.loads(DEFAULT_TOML.read_text()), config)
+                    self.assertEqual(missing_required_fields(layered), [])
+
+    def test_metrics_endpoint_follows_the_metrics_values(self):
+        disabled = config_toml(render())
+        self.assertEqual(disabled["telemetry"]["metrics_listen"], "")
+        documents = render("--values", str(OPTIONS_VALUES))
+        config = config_toml(documents, f"{RELEASE}-queue-config")
+        self.assertEqual(config["telemetry"]["metrics_listen"], "0.0.0.0:9464")
+        for deployment in of_kind(documents, "Deployment"):
+            ports = {p["name"]: p["containerPort"] for p in pod_spec(deployment)["containers"][0]["ports"]}
+            self.assertEqual(ports["metrics"], 9464)
+
+    def test_key_metrics_selection_is_rendered(self):
+        config = config_toml(render("--set", "telemetry.keyMetrics.topN=5",
+                                    "--set-json", 'telemetry.keyMetrics.patterns=["acme/payments-*"]'))
+        self.assertEqual(config["telemetry"]["key_metrics_top_n"], 5)
+        self.assertEqual(config["telemetry"]["key_metrics_patterns"], ["acme/payments-*"])
+        self.assertEqual(config_toml(render())["telemetry"]["key_metrics_patterns"], [])
+
+    def test_rate_window_granted_retention_is_rendered(self):
+        config = config_toml(render("--set", "rateWindow.config.grantedRetention=10m"))
+        self.assertEqual(config["rate_window"]["granted_retention"], "10m")
+
+    def test_startup_validation_rules_fail_the_render(self):
+        """Rules SluiceConfig::validate() applies at startup, checked at render
+        time so a bad upgrade fails before any pod crash-loops."""
+        self.assertRenderFails("--set", "admission.config.standBehindInterval=16s",
+                               message="must be at most half of limitGrant.config.ticketGrace")
+        self.assertRenderFails("--set", "limitGrant.config.ticketGrace=1m",
+                               "--set", "admission.config.standBehindInterval=31s",
+                               message="must be at most half of limitGrant.config.ticketGrace")
+        render("--set", "limitGrant.config.ticketGrace=1m", "--set", "admission.config.standBehindInterval=30s")
+        render("--set", "admission.config.standBehindInterval=15000ms")
+        self.assertRenderFails("--set", "admission.config.sweepInterval=0s",
+                               message="admission.config.sweepInterval must be greater than 0")
+        self.assertRenderFails("--set", "taskGroups.default.lease=50ms",
+                               message="taskGroups.default.lease (50ms) must be at least 100ms")
+        render("--set", "taskGroups.default.lease=1.5s")
+        render("--set", "taskGroups.default.lease=1h 30min")
+
+
+class DashboardChartTest(ChartTestCase):
+    """The optional Grafana dashboard ConfigMap."""
+
+    def dashboard_config_maps(self, documents) -> list[dict]:
+        return [doc for doc in of_kind(documents, "ConfigMap")
+                if "sluice.json" in (doc.get("data") or {})]
+
+    def test_off_by_default(self):
+        self.assertEqual(self.dashboard_config_maps(render()), [])
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        self.assertFalse(values["grafana"]["dashboard"]["enabled"])
+
+    def test_the_chart_ships_the_deploy_dashboard(self):
+        self.assertEqual(CHART_DASHBOARD.read_bytes(), DASHBOARD.read_bytes(),
+                         f"{CHART_DASHBOARD} differs from {DASHBOARD}: "
+                         f"cp {DASHBOARD.relative_to(ROOT)} {CHART_DASHBOARD.relative_to(ROOT)}")
+        documents = render("--set", "grafana.dashboard.enabled=true",
+                           "--set", "grafana.dashboard.namespace=monitoring",
+                           "--set", "grafana.dashboard.annotations.grafana_folder=Sluice")
+        config_maps = self.dashboard_config_maps(documents)
+        self.assertEqual(len(config_maps), 1)
+        config_map = config_maps[0]
+        self.assertEqual(config_map["metadata"]["labels"].get("grafana_dashboard"), "1")
+        self.assertEqual(config_map["metadata"]["namespace"], "monitoring")
+        self.assertEqual(config_map["metadata"]["annotations"], {"grafana_folder": "Sluice"})
+        self.assertEqual(json.loads(config_map["data"]["sluice.json"]), json.loads(DASHBOARD.read_text()))
+
+    def test_custom_sidecar_label(self):
+        documents = render("--set", "grafana.dashboard.enabled=true",
+                           "--set", "grafana.dashboard.labels.grafana_dashboard=null",
+                           "--set", "grafana.dashboard.labels.dashboards=sluice")
+        labels = self.dashboard_config_maps(documents)[0]["metadata"]["labels"]
+        self.assertEqual(labels.get("dashboards"), "sluice")
+        self.assertNotIn("grafana_dashboard", labels)
+
+    def test_service_monitor_keeps_the_service_label(self):
+        monitor = of_kind(render("--values", str(PRODUCTION_VALUES)), "ServiceMonitor")[0]
+        for endpoint in monitor["spec"]["endpoints"]:
+            self.assertIs(endpoint.get("honorLabels"), True)
+
+
 class NamesTest(ChartTestCase):
     def test_long_names_stay_within_dns_label_limits(self):
         long_name = "a" * 63
@@ -698,6 +830,14 @@ class SchemaTest(ChartTestCase):
             ("--set", "limitGrant.replicaz=2"),
             ("--set", "image.pullPolicy=Sometimes"),
             ("--set", "kafka.securityProtocol=TLS"),
+            # The binaries have no TLS for gRPC: an https OTLP endpoint
+            # could never export.
+            ("--set", "telemetry.otlpEndpoint=https://otlp.example.com:4317"),
+            # Units humantime does not know.
+            ("--set", "admission.config.claimTimeout=10parsecs"),
+            ("--set", "rateWindow.config.grantedRetention=5 minuten"),
+            ("--set", "telemetry.keyMetrics.topN=-1"),
+            ("--set", "grafana.dashboard.namespace=Not_A_Namespace"),
         )
         for case in cases:
             with self.subTest(case=case):

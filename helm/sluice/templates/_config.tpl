@@ -94,6 +94,15 @@ log_format = {{ .logFormat | toJson }}
 log_level = {{ .logLevel | toJson }}
 otlp_endpoint = {{ .otlpEndpoint | toJson }}
 sampling_ratio = {{ include "sluice.tomlFloat" .samplingRatio }}
+key_metrics_top_n = {{ .keyMetrics.topN | int64 }}
+key_metrics_patterns = {{ .keyMetrics.patterns | default list | toJson }}
+{{- end }}
+{{- if .Values.metrics.enabled }}
+# The Prometheus scrape endpoint (GET /metrics) on the pods' metrics port.
+metrics_listen = {{ printf "0.0.0.0:%d" (int .Values.metrics.port) | toJson }}
+{{- else }}
+# metrics.enabled is false: no scrape endpoint.
+metrics_listen = ""
 {{- end }}
 
 [admission]
@@ -133,6 +142,7 @@ max_batch = {{ .config.maxBatch | int64 }}
 listen = {{ printf "0.0.0.0:%d" (int .port) | toJson }}
 advertised_endpoint = ""
 consumer_group = {{ .config.consumerGroup | toJson }}
+granted_retention = {{ .config.grantedRetention | toJson }}
 max_batch = {{ .config.maxBatch | int64 }}
 {{- end }}
 

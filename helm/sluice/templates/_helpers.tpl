@@ -241,6 +241,25 @@ Volumes every Sluice pod mounts: the configuration file and a writable /tmp
 {{- end }}
 
 {{/*
+Milliseconds in a duration string, the way Sluice reads it (humantime:
+"500ms", "30s", "1h 30m", "1.5s"; values.schema.json admits only those
+units). A float, as a string.
+*/}}
+{{- define "sluice.durationMs" -}}
+{{- $units := dict "nanos" 0.000001 "nsec" 0.000001 "ns" 0.000001 "usec" 0.001 "us" 0.001 "µs" 0.001 "millis" 1.0 "msec" 1.0 "ms" 1.0 "seconds" 1000.0 "second" 1000.0 "secs" 1000.0 "sec" 1000.0 "s" 1000.0 "minutes" 60000.0 "minute" 60000.0 "mins" 60000.0 "min" 60000.0 "m" 60000.0 "hours" 3600000.0 "hour" 3600000.0 "hrs" 3600000.0 "hr" 3600000.0 "h" 3600000.0 "days" 86400000.0 "day" 86400000.0 "d" 86400000.0 "weeks" 604800000.0 "week" 604800000.0 "wks" 604800000.0 "wk" 604800000.0 "w" 604800000.0 "months" 2630016000.0 "month" 2630016000.0 "M" 2630016000.0 "years" 31557600000.0 "year" 31557600000.0 "yrs" 31557600000.0 "yr" 31557600000.0 "y" 31557600000.0 }}
+{{- $total := 0.0 }}
+{{- range $part := regexFindAll "[0-9]+(\\.[0-9]+)?\\s*[a-zA-Zµ]+" (toString .) -1 }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $part | float64 }}
+{{- $unit := regexFind "[a-zA-Zµ]+$" $part }}
+{{- if not (hasKey $units $unit) }}
+{{- fail (printf "unknown duration unit %q in %q" $unit (toString $)) }}
+{{- end }}
+{{- $total = addf $total (mulf $number (index $units $unit)) }}
+{{- end }}
+{{- $total }}
+{{- end }}
+
+{{/*
 Fails rendering on values the schema cannot check because they relate two
 keys.
 */}}
@@ -273,6 +292,30 @@ keys.
 {{- end }}
 {{- if and .Values.kafka.sasl.existingSecret (not (hasPrefix "SASL_" .Values.kafka.securityProtocol)) }}
 {{- fail "kafka.sasl.existingSecret is set but kafka.securityProtocol is not SASL_SSL or SASL_PLAINTEXT: the credentials would never be used." }}
+{{- end }}
+{{- /* The checks SluiceConfig::validate makes at startup that relate or
+  bound durations: failing here beats every pod crash-looping. */}}
+{{- $admission := .Values.admission.config }}
+{{- $durations := dict
+  "admission.config.sweepInterval" $admission.sweepInterval
+  "admission.config.standBehindInterval" $admission.standBehindInterval
+  "admission.config.claimTimeout" $admission.claimTimeout
+  "admission.config.resendWaitingAfter" $admission.resendWaitingAfter
+  "limitGrant.config.ticketGrace" .Values.limitGrant.config.ticketGrace }}
+{{- range $key := keys $durations | sortAlpha }}
+{{- if le (include "sluice.durationMs" (index $durations $key) | float64) 0.0 }}
+{{- fail (printf "%s must be greater than 0." $key) }}
+{{- end }}
+{{- end }}
+{{- $standBehindMs := include "sluice.durationMs" $admission.standBehindInterval | float64 }}
+{{- $ticketGraceMs := include "sluice.durationMs" .Values.limitGrant.config.ticketGrace | float64 }}
+{{- if gt (mulf 2 $standBehindMs) $ticketGraceMs }}
+{{- fail (printf "admission.config.standBehindInterval (%s) must be at most half of limitGrant.config.ticketGrace (%s): admission restates the tickets it stands behind at that interval, and limit-grant reclaims a ticket nobody restated within its grace." $admission.standBehindInterval .Values.limitGrant.config.ticketGrace) }}
+{{- end }}
+{{- range $name, $group := .Values.taskGroups }}
+{{- if lt (include "sluice.durationMs" $group.lease | float64) 100.0 }}
+{{- fail (printf "taskGroups.%s.lease (%s) must be at least 100ms." $name $group.lease) }}
+{{- end }}
 {{- end }}
 {{- range $key, $value := .Values.kafka.properties }}
 {{- if regexMatch "(?i)(password|secret|jaas|sasl\\.username|private|token)" $key }}
