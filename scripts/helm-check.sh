@@ -9,6 +9,9 @@
 #      Custom resources (the ServiceMonitor, monitoring.coreos.com) have no
 #      schema there: they are set aside, named, and checked by the chart test.
 #   4. runs the chart test, tests/helm/test_chart.py
+#   5. checks the Grafana dashboard against the metrics in metrics.rs
+#      (tests/helm/test_dashboard.py) and deploy/ against the workspace and
+#      the chart (tests/helm/test_deploy.py)
 #
 # Tools are installed on first use by scripts/install-helm-tools.sh into
 # $SLUICE_TOOLS_DIR (default ~/.cache/sluice/tools), outside the repository.
@@ -94,3 +97,9 @@ done
 
 step "chart test (tests/helm/test_chart.py)"
 SLUICE_HELM="$HELM" "$PYTHON" "$ROOT/tests/helm/test_chart.py"
+
+step "dashboard test (tests/helm/test_dashboard.py)"
+"$PYTHON" "$ROOT/tests/helm/test_dashboard.py"
+
+step "deploy test (tests/helm/test_deploy.py)"
+"$PYTHON" "$ROOT/tests/helm/test_deploy.py"
