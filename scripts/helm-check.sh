@@ -21,8 +21,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CHART="$ROOT/helm/sluice"
 TOOLS_DIR="${SLUICE_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/tools}"
 export SLUICE_TOOLS_DIR="$TOOLS_DIR"
-# The chart supports Kubernetes 1.30 and later; check the oldest and a recent one.
-KUBE_VERSIONS="${KUBE_VERSIONS:-1.30.0 1.32.0}"
+# Chart.yaml says Kubernetes 1.27 and later (native gRPC probes); validate
+# against every minor release from there to the newest kubernetes-validate
+# ships schemas for (1.37 with kubernetes-validate 1.37.0).
+KUBE_VERSIONS="${KUBE_VERSIONS:-1.27.0 1.28.0 1.29.0 1.30.0 1.31.0 1.32.0 1.33.0 1.34.0 1.35.0 1.36.0 1.37.0}"
 # The version helm renders for (.Capabilities.KubeVersion).
 RENDER_KUBE_VERSION="${RENDER_KUBE_VERSION:-1.32.0}"
 
