@@ -776,8 +776,7 @@ class DashboardChartTest(ChartTestCase):
 
     def test_the_chart_ships_the_deploy_dashboard(self):
         self.assertEqual(CHART_DASHBOARD.read_bytes(), DASHBOARD.read_bytes(),
-                         f"{CHART_DASHBOARD} differs from {DASHBOARD}: "
-                         f"cp {DASHBOARD.relative_to(ROOT)} {CHART_DASHBOARD.relative_to(ROOT)}")
+                         f"{CHART_DASHBOARD} differs from {DASHBOARD}; copy the deploy/ one over it")
         documents = render("--set", "grafana.dashboard.enabled=true",
                            "--set", "grafana.dashboard.namespace=monitoring",
                            "--set", "grafana.dashboard.annotations.grafana_folder=Sluice")
