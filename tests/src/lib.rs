@@ -202,6 +202,28 @@ pub async fn start_rate_window(config: &Arc<SluiceConfig>, faults: Faults) -> an
     })
 }
 
+pub async fn start_refresh_dispatcher(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
+    let (listener, endpoint) = listener().await?;
+    let shutdown = Shutdown::new();
+    let handle = tokio::spawn({
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let faults = faults.clone();
+        async move {
+            sluice_refresh_dispatcher::run(config, listener, shutdown, faults)
+                .await
+                .map_err(|error| error.to_string())
+        }
+    });
+    Ok(Node {
+        name: "refresh-dispatcher",
+        endpoint,
+        shutdown,
+        faults,
+        handle: Some(handle),
+    })
+}
+
 /// Start admission; it reaches limit-grant at `config.admission.limit_grant_endpoint`.
 pub async fn start_admission(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
     let (listener, endpoint) = listener().await?;
@@ -225,11 +247,13 @@ pub async fn start_admission(config: &Arc<SluiceConfig>, faults: Faults) -> anyh
     })
 }
 
-/// A whole stack: limit-grant, rate-window and admission instances.
+/// A whole stack: limit-grant, rate-window, refresh-dispatcher and admission
+/// instances.
 pub struct Stack {
     pub config: Arc<SluiceConfig>,
     pub limit_grants: Vec<Node>,
     pub rate_windows: Vec<Node>,
+    pub refresh_dispatchers: Vec<Node>,
     pub admissions: Vec<Node>,
     pub pool: PgPool,
 }
@@ -252,11 +276,13 @@ impl Stack {
         }
         let rate_window = start_rate_window(&bootstrap, Faults::none()).await?;
         config.admission.rate_window_endpoint = rate_window.endpoint.clone();
+        let refresh_dispatcher = start_refresh_dispatcher(&bootstrap, Faults::none()).await?;
         let config = Arc::new(config);
         let mut stack = Stack {
             config,
             limit_grants: nodes,
             rate_windows: vec![rate_window],
+            refresh_dispatchers: vec![refresh_dispatcher],
             admissions: Vec::new(),
             pool,
         };
@@ -283,6 +309,7 @@ impl Stack {
         let checks = [
             ("limit_grant", self.config.kafka.partitions.limit_commands),
             ("rate_window", self.config.kafka.partitions.rate_commands),
+            ("refresh_dispatcher", self.config.kafka.partitions.refresh_due),
         ];
         let deadline = Instant::now() + timeout;
         for (schema, partitions) in checks {
@@ -309,6 +336,17 @@ impl Stack {
     ) -> anyhow::Result<sluice_proto::v1::rate_limits_client::RateLimitsClient<Channel>> {
         let endpoint = &self.rate_windows.first().context("no rate-window")?.endpoint;
         Ok(sluice_proto::v1::rate_limits_client::RateLimitsClient::new(
+            connect(endpoint).await?,
+        ))
+    }
+
+    pub async fn refresh_client(&self) -> anyhow::Result<sluice_proto::v1::refresh_client::RefreshClient<Channel>> {
+        let endpoint = &self
+            .refresh_dispatchers
+            .first()
+            .context("no refresh-dispatcher")?
+            .endpoint;
+        Ok(sluice_proto::v1::refresh_client::RefreshClient::new(
             connect(endpoint).await?,
         ))
     }
@@ -362,6 +400,9 @@ impl Stack {
         for node in self.rate_windows.drain(..) {
             node.stop().await;
         }
+        for node in self.refresh_dispatchers.drain(..) {
+            node.stop().await;
+        }
         for node in self.limit_grants.drain(..) {
             node.stop().await;
         }
@@ -374,6 +415,9 @@ impl Stack {
             node.stop().await;
         }
         for node in self.rate_windows {
+            node.stop().await;
+        }
+        for node in self.refresh_dispatchers {
             node.stop().await;
         }
         for node in self.limit_grants {
@@ -945,5 +989,121 @@ where
             "timed out after {timeout:?} waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Refresh workers (floating limits)
+
+/// One refresh task as a test worker handled it.
+#[derive(Clone, Debug)]
+pub struct RefreshRecord {
+    pub task: pb::RefreshTask,
+    /// What the handler answered: a new max or an error.
+    pub result: Result<i64, String>,
+    /// Wall clock (unix ms) just before and after `ReportRefresh`.
+    pub reporting_at_ms: i64,
+    pub reported_at_ms: i64,
+    pub response: pb::ReportRefreshResponse,
+}
+
+/// Computes a key's new max from its refresh task.
+pub type RefreshHandler = Arc<dyn Fn(&pb::RefreshTask) -> Result<i64, String> + Send + Sync>;
+
+/// Where a refresh worker reports: any refresh-dispatcher instance. Tests
+/// that replace the dispatcher point it at the new one (in production it is
+/// a Service address).
+pub type DispatcherAddress = Arc<Mutex<String>>;
+
+/// Consume `refresh.tasks`, run `handler`, report with `ReportRefresh` to
+/// the dispatcher at `dispatcher` (any instance). Runs until `stop`.
+pub async fn run_refresh_worker(
+    config: Arc<SluiceConfig>,
+    dispatcher: DispatcherAddress,
+    handler: RefreshHandler,
+    records: Arc<Mutex<Vec<RefreshRecord>>>,
+    stop: Shutdown,
+) -> anyhow::Result<()> {
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set("group.id", format!("{}refresh-workers", config.kafka.topic_prefix))
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "true")
+        .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[&config.topic(&config.topics.refresh_tasks)])?;
+    loop {
+        let message = tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            received = consumer.recv() => received?,
+        };
+        let task = pb::RefreshTask::decode(message.payload().unwrap_or_default())?;
+        let result = handler(&task);
+        let request = pb::ReportRefreshRequest {
+            task_id: task.task_id.clone(),
+            key: task.key.clone(),
+            result: Some(match &result {
+                Ok(value) => pb::report_refresh_request::Result::NewMax(*value),
+                Err(error) => pb::report_refresh_request::Result::Error(error.clone()),
+            }),
+        };
+        let reporting_at_ms = sluice_common::clock::wall_clock_ms();
+        // The key's owner may be moving (a restart): retry until it answers.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let response = loop {
+            let endpoint = dispatcher
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone();
+            let outcome = match connect(&endpoint).await {
+                Ok(channel) => sluice_proto::v1::refresh_client::RefreshClient::new(channel)
+                    .report_refresh(request.clone())
+                    .await
+                    .map_err(|status| anyhow::anyhow!("{status}")),
+                Err(error) => Err(error),
+            };
+            match outcome {
+                Ok(response) => break response.into_inner(),
+                Err(error) => {
+                    anyhow::ensure!(Instant::now() < deadline, "ReportRefresh kept failing: {error}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let reported_at_ms = sluice_common::clock::wall_clock_ms();
+        records
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(RefreshRecord {
+                task,
+                result,
+                reporting_at_ms,
+                reported_at_ms,
+                response,
+            });
+    }
+}
+
+/// A job on one floating concurrency key.
+pub fn floating_job(
+    tenant: &str,
+    key: &str,
+    default_max: u32,
+    refresh_interval_ms: u64,
+    payload: &str,
+) -> pb::JobRequest {
+    pb::JobRequest {
+        tenant: tenant.to_string(),
+        task_group: "default".to_string(),
+        payload: payload.as_bytes().to_vec(),
+        limits: vec![pb::Limit {
+            kind: Some(pb::limit::Kind::Floating(pb::FloatingConcurrencyLimit {
+                key: key.to_string(),
+                default_max,
+                refresh_interval_ms,
+                metadata: [("pool".to_string(), "gpu".to_string())].into_iter().collect(),
+            })),
+        }],
+        ..Default::default()
     }
 }

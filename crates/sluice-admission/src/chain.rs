@@ -244,8 +244,7 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
     let mut seen: HashSet<(String, String, bool)> = HashSet::new();
     for (index, limit) in request.limits.iter().enumerate() {
         let parent = format!("limits[{index}]");
-        let step =
-            validate_limit(&request.tenant, limit, limits.max_key_bytes).map_err(|error| error.within(&parent))?;
+        let step = validate_limit(&request.tenant, limit, limits).map_err(|error| error.within(&parent))?;
         let is_rate = step.limit_kind() == pb::LimitKind::Rate;
         if !seen.insert((step.tenant.clone(), step.key.clone(), is_rate)) {
             return Err(FieldError::new(
@@ -293,7 +292,12 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
     })
 }
 
-fn validate_limit(tenant: &str, limit: &pb::Limit, max_key_bytes: usize) -> Result<StoredStep, FieldError> {
+fn validate_limit(
+    tenant: &str,
+    limit: &pb::Limit,
+    limits: &sluice_common::config::AdmissionConfig,
+) -> Result<StoredStep, FieldError> {
+    let max_key_bytes = limits.max_key_bytes;
     match &limit.kind {
         None => Err(FieldError::new("kind", "set one of concurrency, floating, rate")),
         Some(pb::limit::Kind::Concurrency(concurrency)) => {
@@ -329,8 +333,14 @@ fn validate_limit(tenant: &str, limit: &pb::Limit, max_key_bytes: usize) -> Resu
                 .iter()
                 .map(|(name, value)| name.len() + value.len())
                 .sum();
-            if metadata_bytes > 16 * 1024 {
-                return Err(FieldError::new("floating.metadata", "must be at most 16384 bytes"));
+            if metadata_bytes > limits.max_floating_metadata_bytes {
+                return Err(FieldError::new(
+                    "floating.metadata",
+                    format!(
+                        "is {metadata_bytes} bytes; at most {} (admission.max_floating_metadata_bytes)",
+                        limits.max_floating_metadata_bytes
+                    ),
+                ));
             }
             Ok(StoredStep {
                 tenant: tenant.to_string(),

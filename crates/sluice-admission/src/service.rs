@@ -114,13 +114,14 @@ impl AdmissionApi {
                 retry_at_ms: None,
                 waiting_since_ms,
             };
+            let floating_note = floating_note(step.floating.as_ref(), &key_state);
             let reason = if described.ticket_held {
                 format!("granted {name}; moving to the next step")
             } else if key_state.paused {
                 format!("waiting on {name}: the key is paused (override 0)")
             } else if let Some(position) = described.ticket_position {
                 format!(
-                    "waiting on {name}: {holders} of {max} held, {position} ahead of this job among {} waiting",
+                    "waiting on {name}: {holders} of {max} held, {position} ahead of this job among {} waiting{floating_note}",
                     key_state.waiting
                 )
             } else {
@@ -397,5 +398,40 @@ impl pb::admission_server::Admission for AdmissionApi {
             .await
             .map_err(|error| error.to_status())?;
         Ok(Response::new(pb::CompleteResponse { results }))
+    }
+}
+
+/// For a job waiting on a floating key: where the max comes from, and which
+/// of the job's own values the key's shared state overrides.
+fn floating_note(own: Option<&pb::FloatingConcurrencyLimit>, key_state: &pb::KeyState) -> String {
+    let (Some(own), Some(shared)) = (own, key_state.floating.as_ref()) else {
+        return String::new();
+    };
+    let current = key_state
+        .floating_max
+        .map_or_else(|| "unknown".to_string(), |max| max.to_string());
+    let mut ignored = Vec::new();
+    if own.default_max != shared.default_max {
+        ignored.push(format!(
+            "default_max {} (the key's is {})",
+            own.default_max, shared.default_max
+        ));
+    }
+    if own.refresh_interval_ms != shared.refresh_interval_ms {
+        ignored.push(format!(
+            "refresh_interval_ms {} (the key's is {})",
+            own.refresh_interval_ms, shared.refresh_interval_ms
+        ));
+    }
+    if own.metadata != shared.metadata {
+        ignored.push("metadata".to_string());
+    }
+    if ignored.is_empty() {
+        format!("; floating max {current} from the key's shared state")
+    } else {
+        format!(
+            "; floating max {current} from the key's shared state, created by the first job that used it: this job's {} ignored",
+            ignored.join(", ")
+        )
     }
 }

@@ -88,7 +88,7 @@ pub struct SluiceConfig {
     pub admission: AdmissionConfig,
     pub limit_grant: OwnerServiceConfig,
     pub rate_window: OwnerServiceConfig,
-    pub refresh_dispatcher: OwnerServiceConfig,
+    pub refresh_dispatcher: RefreshDispatcherConfig,
     pub task_groups: BTreeMap<String, TaskGroupConfig>,
 }
 
@@ -166,7 +166,8 @@ pub struct TelemetryConfig {
     pub key_metrics_top_n: usize,
     /// Per-key series (and wait-time histograms) for keys matching these
     /// `tenant/key` globs, e.g. "acme/payments-*".
-    #[serde(default)]
+    /// A list, or one comma-separated string (handy in environment variables).
+    #[serde(default, deserialize_with = "list_or_comma_separated")]
     pub key_metrics_patterns: Vec<String>,
 }
 
@@ -181,6 +182,8 @@ pub struct AdmissionConfig {
     pub max_payload_bytes: usize,
     pub max_limits_per_job: usize,
     pub max_key_bytes: usize,
+    /// Largest `metadata` of a floating limit (keys plus values, bytes).
+    pub max_floating_metadata_bytes: usize,
     pub default_idempotency_window: HumanDuration,
     pub resend_waiting_after: HumanDuration,
     pub claim_timeout: HumanDuration,
@@ -204,6 +207,40 @@ pub struct OwnerServiceConfig {
     #[serde(default = "default_granted_retention")]
     pub granted_retention: HumanDuration,
     pub max_batch: usize,
+}
+
+/// The refresh-dispatcher: an owner service with the refresh policy.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RefreshDispatcherConfig {
+    pub listen: String,
+    pub advertised_endpoint: String,
+    pub consumer_group: String,
+    pub max_batch: usize,
+    /// A refresh task nobody answers within this time counts as failed.
+    pub task_timeout: HumanDuration,
+    /// Backoff of failed refreshes: `initial_backoff` x 2^(failures-1),
+    /// capped at `max_backoff`.
+    pub initial_backoff: HumanDuration,
+    pub max_backoff: HumanDuration,
+}
+
+fn list_or_comma_separated<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum ListOrText {
+        List(Vec<String>),
+        Text(String),
+    }
+    Ok(match ListOrText::deserialize(deserializer)? {
+        ListOrText::List(items) => items,
+        ListOrText::Text(text) => text
+            .split(',')
+            .map(str::trim)
+            .filter(|item| !item.is_empty())
+            .map(str::to_string)
+            .collect(),
+    })
 }
 
 fn default_granted_retention() -> HumanDuration {
@@ -318,10 +355,21 @@ impl SluiceConfig {
             ("admission.claim_timeout", self.admission.claim_timeout),
             ("admission.resend_waiting_after", self.admission.resend_waiting_after),
             ("limit_grant.ticket_grace", self.limit_grant.ticket_grace),
+            ("refresh_dispatcher.task_timeout", self.refresh_dispatcher.task_timeout),
+            (
+                "refresh_dispatcher.initial_backoff",
+                self.refresh_dispatcher.initial_backoff,
+            ),
         ] {
             if value.0.is_zero() {
                 return Err(invalid(field, "must be greater than 0"));
             }
+        }
+        if self.refresh_dispatcher.max_backoff.0 < self.refresh_dispatcher.initial_backoff.0 {
+            return Err(invalid(
+                "refresh_dispatcher.max_backoff",
+                "must be at least refresh_dispatcher.initial_backoff",
+            ));
         }
         if self.admission.stand_behind_interval.0 * 2 > self.limit_grant.ticket_grace.0 {
             return Err(invalid(

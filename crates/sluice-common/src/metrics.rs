@@ -122,13 +122,13 @@ impl SluiceMetrics {
                 .with_description("Grants that had to wait first, by limit kind")
                 .build(),
             wait_seconds: meter
-                .f64_histogram("sluice_wait_seconds")
+                .f64_histogram("sluice_wait_time")
                 .with_description("Time from joining a key's queue to the grant, by limit kind")
                 .with_unit("s")
                 .with_boundaries(WAIT_BUCKETS.to_vec())
                 .build(),
             key_wait_seconds: meter
-                .f64_histogram("sluice_key_wait_seconds")
+                .f64_histogram("sluice_key_wait_time")
                 .with_description("Wait time per key, for keys selected by telemetry.key_metrics_patterns")
                 .with_unit("s")
                 .with_boundaries(WAIT_BUCKETS.to_vec())
@@ -154,13 +154,13 @@ impl SluiceMetrics {
                 .with_description("Kafka messages produced (acknowledged), by topic")
                 .build(),
             commit_seconds: meter
-                .f64_histogram("sluice_commit_seconds")
+                .f64_histogram("sluice_commit_duration")
                 .with_description("PostgreSQL batch commit latency, by service")
                 .with_unit("s")
                 .with_boundaries(latency_buckets.clone())
                 .build(),
             publish_seconds: meter
-                .f64_histogram("sluice_kafka_publish_seconds")
+                .f64_histogram("sluice_kafka_publish_duration")
                 .with_description("Time to publish a batch's effects and get every acknowledgement")
                 .with_unit("s")
                 .with_boundaries(latency_buckets)

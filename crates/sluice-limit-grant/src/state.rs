@@ -422,9 +422,10 @@ impl LimitPartition {
             waiting_since_ms: now_ms,
             position_at_enqueue: 0,
             granted_at_ms: None,
-            traceparent: trace.traceparent,
-            tracestate: trace.tracestate,
+            traceparent: trace.traceparent.clone(),
+            tracestate: trace.tracestate.clone(),
         };
+        let trace_for_refresh = trace;
         let ahead = state.ahead_of(&WaitOrder::of(&record));
         let record = TicketRecord {
             position_at_enqueue: u32::try_from(ahead).unwrap_or(u32::MAX),
@@ -437,6 +438,7 @@ impl LimitPartition {
         });
         self.ticket_keys.insert(ticket, key_id.clone());
         self.pump(now_ms, &key_id, writes, outbox, counts);
+        self.refresh_if_due(now_ms, &key_id, &trace_for_refresh, writes, outbox);
         Ok(())
     }
 
@@ -459,6 +461,77 @@ impl LimitPartition {
         self.ticket_keys.remove(ticket);
         writes.delete(ticket);
         self.pump(now_ms, key_id, writes, outbox, counts);
+        self.refresh_if_due(now_ms, key_id, &pb::TraceContext::default(), writes, outbox);
+    }
+
+    /// A floating key's refresh is due when a job using it is enqueued or
+    /// released, the key has waiters, and the refresh interval has passed
+    /// since the last refresh-due event (or none was ever sent: the first
+    /// waiter triggers the first refresh). The refresh-dispatcher keeps at
+    /// most one refresh in flight per key and ignores a due event it has
+    /// already seen (same `due_at_ms`), so re-sending one is harmless.
+    fn refresh_if_due(
+        &mut self,
+        now_ms: i64,
+        key_id: &KeyId,
+        trace: &pb::TraceContext,
+        writes: &mut LimitWrites,
+        outbox: &mut Outbox,
+    ) {
+        let Some(state) = self.keys.get_mut(key_id) else {
+            return;
+        };
+        if state.waiters.is_empty() {
+            return;
+        }
+        let waiting = state.waiters.len();
+        let Some(floating) = state.record.floating.as_mut() else {
+            return;
+        };
+        let interval_ms = i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX);
+        let due = floating
+            .last_due_ms
+            .is_none_or(|last_due_ms| now_ms.saturating_sub(last_due_ms) >= interval_ms);
+        if !due {
+            return;
+        }
+        floating.last_due_ms = Some(now_ms);
+        let floating = floating.clone();
+        writes.keys.insert(key_id.clone(), Some(state.record.clone()));
+        self.emit_refresh_due(key_id, &floating, waiting, trace, outbox);
+    }
+
+    fn emit_refresh_due(
+        &self,
+        key_id: &KeyId,
+        floating: &FloatingRecord,
+        waiting: usize,
+        trace: &pb::TraceContext,
+        outbox: &mut Outbox,
+    ) {
+        let Some(due_at_ms) = floating.last_due_ms else {
+            return;
+        };
+        let event = pb::RefreshDue {
+            trace: Some(trace.clone()),
+            key: Some(pb::KeyRef {
+                tenant: key_id.0.clone(),
+                key: key_id.1.clone(),
+            }),
+            current_max: floating.current_max,
+            refresh_interval_ms: floating.refresh_interval_ms,
+            metadata: floating.metadata.clone().into_iter().collect(),
+            due_at_ms,
+            waiting: u32::try_from(waiting).unwrap_or(u32::MAX),
+            default_max: floating.default_max,
+        };
+        let partition = key_partition(&key_id.0, &key_id.1, self.settings.refresh_due_partitions);
+        outbox.push_entry(
+            &self.settings.refresh_due_topic,
+            partition,
+            &event,
+            self.settings.max_message_bytes,
+        );
     }
 
     fn set_override(
@@ -561,6 +634,35 @@ impl LimitPartition {
     }
 
     fn emit_grant(&self, record: &TicketRecord, holders: usize, max: i64, outbox: &mut Outbox) {
+        let kind = if record.floating { "floating" } else { "concurrency" };
+        let granted_at_ms = record.granted_at_ms.unwrap_or_default();
+        sluice_common::metrics::metrics().record_grant(
+            "limit-grant",
+            kind,
+            &record.tenant,
+            &record.key,
+            granted_at_ms - record.waiting_since_ms,
+        );
+        let at = |ms: i64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+        sluice_common::telemetry::record_span(
+            "sluice-limit-grant",
+            "limit-grant.grant",
+            &pb::TraceContext {
+                traceparent: record.traceparent.clone(),
+                tracestate: record.tracestate.clone(),
+            },
+            at(granted_at_ms),
+            at(granted_at_ms),
+            vec![
+                opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
+                opentelemetry::KeyValue::new("sluice.tenant", record.tenant.clone()),
+                opentelemetry::KeyValue::new("sluice.key", record.key.clone()),
+                opentelemetry::KeyValue::new("sluice.limit_kind", kind),
+                opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
+                opentelemetry::KeyValue::new("sluice.max", max),
+                opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
+            ],
+        );
         let event = pb::GrantEvent {
             trace: Some(pb::TraceContext {
                 traceparent: record.traceparent.clone(),
@@ -868,16 +970,52 @@ impl OwnedState for LimitPartition {
     }
 
     fn resend_all(&self, _now_ms: i64, outbox: &mut Outbox) {
-        for state in self.keys.values() {
+        for (key_id, state) in &self.keys {
             for holder in state.holders.values() {
                 let max = i64::from(state.max_for(&holder.record));
                 self.emit_grant(&holder.record, state.holders.len(), max, outbox);
+            }
+            // The last refresh-due event may have been saved and not sent.
+            if let Some(floating) = &state.record.floating {
+                self.emit_refresh_due(
+                    key_id,
+                    floating,
+                    state.waiters.len(),
+                    &pb::TraceContext::default(),
+                    outbox,
+                );
             }
         }
     }
 
     fn next_wakeup_ms(&self) -> Option<i64> {
         None
+    }
+
+    fn key_stats(&self) -> Vec<sluice_common::metrics::KeyStat> {
+        self.keys
+            .iter()
+            .map(|((tenant, key), state)| {
+                let reference = state
+                    .waiters
+                    .values()
+                    .next()
+                    .map(|waiting| &waiting.record)
+                    .or_else(|| state.holders.values().next().map(|holder| &holder.record));
+                sluice_common::metrics::KeyStat {
+                    tenant: tenant.clone(),
+                    key: key.clone(),
+                    kind: if state.record.floating.is_some() {
+                        "floating"
+                    } else {
+                        "concurrency"
+                    },
+                    holders: u64::try_from(state.holders.len()).unwrap_or(u64::MAX),
+                    waiting: u64::try_from(state.waiters.len()).unwrap_or(u64::MAX),
+                    max: reference.map(|record| u64::from(state.max_for(record))),
+                }
+            })
+            .collect()
     }
 }
 
@@ -957,6 +1095,7 @@ mod tests {
         let messages: Vec<OutMsg> = outbox.into_messages();
         messages
             .iter()
+            .filter(|message| &*message.topic == "grants")
             .flat_map(|message| pb::GrantEventBatch::decode(message.payload.as_slice()).unwrap().events)
             .map(|event| event.ticket.unwrap().job_id)
             .collect()
@@ -997,6 +1136,139 @@ mod tests {
         let (granted, _) = run(&mut state, vec![release("e", "k"), release("c", "k")]);
         assert!(granted.is_empty());
         assert!(state.keys.is_empty(), "idle keys are dropped from memory");
+    }
+
+    fn acquire_floating(job: &str, key_name: &str, enqueued_at_us: i64, default_max: u32) -> pb::LimitCommand {
+        let mut command = acquire(job, key_name, 50, enqueued_at_us, default_max);
+        if let Some(pb::limit_command::Command::Acquire(acquire)) = command.command.as_mut() {
+            acquire.limit = Some(pb::acquire_ticket::Limit::Floating(pb::FloatingConcurrencyLimit {
+                key: key_name.to_string(),
+                default_max,
+                refresh_interval_ms: 1_000,
+                metadata: [("region".to_string(), "eu".to_string())].into_iter().collect(),
+            }));
+        }
+        command
+    }
+
+    fn set_floating_max(key_name: &str, max: u32, task_id: &str) -> pb::LimitCommand {
+        pb::LimitCommand {
+            command: Some(pb::limit_command::Command::SetFloatingMax(pb::SetFloatingMax {
+                key: key(key_name),
+                max,
+                task_id: task_id.to_string(),
+            })),
+            ..Default::default()
+        }
+    }
+
+    /// Apply at `now_ms`; the grants and the refresh-due events sent.
+    fn run_at(
+        state: &mut LimitPartition,
+        now_ms: i64,
+        commands: Vec<pb::LimitCommand>,
+    ) -> (Vec<String>, Vec<pb::RefreshDue>) {
+        let mut writes = LimitWrites::default();
+        let mut outbox = Outbox::new();
+        let mut counts = BatchCounts::default();
+        for command in commands {
+            state
+                .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
+                .unwrap();
+        }
+        let messages = outbox.into_messages();
+        let dues = messages
+            .iter()
+            .filter(|message| &*message.topic == "refresh-due")
+            .flat_map(|message| pb::RefreshDueBatch::decode(message.payload.as_slice()).unwrap().events)
+            .collect();
+        let granted = messages
+            .iter()
+            .filter(|message| &*message.topic == "grants")
+            .flat_map(|message| pb::GrantEventBatch::decode(message.payload.as_slice()).unwrap().events)
+            .map(|event| event.ticket.unwrap().job_id)
+            .collect();
+        (granted, dues)
+    }
+
+    #[test]
+    fn a_floating_key_is_shared_and_refreshes_fall_due_on_enqueue_or_release_with_waiters() {
+        let mut state = partition();
+        // The first job creates the state with its default; b's default (9) is ignored.
+        let (granted, dues) = run_at(
+            &mut state,
+            10_000,
+            vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 9)],
+        );
+        assert_eq!(granted, vec!["a"], "max 1 from the first job's default_max");
+        assert_eq!(dues.len(), 1, "the first waiter makes the first refresh due");
+        assert_eq!(dues[0].current_max, 1);
+        assert_eq!(dues[0].due_at_ms, 10_000);
+        assert_eq!(dues[0].waiting, 1);
+        assert_eq!(dues[0].metadata.get("region").map(String::as_str), Some("eu"));
+        // Within the interval nothing more is due.
+        let (granted, dues) = run_at(&mut state, 10_500, vec![acquire_floating("c", "f", 3, 1)]);
+        assert!(granted.is_empty() && dues.is_empty());
+        // A new max raises the limit and grants waiters at once.
+        let (granted, _) = run_at(&mut state, 10_600, vec![set_floating_max("f", 3, "t1")]);
+        assert_eq!(granted, vec!["b", "c"]);
+        // The same task's value never applies twice.
+        let (granted, _) = run_at(&mut state, 10_700, vec![set_floating_max("f", 1, "t1")]);
+        assert!(granted.is_empty());
+        let described = state.describe("t", "f", 10);
+        assert_eq!(described.floating_max, Some(3));
+        assert_eq!(
+            described.floating.as_ref().map(|floating| floating.default_max),
+            Some(1)
+        );
+        // A release after the interval, with waiters, makes the next refresh due.
+        run_at(&mut state, 10_800, vec![acquire_floating("d", "f", 4, 1)]);
+        let (granted, dues) = run_at(&mut state, 11_000, vec![release("a", "f")]);
+        assert_eq!(granted, vec!["d"]);
+        assert!(
+            dues.is_empty(),
+            "no waiters left after d's grant: nothing to refresh for"
+        );
+        let (_, dues) = run_at(&mut state, 11_100, vec![acquire_floating("e", "f", 5, 1)]);
+        assert_eq!(dues.len(), 1, "interval passed and the key has waiters");
+        assert_eq!(dues[0].current_max, 3);
+        assert_eq!(dues[0].waiting, 1);
+        let (_, dues) = run_at(&mut state, 11_200, vec![acquire_floating("g", "f", 6, 1)]);
+        assert!(dues.is_empty(), "one due event per interval");
+        // A new owner re-sends the last due event; the dispatcher ignores it by due_at_ms.
+        let mut outbox = Outbox::new();
+        state.resend_all(11_300, &mut outbox);
+        let resent: Vec<pb::RefreshDue> = outbox
+            .into_messages()
+            .iter()
+            .filter(|message| &*message.topic == "refresh-due")
+            .flat_map(|message| pb::RefreshDueBatch::decode(message.payload.as_slice()).unwrap().events)
+            .collect();
+        assert_eq!(resent.len(), 1);
+        assert_eq!(resent[0].due_at_ms, 11_100);
+    }
+
+    #[test]
+    fn lowering_a_floating_max_affects_only_new_grants() {
+        let mut state = partition();
+        run_at(&mut state, 1_000, vec![acquire_floating("a", "f", 1, 4)]);
+        let (granted, _) = run_at(
+            &mut state,
+            1_001,
+            vec![
+                acquire_floating("b", "f", 2, 4),
+                acquire_floating("c", "f", 3, 4),
+                acquire_floating("d", "f", 4, 4),
+                acquire_floating("e", "f", 5, 4),
+            ],
+        );
+        assert_eq!(granted, vec!["b", "c", "d"]);
+        run_at(&mut state, 1_002, vec![set_floating_max("f", 2, "t1")]);
+        assert_eq!(state.holders_of("t", "f"), 4, "running jobs are never interrupted");
+        let (granted, _) = run_at(&mut state, 1_003, vec![release("a", "f"), release("b", "f")]);
+        assert!(granted.is_empty(), "3 >= 2 holders: e waits");
+        let (granted, _) = run_at(&mut state, 1_004, vec![release("c", "f")]);
+        assert_eq!(granted, vec!["e"]);
     }
 
     #[test]

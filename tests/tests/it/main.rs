@@ -7,6 +7,7 @@
 mod crash;
 mod deadletter;
 mod fencing;
+mod floating;
 mod flow;
 mod introspection;
 mod jobs_api;
