@@ -16,6 +16,7 @@ use sluice_proto::v1 as pb;
 
 use crate::chain;
 use crate::core::{AdmissionCore, AdmissionError, Incoming};
+use crate::json_request::decode_json_request;
 
 /// Collect up to `max` messages: wait for one, then take what is queued.
 async fn next_batch(input: &mut PartitionInput, max: usize) -> Option<Vec<InMsg>> {
@@ -49,14 +50,21 @@ pub fn deterministic_job_id(topic: &str, message: &InMsg) -> String {
     uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_URL, name.as_bytes()).to_string()
 }
 
-/// Decode a producer's message; the error is the dead-letter reason.
+/// Decode a producer's message: JSON when its `content-type` header says
+/// `application/json` (parameters such as `; charset=utf-8` allowed), else
+/// protobuf. The error is the dead-letter reason.
 pub fn decode_request(message: &InMsg) -> Result<pb::JobRequest, String> {
     let payload = message.payload.as_deref().unwrap_or_default();
     let content_type = sluice_common::kafka::header_text(&message.headers, "content-type").unwrap_or("");
-    if content_type.to_ascii_lowercase().starts_with("application/json") {
-        return Err("content-type application/json is not accepted by this version; send protobuf".to_string());
+    if is_json(content_type) {
+        return decode_json_request(payload).map_err(|error| error.to_string());
     }
     pb::JobRequest::decode(payload).map_err(|error| format!("payload is not a protobuf sluice.v1.JobRequest: {error}"))
+}
+
+fn is_json(content_type: &str) -> bool {
+    let media_type = content_type.split(';').next().unwrap_or_default().trim();
+    media_type.eq_ignore_ascii_case("application/json")
 }
 
 pub struct RequestConsumer {

@@ -8,6 +8,7 @@ pub mod consumers;
 pub mod core;
 pub mod effects;
 pub mod jobs;
+pub mod json_request;
 pub mod service;
 pub mod sweeper;
 pub mod transitions;
