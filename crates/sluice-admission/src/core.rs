@@ -574,6 +574,7 @@ impl AdmissionCore {
         &self,
         worker_id: &str,
         completions: Vec<(String, u32, AttemptEnd)>,
+        caller_trace: &pb::TraceContext,
     ) -> Result<Vec<pb::CompleteResult>, AdmissionError> {
         let now_ms = wall_clock_ms();
         tracing::debug!(jobs = completions.len(), "complete batch");
@@ -641,10 +642,17 @@ impl AdmissionCore {
         let now = std::time::SystemTime::now();
         for result in &results {
             if let Some(row) = rows.get(&result.job_id) {
+                // Under the worker's handler span when the call carries one
+                // of this job's trace, else under the job's own span.
+                let parent = if same_trace(caller_trace, &row.trace) {
+                    caller_trace
+                } else {
+                    &row.trace
+                };
                 record_span(
                     SCOPE,
                     "admission.complete",
-                    &row.trace,
+                    parent,
                     now,
                     now,
                     vec![
@@ -848,6 +856,15 @@ fn record_commit(started: std::time::Instant) {
         started.elapsed().as_secs_f64(),
         &[KeyValue::new("service", "admission")],
     );
+}
+
+/// Whether two W3C contexts belong to one trace.
+fn same_trace(left: &pb::TraceContext, right: &pb::TraceContext) -> bool {
+    let trace_id = |context: &pb::TraceContext| context.traceparent.split('-').nth(1).map(str::to_string);
+    match (trace_id(left), trace_id(right)) {
+        (Some(left), Some(right)) => left == right && left.len() == 32,
+        _ => false,
+    }
 }
 
 /// The tracer scope of admission's spans.

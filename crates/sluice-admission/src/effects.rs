@@ -254,5 +254,55 @@ impl Routes {
             payload: message.payload.clone().unwrap_or_default(),
             headers,
         });
+        sluice_common::metrics::metrics().dead_letters.add(
+            1,
+            &[
+                opentelemetry::KeyValue::new("topic", source_topic.to_string()),
+                opentelemetry::KeyValue::new("reason", deadletter_reason_label(reason)),
+            ],
+        );
+    }
+}
+
+/// A bounded label for a dead-letter reason: the field it names with list
+/// indices dropped (`limits.concurrency.key`), or `undecodable` for a
+/// payload that is not a request at all.
+pub fn deadletter_reason_label(reason: &str) -> String {
+    let Some((field, _)) = reason.split_once(": ") else {
+        return "undecodable".to_string();
+    };
+    if field.is_empty() || field.contains(' ') {
+        return "undecodable".to_string();
+    }
+    let mut label = String::with_capacity(field.len());
+    let mut in_index = false;
+    for character in field.chars() {
+        match character {
+            '[' => in_index = true,
+            ']' => in_index = false,
+            _ if !in_index => label.push(character),
+            _ => {}
+        }
+    }
+    label.truncate(64);
+    label
+}
+
+#[cfg(test)]
+mod deadletter_label_tests {
+    use super::deadletter_reason_label;
+
+    #[test]
+    fn labels_name_the_field_without_indices() {
+        assert_eq!(deadletter_reason_label("tenant: must not be empty"), "tenant");
+        assert_eq!(
+            deadletter_reason_label("limits[3].concurrency.key: must not be empty"),
+            "limits.concurrency.key"
+        );
+        assert_eq!(
+            deadletter_reason_label("payload is not a protobuf sluice.v1.JobRequest: bad wire type"),
+            "undecodable"
+        );
+        assert_eq!(deadletter_reason_label("garbage"), "undecodable");
     }
 }

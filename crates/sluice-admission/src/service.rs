@@ -366,6 +366,8 @@ impl pb::admission_server::Admission for AdmissionApi {
     }
 
     async fn complete(&self, request: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
+        // The worker's span, when it sent one: the completion hangs below it.
+        let caller_trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, 200)?;
         check_batch("completions", &message.completions)?;
@@ -394,7 +396,7 @@ impl pb::admission_server::Admission for AdmissionApi {
         }
         let results = self
             .core
-            .complete(&message.worker_id, completions)
+            .complete(&message.worker_id, completions, &caller_trace)
             .await
             .map_err(|error| error.to_status())?;
         Ok(Response::new(pb::CompleteResponse { results }))

@@ -47,6 +47,16 @@ impl TelemetryGuard {
         self.otlp_metrics
     }
 
+    /// Export every finished span now (tests; the batch exporter otherwise
+    /// sends on its own schedule and at exit).
+    pub fn flush(&self) {
+        if let Some(provider) = &self.provider {
+            if let Err(error) = provider.force_flush() {
+                tracing::warn!(%error, "flushing traces failed");
+            }
+        }
+    }
+
     /// The registry the Prometheus scrape endpoint serves.
     pub fn prometheus_registry(&self) -> prometheus::Registry {
         self.registry.clone()

@@ -516,7 +516,22 @@ impl RatePartition {
         self.waiting_in.insert(ticket.clone(), stored.clone());
         self.pump(now_ms, &stored, writes, outbox);
         if self.waiting_in.contains_key(&ticket) {
-            sluice_common::metrics::metrics().rate_deferrals.add(1, &[]);
+            // Per key only for keys selected for per-key metrics (bounded).
+            let metrics = sluice_common::metrics::metrics();
+            let display = display_key(&key);
+            let mut labels = vec![opentelemetry::KeyValue::new(
+                "kind",
+                if resource_of(&key).is_some() {
+                    "resource"
+                } else {
+                    "inline"
+                },
+            )];
+            if metrics.key_selected(&key.tenant, &display) {
+                labels.push(opentelemetry::KeyValue::new("tenant", key.tenant.clone()));
+                labels.push(opentelemetry::KeyValue::new("key", display));
+            }
+            metrics.rate_deferrals.add(1, &labels);
         }
         Ok(())
     }

@@ -73,7 +73,16 @@ async fn the_scrape_endpoint_has_per_key_utilisation_and_wait_times() -> anyhow:
             request
         })
         .collect();
-    RequestProducer::new(&stack.config)?.send(&requests).await?;
+    let producer = RequestProducer::new(&stack.config)?;
+    producer.send(&requests).await?;
+    // One malformed request: dead-lettered and counted by reason.
+    producer
+        .send_messages(vec![RawRequest {
+            key: None,
+            payload: b"not a job".to_vec(),
+            headers: Vec::new(),
+        }])
+        .await?;
     // Scrape while the key is busy: per-key gauges come from live owners.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let busy_scrape = loop {
@@ -126,9 +135,23 @@ async fn the_scrape_endpoint_has_per_key_utilisation_and_wait_times() -> anyhow:
     );
     assert!(!series(&text, "sluice_wait_time_seconds_bucket", &["kind=\"concurrency\""]).is_empty());
     assert!(
-        !series(&text, "sluice_rate_deferrals", &[]).is_empty(),
-        "rate deferrals counted"
+        !series(
+            &text,
+            "sluice_rate_deferrals",
+            &["key=\"inline:metric-rate:\"", "tenant=\"acme\""]
+        )
+        .is_empty(),
+        "rate deferrals counted per selected key:\n{text}"
     );
+    eventually(Duration::from_secs(30), "the dead letter counted", || async {
+        Ok(!series(
+            &scrape(address).await?,
+            "sluice_dead_letters_total",
+            &["reason=\"undecodable\""],
+        )
+        .is_empty())
+    })
+    .await?;
     assert!(!series(&text, "sluice_kafka_consumed_messages", &[]).is_empty());
     assert!(!series(
         &text,

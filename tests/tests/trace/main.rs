@@ -1,0 +1,323 @@
+//! One trace per job: an in-process OTLP receiver (opentelemetry-proto's
+//! `TraceServiceServer` on 127.0.0.1:0) collects what every service exports
+//! for one job that waits on a concurrency limit and then on a rate limit,
+//! on the real broker and PostgreSQL, and the test checks the trace's shape.
+//! Its own test binary: telemetry is initialised once per process.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{ExportMetricsServiceRequest, ExportMetricsServiceResponse};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use sluice_common::{telemetry, Shutdown};
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+
+/// A span as received, with the name of the tracer (scope) that made it.
+#[derive(Clone, Debug)]
+struct Received {
+    scope: String,
+    service: String,
+    name: String,
+    trace_id: String,
+    span_id: String,
+    parent_span_id: String,
+    start_ns: u64,
+    end_ns: u64,
+    attributes: HashMap<String, String>,
+}
+
+#[derive(Default, Clone)]
+struct Receiver {
+    spans: Arc<Mutex<Vec<Received>>>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+fn text(value: Option<&Value>) -> String {
+    match value {
+        Some(Value::StringValue(text)) => text.clone(),
+        Some(Value::IntValue(number)) => number.to_string(),
+        Some(Value::BoolValue(flag)) => flag.to_string(),
+        Some(Value::DoubleValue(number)) => number.to_string(),
+        Some(other) => format!("{other:?}"),
+        None => String::new(),
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.spans.lock().unwrap();
+        for resource_spans in request.into_inner().resource_spans {
+            let service = resource_spans
+                .resource
+                .as_ref()
+                .and_then(|resource| {
+                    resource
+                        .attributes
+                        .iter()
+                        .find(|attribute| attribute.key == "service.name")
+                })
+                .map(|attribute| text(attribute.value.as_ref().and_then(|value| value.value.as_ref())))
+                .unwrap_or_default();
+            for scope_spans in resource_spans.scope_spans {
+                let scope = scope_spans.scope.map(|scope| scope.name).unwrap_or_default();
+                for span in scope_spans.spans {
+                    spans.push(Received {
+                        scope: scope.clone(),
+                        service: service.clone(),
+                        name: span.name,
+                        trace_id: hex(&span.trace_id),
+                        span_id: hex(&span.span_id),
+                        parent_span_id: hex(&span.parent_span_id),
+                        start_ns: span.start_time_unix_nano,
+                        end_ns: span.end_time_unix_nano,
+                        attributes: span
+                            .attributes
+                            .into_iter()
+                            .map(|attribute| {
+                                let value = text(attribute.value.as_ref().and_then(|value| value.value.as_ref()));
+                                (attribute.key, value)
+                            })
+                            .collect(),
+                    });
+                }
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// Takes the services' OTLP metrics and drops them (this test is about traces).
+struct MetricsSink;
+
+#[tonic::async_trait]
+impl MetricsService for MetricsSink {
+    async fn export(
+        &self,
+        _request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        Ok(tonic::Response::new(ExportMetricsServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+async fn start_receiver() -> anyhow::Result<(Receiver, String)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let endpoint = format!("http://{}", listener.local_addr()?);
+    let receiver = Receiver::default();
+    let service = TraceServiceServer::new(receiver.clone());
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(service)
+            .add_service(MetricsServiceServer::new(MetricsSink))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await;
+    });
+    Ok((receiver, endpoint))
+}
+
+fn trace_id_of(context: &pb::TraceContext) -> String {
+    context.traceparent.split('-').nth(1).unwrap_or_default().to_string()
+}
+
+fn span_id_of(context: &pb::TraceContext) -> String {
+    context.traceparent.split('-').nth(2).unwrap_or_default().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
+    std::env::remove_var("OTEL_EXPORTER_OTLP_ENDPOINT");
+    let (receiver, otlp_endpoint) = start_receiver().await?;
+    let config = test_config(
+        "trace",
+        &[
+            ("telemetry.otlp_endpoint", otlp_endpoint.as_str()),
+            ("telemetry.sampling_ratio", "1.0"),
+            ("telemetry.metrics_listen", ""),
+        ],
+    )?;
+    let guard = telemetry::init(&config.telemetry, "sluice-trace-test")?;
+    assert!(guard.exporting(), "an OTLP exporter with an endpoint");
+    let stack = Stack::start(config, 1).await?;
+    let stop = Shutdown::new();
+    let recorder = Arc::new(Recorder::default());
+    tokio::spawn(run_worker(
+        stack.config.clone(),
+        stack.admissions[0].endpoint.clone(),
+        WorkerOptions {
+            worker_id: "tracer".to_string(),
+            task_group: "default".to_string(),
+            group: format!("{}workers", stack.config.kafka.topic_prefix),
+            concurrency: 4,
+            min_run: Duration::from_millis(1_000),
+            max_run: Duration::from_millis(1_000),
+        },
+        recorder.clone(),
+        stop.clone(),
+    ));
+
+    // The blocker holds the concurrency key for 1 s and the only unit of the
+    // rate window for 3 s: the traced job waits on both, in that order.
+    let job = |payload: &str| {
+        let mut request = concurrency_job("acme", "traced", 1, 0, payload);
+        request
+            .limits
+            .extend(rate_job("acme", "traced-rate", 1, 3_000, "").limits);
+        request
+    };
+    let admission = stack.admission_client().await?;
+    enqueue_with_id(&admission, "blocker", job("blocker")).await?;
+    wait_status(&admission, "blocker", pb::JobStatus::Running, Duration::from_secs(30)).await?;
+
+    // The producer's span is the root; its context rides in the Kafka headers.
+    let now = std::time::SystemTime::now();
+    let producer = telemetry::record_span(
+        "test-producer",
+        "producer.send",
+        &pb::TraceContext::default(),
+        now,
+        now,
+        Vec::new(),
+    );
+    let trace_id = trace_id_of(&producer);
+    assert_eq!(trace_id.len(), 32, "the producer span is sampled: {producer:?}");
+    let mut traced = job("traced");
+    traced.job_id = Some("traced".to_string());
+    RequestProducer::new(&stack.config)?
+        .send_messages(vec![RawRequest {
+            key: Some(b"traced".to_vec()),
+            payload: prost::Message::encode_to_vec(&traced),
+            headers: telemetry::trace_headers(&producer),
+        }])
+        .await?;
+    wait_status(&admission, "traced", pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
+
+    // Everything of the job's trace reaches the receiver.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let spans = loop {
+        guard.flush();
+        let spans: Vec<Received> = receiver
+            .spans
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|span| span.trace_id == trace_id)
+            .cloned()
+            .collect();
+        if spans.iter().any(|span| span.name == "admission.complete") {
+            break spans;
+        }
+        assert!(std::time::Instant::now() < deadline, "trace incomplete: {spans:#?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let all_spans = receiver.spans.lock().unwrap().clone();
+    let blocker_spans = all_spans
+        .iter()
+        .filter(|span| span.attributes.get("sluice.job_id").map(String::as_str) == Some("blocker"))
+        .count();
+    assert!(blocker_spans > 0, "the blocker has spans of its own");
+    assert!(
+        all_spans
+            .iter()
+            .filter(|span| span.attributes.get("sluice.job_id").map(String::as_str) == Some("blocker"))
+            .all(|span| span.trace_id != trace_id),
+        "another job's spans are in another trace"
+    );
+
+    let named = |name: &str| -> Vec<&Received> { spans.iter().filter(|span| span.name == name).collect() };
+    let one = |name: &str| -> &Received {
+        let found = named(name);
+        assert_eq!(found.len(), 1, "one {name} span: {spans:#?}");
+        found[0]
+    };
+    let producer_span = one("producer.send");
+    assert_eq!(producer_span.span_id, span_id_of(&producer));
+    assert_eq!(producer_span.parent_span_id, "", "the producer's span is the root");
+
+    // admission's span hangs under the producer's and is the job's parent span.
+    let enqueue = one("admission.enqueue");
+    assert_eq!(enqueue.scope, "sluice-admission");
+    assert_eq!(enqueue.parent_span_id, producer_span.span_id);
+    assert_eq!(enqueue.attributes["sluice.job_id"], "traced");
+
+    // One wait span per limit, in chain order, with the wait's facts.
+    let waits = named("sluice.wait");
+    assert_eq!(waits.len(), 2, "{waits:#?}");
+    let wait_of = |kind: &str| -> &Received {
+        waits
+            .iter()
+            .find(|span| span.attributes.get("sluice.limit_kind").map(String::as_str) == Some(kind))
+            .unwrap_or_else(|| panic!("no {kind} wait: {waits:#?}"))
+    };
+    let concurrency_wait = wait_of("LIMIT_KIND_CONCURRENCY");
+    let rate_wait = wait_of("LIMIT_KIND_RATE");
+    for wait in [concurrency_wait, rate_wait] {
+        assert_eq!(wait.scope, "sluice-admission");
+        assert_eq!(wait.parent_span_id, enqueue.span_id);
+        assert_eq!(wait.attributes["sluice.tenant"], "acme");
+        assert_eq!(wait.attributes["sluice.outcome"], "granted");
+        assert_eq!(wait.attributes["sluice.position_at_enqueue"], "0");
+    }
+    assert_eq!(concurrency_wait.attributes["sluice.key"], "traced");
+    assert_eq!(concurrency_wait.attributes["sluice.max"], "1");
+    assert_eq!(rate_wait.attributes["sluice.key"], "inline:traced-rate:");
+    assert_eq!(rate_wait.attributes["sluice.max"], "1");
+    let millis = |span: &Received| (span.end_ns.saturating_sub(span.start_ns)) / 1_000_000;
+    assert!(
+        millis(concurrency_wait) >= 200,
+        "waited behind the blocker: {} ms",
+        millis(concurrency_wait)
+    );
+    assert!(
+        millis(rate_wait) >= 1_000,
+        "waited for the rate slot: {} ms",
+        millis(rate_wait)
+    );
+    assert!(
+        rate_wait.start_ns >= concurrency_wait.end_ns.saturating_sub(5_000_000),
+        "rate limits are acquired after concurrency keys"
+    );
+
+    // The owners' decisions, under the job's span.
+    let limit_grant = one("limit-grant.grant");
+    assert_eq!(limit_grant.scope, "sluice-limit-grant");
+    assert_eq!(limit_grant.parent_span_id, enqueue.span_id);
+    assert_eq!(limit_grant.attributes["sluice.key"], "traced");
+    let rate_grant = one("rate-window.grant");
+    assert_eq!(rate_grant.scope, "sluice-rate-window");
+    assert_eq!(rate_grant.parent_span_id, enqueue.span_id);
+
+    // The admitted message's span, then the completion.
+    let admit = one("admission.admit");
+    assert_eq!(admit.parent_span_id, enqueue.span_id);
+    let complete = one("admission.complete");
+    assert_eq!(complete.attributes["sluice.status"], "JOB_STATUS_SUCCEEDED");
+    assert!(
+        complete.parent_span_id == enqueue.span_id,
+        "the completion hangs under the job: {complete:#?}"
+    );
+    assert!(spans.iter().all(|span| !span.service.is_empty()), "service.name is set");
+
+    stop.trigger();
+    stack.stop().await;
+    drop(guard);
+    Ok(())
+}
