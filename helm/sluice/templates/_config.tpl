@@ -118,6 +118,7 @@ default_priority = {{ .defaultPriority | int64 }}
 max_payload_bytes = {{ .maxPayloadBytes | int64 }}
 max_limits_per_job = {{ .maxLimitsPerJob | int64 }}
 max_key_bytes = {{ .maxKeyBytes | int64 }}
+max_floating_metadata_bytes = {{ .maxFloatingMetadataBytes | int64 }}
 default_idempotency_window = {{ .defaultIdempotencyWindow | toJson }}
 resend_waiting_after = {{ .resendWaitingAfter | toJson }}
 claim_timeout = {{ .claimTimeout | toJson }}
@@ -152,6 +153,9 @@ listen = {{ printf "0.0.0.0:%d" (int .port) | toJson }}
 advertised_endpoint = ""
 consumer_group = {{ .config.consumerGroup | toJson }}
 max_batch = {{ .config.maxBatch | int64 }}
+task_timeout = {{ .config.taskTimeout | toJson }}
+initial_backoff = {{ .config.initialBackoff | toJson }}
+max_backoff = {{ .config.maxBackoff | toJson }}
 {{- end }}
 {{- range $name := keys .Values.taskGroups | sortAlpha }}
 {{- $group := index $.Values.taskGroups $name }}
