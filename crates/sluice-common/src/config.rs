@@ -290,16 +290,27 @@ impl SluiceConfig {
 
     /// Like `load`, with extra `(key, value)` overrides applied last (tests).
     pub fn load_with(file: Option<&Path>, overrides: &[(&str, &str)]) -> Result<Self, ConfigError> {
+        Self::load_from(file, None, overrides)
+    }
+
+    /// `environment` replaces the process environment when given (tests).
+    fn load_from(
+        file: Option<&Path>,
+        environment: Option<config::Map<String, String>>,
+        overrides: &[(&str, &str)],
+    ) -> Result<Self, ConfigError> {
         let mut builder =
             config::Config::builder().add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
         if let Some(path) = file {
             builder = builder.add_source(config::File::from(path).required(true));
         }
+        // Values stay strings until a field asks for a number, a bool or a
+        // list: parsing them up front would turn a password "0123" into 123.
         builder = builder.add_source(
             config::Environment::with_prefix("SLUICE")
                 .prefix_separator("__")
                 .separator("__")
-                .try_parsing(true),
+                .source(environment),
         );
         for (key, value) in overrides {
             builder = builder.set_override(*key, *value)?;
@@ -475,6 +486,35 @@ mod tests {
         assert_eq!(parse_duration("90s").unwrap(), Duration::from_secs(90));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn environment_values_keep_their_text_and_still_fill_numbers_and_flags() {
+        let environment: config::Map<String, String> = [
+            ("SLUICE__KAFKA__SASL_PASSWORD", "0123"),
+            ("SLUICE__KAFKA__SASL_USERNAME", "1e3"),
+            ("SLUICE__KAFKA__LINGER_MS", "7"),
+            ("SLUICE__KAFKA__CREATE_TOPICS", "false"),
+            ("SLUICE__TELEMETRY__SAMPLING_RATIO", "0.25"),
+            ("SLUICE__TELEMETRY__KEY_METRICS_PATTERNS", "acme/a*, acme/b*"),
+            ("SLUICE__ADMISSION__CLAIM_TIMEOUT", "90s"),
+        ]
+        .into_iter()
+        .map(|(name, value)| (name.to_string(), value.to_string()))
+        .collect();
+        let loaded = SluiceConfig::load_from(None, Some(environment), &[]).unwrap();
+        assert_eq!(loaded.kafka.sasl_password.expose(), "0123", "a secret is never re-printed as a number");
+        assert_eq!(loaded.kafka.sasl_username, "1e3");
+        assert_eq!(loaded.kafka.linger_ms, 7);
+        assert!(!loaded.kafka.create_topics);
+        assert!((loaded.telemetry.sampling_ratio - 0.25).abs() < f64::EPSILON);
+        assert_eq!(loaded.telemetry.key_metrics_patterns, vec!["acme/a*", "acme/b*"]);
+        assert_eq!(loaded.admission.claim_timeout.0, Duration::from_secs(90));
+        let bad: config::Map<String, String> = [("SLUICE__KAFKA__LINGER_MS".to_string(), "soon".to_string())]
+            .into_iter()
+            .collect();
+        let error = SluiceConfig::load_from(None, Some(bad), &[]).unwrap_err();
+        assert!(error.to_string().contains("linger_ms"), "{error}");
     }
 
     #[test]
