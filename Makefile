@@ -6,7 +6,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup run build test fmt-check clippy unit-and-integration helm-check bench fmt
+.PHONY: help setup python-tools run build test fmt-check clippy unit-and-integration helm-check bench fmt
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
@@ -16,6 +16,11 @@ help:
 
 setup:
 	@scripts/dev-env.sh all
+
+# The Python worker example and the README's kcat and Python producer
+# examples run in the tests (venv and kcat under $HOME/.cache/sluice/tools).
+python-tools:
+	@scripts/install-python-tools.sh >/dev/null
 
 build: setup
 	$(CARGO) build --release --locked -p sluice-cli -p sluice-admission -p sluice-limit-grant -p sluice-rate-window -p sluice-refresh-dispatcher
@@ -33,7 +38,7 @@ fmt-check:
 clippy: setup
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
-unit-and-integration: setup
+unit-and-integration: setup python-tools
 ifeq ($(NEXTEST),yes)
 	$(CARGO) nextest run --locked --workspace --no-fail-fast
 	$(CARGO) test --locked --workspace --doc

@@ -1,0 +1,9 @@
+//! Integration tests of the `sluice` command and of the user-facing paths
+//! around it (the Python worker example, JSON producers and the README's
+//! producer examples), against the real broker and PostgreSQL.
+
+// Test-only crate: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod python_worker;
+mod support;
