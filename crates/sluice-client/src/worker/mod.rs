@@ -1,0 +1,688 @@
+//! The worker: consumes `jobs.admitted.<task_group>` in a consumer group,
+//! claims each admitted attempt before running it, heartbeats, completes,
+//! and never sits on a job it cannot start.
+//!
+//! How a received job moves:
+//!
+//! 1. It waits in a small local queue (`prefetch`) for a slot: the worker's
+//!    total `concurrency` and the per-process limit of its task type.
+//! 2. With a slot it is claimed (claims of jobs that start together go in one
+//!    `Claim` call). `CLAIMED` runs the handler; `TAKEN`/`STALE` drop it.
+//! 3. Without a slot within `handoff_after`, it is handed off: forwarded
+//!    unclaimed to a partition of the same topic that another worker of the
+//!    group owns (up to `max_handoff_hops` times), else claimed and handed
+//!    back with `Complete(hand_back)` so its tickets return and admission
+//!    admits it again. A worker that owns every partition has nobody to hand
+//!    off to and keeps the job until a slot frees.
+//! 4. Running handlers are heartbeaten in batches, every third of the
+//!    shortest lease among them. `CANCELLED` or `LEASE_LOST` cancels the
+//!    handler's token; a handler that does not return within `stop_grace` is
+//!    dropped. A cancel is confirmed with `Complete`.
+//! 5. The message's offset is stored once its fate is durable (claim
+//!    answered, forward acknowledged, hand-back accepted), in offset order
+//!    per partition, and auto-committed; nothing is committed past a message
+//!    that is not done.
+//!
+//! Shutdown: stop fetching, hand back every queued job at once, let running
+//! handlers finish within `shutdown_grace`, then stop and hand back the
+//! rest, and commit the offsets.
+
+mod handler;
+mod kafka;
+mod offsets;
+mod refresh;
+mod runner;
+mod slots;
+mod status;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prost::Message as _;
+use rdkafka::consumer::Consumer;
+use rdkafka::message::Message as _;
+use rdkafka::producer::FutureProducer;
+use sluice_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use handler::{Job, JobError, JobHandler, RefreshError, RefreshHandler, StopReason};
+pub use status::{WorkerSnapshot, WorkerStatus};
+
+use crate::error::{Error, Result};
+use crate::grpc::{Admission, Refresh};
+use crate::options::ClientOptions;
+use crate::propagation::TraceContext;
+use kafka::{AssignmentContext, PartitionCounts, Received, WorkerConsumer};
+use offsets::{OffsetTracker, PartitionId};
+use runner::{Delivery, Event, Shared};
+use slots::LocalLimits;
+use status::Counters;
+
+/// Header a forwarding worker sets: how many times the message was forwarded.
+pub const HANDOFF_HOPS_HEADER: &str = "sluice-handoff-hops";
+
+/// Names the task type of an admitted job, for per-process limits.
+pub type TaskTypeFn = Arc<dyn Fn(&pb::AdmittedJob) -> String + Send + Sync>;
+
+/// Builds a [`Worker`].
+pub struct WorkerBuilder {
+    options: ClientOptions,
+    handler: Arc<dyn JobHandler>,
+    task_groups: Vec<String>,
+    worker_id: Option<String>,
+    concurrency: usize,
+    prefetch: Option<usize>,
+    process_limits: HashMap<String, usize>,
+    task_type: TaskTypeFn,
+    handoff_after: Duration,
+    max_handoff_hops: u32,
+    heartbeat_interval: Option<Duration>,
+    stop_grace: Duration,
+    shutdown_grace: Duration,
+    refresh_handler: Option<Arc<dyn RefreshHandler>>,
+    refresh_concurrency: usize,
+}
+
+impl WorkerBuilder {
+    /// The task groups whose admitted jobs this worker runs (at least one).
+    pub fn task_group(mut self, task_group: impl Into<String>) -> Self {
+        self.task_groups.push(task_group.into());
+        self
+    }
+
+    /// The id this worker claims under (default: host name, process id and a
+    /// random suffix). Unique per process.
+    pub fn worker_id(mut self, worker_id: impl Into<String>) -> Self {
+        self.worker_id = Some(worker_id.into());
+        self
+    }
+
+    /// Handlers running at once in this process (default 10).
+    pub fn concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency.max(1);
+        self
+    }
+
+    /// Received jobs waiting locally for a slot, at most (default: the
+    /// concurrency). Small on purpose: what waits here is not available to
+    /// other workers until it is handed off.
+    pub fn prefetch(mut self, prefetch: usize) -> Self {
+        self.prefetch = Some(prefetch.max(1));
+        self
+    }
+
+    /// At most `limit` handlers of `task_type` at once in this process.
+    pub fn process_limit(mut self, task_type: impl Into<String>, limit: usize) -> Self {
+        self.process_limits.insert(task_type.into(), limit);
+        self
+    }
+
+    /// How a job's task type is named (default: its task group). E.g. a
+    /// handler registry that dispatches on a name in the payload returns that
+    /// name, so `process_limit("thumbnail", 2)` limits one kind of job.
+    pub fn task_type(mut self, task_type: impl Fn(&pb::AdmittedJob) -> String + Send + Sync + 'static) -> Self {
+        self.task_type = Arc::new(task_type);
+        self
+    }
+
+    /// A received job that could not start within this time is handed off
+    /// (default 500 ms).
+    pub fn handoff_after(mut self, after: Duration) -> Self {
+        self.handoff_after = after;
+        self
+    }
+
+    /// How many times one admission of a job may be forwarded between
+    /// workers before it is handed back to admission instead (default 2).
+    pub fn max_handoff_hops(mut self, hops: u32) -> Self {
+        self.max_handoff_hops = hops;
+        self
+    }
+
+    /// Heartbeat this often (default: a third of the shortest lease among
+    /// running jobs).
+    pub fn heartbeat_interval(mut self, interval: Duration) -> Self {
+        self.heartbeat_interval = Some(interval);
+        self
+    }
+
+    /// After its token is cancelled (cancel, lost lease), a handler has this
+    /// long to return before it is dropped (default 5 s).
+    pub fn stop_grace(mut self, grace: Duration) -> Self {
+        self.stop_grace = grace;
+        self
+    }
+
+    /// On shutdown, running handlers have this long to finish before they are
+    /// stopped and their jobs handed back (default 30 s).
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
+    }
+
+    /// Also compute floating-limit refreshes: consume `refresh.tasks` (group
+    /// `<group_id>.refresh`) and report with `Refresh.ReportRefresh`.
+    pub fn refresh_handler(mut self, handler: impl RefreshHandler) -> Self {
+        self.refresh_handler = Some(Arc::new(handler));
+        self
+    }
+
+    /// Refresh tasks handled at once (default 4).
+    pub fn refresh_concurrency(mut self, concurrency: usize) -> Self {
+        self.refresh_concurrency = concurrency.max(1);
+        self
+    }
+
+    pub fn build(self) -> Result<Worker> {
+        if self.task_groups.is_empty() {
+            return Err(Error::Config {
+                field: "task_groups",
+                message: "name at least one task group".to_string(),
+            });
+        }
+        if self.options.brokers.trim().is_empty() {
+            return Err(Error::Config {
+                field: "brokers",
+                message: "a worker needs Kafka brokers".to_string(),
+            });
+        }
+        let admission = Admission::new(&self.options.admission_endpoint, self.options.request_timeout)?;
+        let refresh = match &self.refresh_handler {
+            Some(_) => Some(Refresh::new(
+                &self.options.refresh_endpoint,
+                self.options.request_timeout,
+            )?),
+            None => None,
+        };
+        let worker_id = self.worker_id.unwrap_or_else(default_worker_id);
+        Ok(Worker {
+            prefetch: self.prefetch.unwrap_or(self.concurrency),
+            options: self.options,
+            handler: self.handler,
+            task_groups: self.task_groups,
+            worker_id,
+            concurrency: self.concurrency,
+            process_limits: self.process_limits,
+            task_type: self.task_type,
+            handoff_after: self.handoff_after,
+            max_handoff_hops: self.max_handoff_hops,
+            heartbeat_interval: self.heartbeat_interval,
+            stop_grace: self.stop_grace,
+            shutdown_grace: self.shutdown_grace,
+            refresh_handler: self.refresh_handler,
+            refresh_concurrency: self.refresh_concurrency,
+            admission,
+            refresh,
+            status: WorkerStatus::default(),
+        })
+    }
+}
+
+fn default_worker_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "worker".to_string());
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    format!("{host}-{}-{}", std::process::id(), &suffix[..8])
+}
+
+/// A configured worker; [`Worker::run`] runs it.
+pub struct Worker {
+    options: ClientOptions,
+    handler: Arc<dyn JobHandler>,
+    task_groups: Vec<String>,
+    worker_id: String,
+    concurrency: usize,
+    prefetch: usize,
+    process_limits: HashMap<String, usize>,
+    task_type: TaskTypeFn,
+    handoff_after: Duration,
+    max_handoff_hops: u32,
+    heartbeat_interval: Option<Duration>,
+    stop_grace: Duration,
+    shutdown_grace: Duration,
+    refresh_handler: Option<Arc<dyn RefreshHandler>>,
+    refresh_concurrency: usize,
+    admission: Admission,
+    refresh: Option<Refresh>,
+    status: WorkerStatus,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Worker")
+            .field("worker_id", &self.worker_id)
+            .field("task_groups", &self.task_groups)
+            .field("concurrency", &self.concurrency)
+            .field("process_limits", &self.process_limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// A worker running `handler` for admitted jobs; name the task groups and
+    /// limits on the builder.
+    pub fn builder(options: ClientOptions, handler: impl JobHandler) -> WorkerBuilder {
+        WorkerBuilder {
+            options,
+            handler: Arc::new(handler),
+            task_groups: Vec::new(),
+            worker_id: None,
+            concurrency: 10,
+            prefetch: None,
+            process_limits: HashMap::new(),
+            task_type: Arc::new(|job: &pb::AdmittedJob| job.task_group.clone()),
+            handoff_after: Duration::from_millis(500),
+            max_handoff_hops: 2,
+            heartbeat_interval: None,
+            stop_grace: Duration::from_secs(5),
+            shutdown_grace: Duration::from_secs(30),
+            refresh_handler: None,
+            refresh_concurrency: 4,
+        }
+    }
+
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    /// A handle on this worker's state, usable while it runs.
+    pub fn status(&self) -> WorkerStatus {
+        self.status.clone()
+    }
+
+    /// Run until `shutdown` is cancelled, then drain (see the module docs)
+    /// and return. Errors only when the worker cannot start (Kafka client
+    /// creation, subscription).
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let topics: Vec<String> = self
+            .task_groups
+            .iter()
+            .map(|group| self.options.admitted_topic(group))
+            .collect();
+        let context = AssignmentContext {
+            assigned: Arc::new(Mutex::new(Default::default())),
+        };
+        let assigned = context.assigned.clone();
+        let consumer: WorkerConsumer = self
+            .options
+            .consumer_config(&self.options.worker_group())
+            .create_with_context(context)
+            .map_err(|source| Error::Kafka {
+                operation: "create consumer",
+                topic: topics.join(","),
+                source,
+            })?;
+        let topic_names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topic_names).map_err(|source| Error::Kafka {
+            operation: "subscribe",
+            topic: topics.join(","),
+            source,
+        })?;
+        let consumer = Arc::new(consumer);
+        let mut forward_config = self.options.kafka_config();
+        forward_config
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", "0");
+        let forwarder: FutureProducer = forward_config.create().map_err(|source| Error::Kafka {
+            operation: "create producer",
+            topic: topics.join(","),
+            source,
+        })?;
+
+        let background = CancellationToken::new();
+        let partition_counts = PartitionCounts::default();
+        let metadata_task = tokio::spawn({
+            let counts = partition_counts.clone();
+            let consumer = consumer.clone();
+            let stop = background.clone();
+            let topics = topics.clone();
+            async move { counts.keep_fresh(consumer, topics, Duration::from_secs(15), stop).await }
+        });
+
+        let refresh_task = match (self.refresh_handler.clone(), self.refresh.clone()) {
+            (Some(handler), Some(refresh)) => Some(tokio::spawn(refresh::run_refresh_consumer(
+                refresh::RefreshSettings {
+                    options: self.options.clone(),
+                    handler,
+                    refresh,
+                    concurrency: self.refresh_concurrency,
+                    shutdown_grace: self.shutdown_grace,
+                    status: self.status.shared.clone(),
+                },
+                shutdown.clone(),
+            ))),
+            _ => None,
+        };
+
+        let (events_sender, events) = mpsc::channel(self.concurrency * 4 + self.prefetch * 4 + 16);
+        let (completions_sender, completions) = mpsc::channel(self.concurrency * 2 + self.prefetch + 16);
+        let force_stop = CancellationToken::new();
+        let give_up = CancellationToken::new();
+        let shared = Arc::new(Shared {
+            worker_id: self.worker_id.clone(),
+            admission: self.admission.clone(),
+            handler: self.handler.clone(),
+            registry: runner::Registry::default(),
+            completions: completions_sender,
+            events: events_sender,
+            stop_grace: self.stop_grace,
+            force_stop: force_stop.clone(),
+            give_up: give_up.clone(),
+            status: self.status.shared.clone(),
+            forwarder,
+            assigned: assigned.clone(),
+            partition_counts,
+            forward_turn: Default::default(),
+        });
+        let completer = tokio::spawn(runner::run_completer(shared.clone(), completions, background.clone()));
+        let heartbeats = tokio::spawn(runner::run_heartbeats(
+            shared.clone(),
+            self.heartbeat_interval,
+            background.clone(),
+        ));
+
+        {
+            let mut status_assigned = self
+                .status
+                .shared
+                .assigned
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            status_assigned.clear();
+        }
+        let status_assigned = self.status.shared.clone();
+        let mirror = tokio::spawn({
+            let stop = background.clone();
+            async move {
+                // The status handle mirrors the consumer's assignment.
+                loop {
+                    let current = assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+                    *status_assigned
+                        .assigned
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = current;
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    }
+                }
+            }
+        });
+
+        let mut dispatcher = Dispatcher {
+            shared: shared.clone(),
+            consumer: consumer.clone(),
+            events,
+            pending: VecDeque::new(),
+            limits: LocalLimits::new(self.concurrency, self.process_limits.clone()),
+            offsets: OffsetTracker::default(),
+            prefetch: self.prefetch,
+            handoff_after: self.handoff_after,
+            max_handoff_hops: self.max_handoff_hops,
+            task_type: self.task_type.clone(),
+            topics: topics.iter().map(|topic| Arc::from(topic.as_str())).collect(),
+        };
+        dispatcher
+            .run(&shutdown, self.shutdown_grace, &force_stop, &give_up)
+            .await;
+
+        // Every handler has ended and every completion was answered (or given
+        // up): stop the helpers and commit what is done.
+        background.cancel();
+        drop(dispatcher);
+        drop(shared);
+        let _ = completer.await;
+        let _ = heartbeats.await;
+        let _ = metadata_task.await;
+        let _ = mirror.await;
+        if let Some(task) = refresh_task {
+            if let Err(join_error) = task.await {
+                tracing::warn!(%join_error, "refresh consumer task failed");
+            }
+        }
+        let final_commit = tokio::task::spawn_blocking(move || {
+            match consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
+                Ok(()) => {}
+                // Nothing stored since the last auto-commit.
+                Err(rdkafka::error::KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::NoOffset)) => {}
+                Err(error) => tracing::warn!(%error, "final offset commit failed"),
+            }
+            drop(consumer);
+        })
+        .await;
+        if let Err(join_error) = final_commit {
+            tracing::warn!(%join_error, "final commit task failed");
+        }
+        tracing::info!(worker_id = %self.worker_id, "worker stopped");
+        Ok(())
+    }
+}
+
+/// The single task that owns the local queue, the slots and the offsets.
+struct Dispatcher {
+    shared: Arc<Shared>,
+    consumer: Arc<WorkerConsumer>,
+    events: mpsc::Receiver<Event>,
+    pending: VecDeque<Delivery>,
+    limits: LocalLimits,
+    offsets: OffsetTracker,
+    prefetch: usize,
+    handoff_after: Duration,
+    max_handoff_hops: u32,
+    task_type: TaskTypeFn,
+    topics: Vec<Arc<str>>,
+}
+
+impl Dispatcher {
+    async fn run(
+        &mut self,
+        shutdown: &CancellationToken,
+        shutdown_grace: Duration,
+        force_stop: &CancellationToken,
+        give_up: &CancellationToken,
+    ) {
+        let mut draining = false;
+        let mut grace_ends: Option<Instant> = None;
+        let mut give_up_at: Option<Instant> = None;
+        loop {
+            if !draining {
+                self.start_what_fits();
+                self.hand_off_expired(Instant::now());
+            }
+            self.publish_gauges();
+            if draining && self.pending.is_empty() && self.limits.total_used() == 0 && self.offsets.in_flight() == 0 {
+                return;
+            }
+            let fetch = !draining && self.pending.len() < self.prefetch;
+            let next_handoff = self.pending.iter().map(|delivery| delivery.handoff_at).min();
+            let grace_timer = grace_ends.filter(|_| !force_stop.is_cancelled());
+            let give_up_timer = give_up_at.filter(|_| !give_up.is_cancelled());
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled(), if !draining => {
+                    draining = true;
+                    let now = Instant::now();
+                    grace_ends = Some(now + shutdown_grace);
+                    // RPCs still failing this long after the grace are given up:
+                    // their messages are delivered again after a restart.
+                    give_up_at = Some(now + shutdown_grace + Duration::from_secs(15));
+                    tracing::info!(queued = self.pending.len(), running = self.limits.total_used(), "worker draining");
+                    let queued: Vec<Delivery> = self.pending.drain(..).collect();
+                    if !queued.is_empty() {
+                        tokio::spawn(runner::hand_back(self.shared.clone(), queued, "worker shutting down"));
+                    }
+                }
+                Some(event) = self.events.recv() => self.apply(event),
+                _ = sleep_until_opt(grace_timer), if grace_timer.is_some() => {
+                    tracing::info!(running = self.limits.total_used(), "shutdown grace over, stopping running handlers");
+                    force_stop.cancel();
+                }
+                _ = sleep_until_opt(give_up_timer), if give_up_timer.is_some() => {
+                    tracing::warn!("giving up on unanswered claims and completions");
+                    give_up.cancel();
+                }
+                received = self.consumer.recv(), if fetch => match received {
+                    Ok(message) => {
+                        let topic = self
+                            .topics
+                            .iter()
+                            .find(|topic| topic.as_ref() == message.topic())
+                            .cloned()
+                            .unwrap_or_else(|| Arc::from(message.topic()));
+                        let received = Received::from_message(&message, topic);
+                        drop(message);
+                        self.accept(received);
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "kafka receive failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+                _ = sleep_until_opt(next_handoff), if next_handoff.is_some() && !draining => {}
+            }
+        }
+    }
+
+    fn accept(&mut self, received: Received) {
+        Counters::add(&self.shared.status.counters.delivered);
+        self.offsets.begin(&received.partition, received.offset);
+        let admitted = match pb::AdmittedJob::decode(received.payload.as_slice()) {
+            Ok(admitted) if !admitted.job_id.is_empty() => admitted,
+            Ok(_) | Err(_) => {
+                Counters::add(&self.shared.status.counters.malformed);
+                tracing::error!(
+                    topic = %received.partition.0,
+                    partition = received.partition.1,
+                    offset = received.offset,
+                    "skipping a message that is not an AdmittedJob"
+                );
+                self.done(&received.partition, received.offset);
+                return;
+            }
+        };
+        let hops = received
+            .header_text(HANDOFF_HOPS_HEADER)
+            .and_then(|text| text.parse().ok())
+            .unwrap_or(0);
+        let task_type: Arc<str> = Arc::from((self.task_type)(&admitted).as_str());
+        let trace = TraceContext::from_pairs(&received.headers);
+        let now = Instant::now();
+        self.pending.push_back(Delivery {
+            admitted: Arc::new(admitted),
+            task_type,
+            trace,
+            hops,
+            handoff_at: now + self.handoff_after,
+            received,
+        });
+    }
+
+    /// Start every queued job that has a slot, in arrival order; one claim
+    /// call for all of them.
+    fn start_what_fits(&mut self) {
+        let mut starting = Vec::new();
+        let mut index = 0;
+        while index < self.pending.len() {
+            let fits = self
+                .pending
+                .get(index)
+                .is_some_and(|delivery| self.limits.try_take(&delivery.task_type));
+            if fits {
+                if let Some(delivery) = self.pending.remove(index) {
+                    starting.push(delivery);
+                }
+            } else {
+                index += 1;
+            }
+        }
+        if !starting.is_empty() {
+            tokio::spawn(runner::claim_and_run(self.shared.clone(), starting));
+        }
+    }
+
+    /// Jobs that waited `handoff_after` without a slot go to another worker.
+    fn hand_off_expired(&mut self, now: Instant) {
+        let mut forward = Vec::new();
+        let mut give_back = Vec::new();
+        let mut index = 0;
+        while index < self.pending.len() {
+            let expired = self
+                .pending
+                .get(index)
+                .is_some_and(|delivery| delivery.handoff_at <= now);
+            if !expired {
+                index += 1;
+                continue;
+            }
+            let Some(delivery) = self.pending.get_mut(index) else {
+                break;
+            };
+            match self.shared.forward_target(&delivery.received.partition.0) {
+                // Nobody else consumes this topic: nobody else could run it.
+                None => {
+                    delivery.handoff_at = now + self.handoff_after;
+                    index += 1;
+                }
+                Some(target) => {
+                    if let Some(delivery) = self.pending.remove(index) {
+                        if delivery.hops < self.max_handoff_hops {
+                            forward.push((delivery, target));
+                        } else {
+                            give_back.push(delivery);
+                        }
+                    }
+                }
+            }
+        }
+        if !forward.is_empty() {
+            tokio::spawn(runner::forward(self.shared.clone(), forward));
+        }
+        if !give_back.is_empty() {
+            tokio::spawn(runner::hand_back(
+                self.shared.clone(),
+                give_back,
+                "no worker had room to start it",
+            ));
+        }
+    }
+
+    fn apply(&mut self, event: Event) {
+        match event {
+            Event::Done { partition, offset } => self.done(&partition, offset),
+            Event::Abandoned { partition, offset } => self.offsets.abandon(&partition, offset),
+            Event::SlotFree { task_type } => self.limits.give_back(&task_type),
+        }
+    }
+
+    fn done(&mut self, partition: &PartitionId, offset: i64) {
+        if let Some(position) = self.offsets.finish(partition, offset) {
+            kafka::store_position(&self.consumer, partition, position);
+        }
+    }
+
+    fn publish_gauges(&self) {
+        let mut gauges = self
+            .shared
+            .status
+            .gauges
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        gauges.pending = self.pending.len();
+        gauges.running = self.limits.total_used();
+        gauges.running_by_type = self.limits.used_by_type();
+    }
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
