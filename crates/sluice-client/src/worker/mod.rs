@@ -35,7 +35,7 @@ mod runner;
 mod slots;
 mod status;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -84,6 +84,7 @@ pub struct WorkerBuilder {
     shutdown_grace: Duration,
     refresh_handler: Option<Arc<dyn RefreshHandler>>,
     refresh_concurrency: usize,
+    pause_when_full_for: Duration,
 }
 
 impl WorkerBuilder {
@@ -170,6 +171,16 @@ impl WorkerBuilder {
         self
     }
 
+    /// A local queue full this long pauses the partitions and keeps polling,
+    /// so the consumer stays in its group however long the jobs run
+    /// (default 30 s, well within librdkafka's `max.poll.interval.ms` of 5
+    /// minutes). Shorter stops only stop reading: resuming a paused partition
+    /// costs a fetch round.
+    pub fn pause_when_full_for(mut self, after: Duration) -> Self {
+        self.pause_when_full_for = after;
+        self
+    }
+
     /// Refresh tasks handled at once (default 4).
     pub fn refresh_concurrency(mut self, concurrency: usize) -> Self {
         self.refresh_concurrency = concurrency.max(1);
@@ -214,6 +225,7 @@ impl WorkerBuilder {
             shutdown_grace: self.shutdown_grace,
             refresh_handler: self.refresh_handler,
             refresh_concurrency: self.refresh_concurrency,
+            pause_when_full_for: self.pause_when_full_for,
             admission,
             refresh,
             status: WorkerStatus::default(),
@@ -247,6 +259,7 @@ pub struct Worker {
     shutdown_grace: Duration,
     refresh_handler: Option<Arc<dyn RefreshHandler>>,
     refresh_concurrency: usize,
+    pause_when_full_for: Duration,
     admission: Admission,
     refresh: Option<Refresh>,
     status: WorkerStatus,
@@ -284,6 +297,7 @@ impl Worker {
             shutdown_grace: Duration::from_secs(30),
             refresh_handler: None,
             refresh_concurrency: 4,
+            pause_when_full_for: Duration::from_secs(30),
         }
     }
 
@@ -428,6 +442,8 @@ impl Worker {
             max_handoff_hops: self.max_handoff_hops,
             task_type: self.task_type.clone(),
             topics: topics.iter().map(|topic| Arc::from(topic.as_str())).collect(),
+            paused: None,
+            pause_when_full_for: self.pause_when_full_for,
         };
         dispatcher
             .run(&shutdown, self.shutdown_grace, &force_stop, &give_up)
@@ -478,6 +494,9 @@ struct Dispatcher {
     max_handoff_hops: u32,
     task_type: TaskTypeFn,
     topics: Vec<Arc<str>>,
+    /// The partitions paused because the local queue is full (or draining).
+    paused: Option<BTreeSet<(String, i32)>>,
+    pause_when_full_for: Duration,
 }
 
 impl Dispatcher {
@@ -491,6 +510,7 @@ impl Dispatcher {
         let mut draining = false;
         let mut grace_ends: Option<Instant> = None;
         let mut give_up_at: Option<Instant> = None;
+        let mut full_since: Option<Instant> = None;
         loop {
             if !draining {
                 self.start_what_fits();
@@ -500,7 +520,21 @@ impl Dispatcher {
             if draining && self.pending.is_empty() && self.limits.total_used() == 0 && self.offsets.in_flight() == 0 {
                 return;
             }
-            let fetch = !draining && self.pending.len() < self.prefetch;
+            // A full queue stops reading. Should it stay full for long, the
+            // partitions are paused and polling goes on, so the consumer stays
+            // in its group (max.poll.interval.ms); a resume restarts fetching
+            // from the next unread message. Short stops skip the pause, whose
+            // resume costs a fetch backoff. Draining pauses at once.
+            let full = !draining && self.pending.len() >= self.prefetch;
+            if !full {
+                full_since = None;
+            } else if full_since.is_none() {
+                full_since = Some(Instant::now());
+            }
+            let pause_at = full_since.map(|since| since + self.pause_when_full_for);
+            let long_full = pause_at.is_some_and(|at| at <= Instant::now());
+            self.pause_while(draining || long_full);
+            let poll = !full || self.paused.is_some();
             let next_handoff = self.pending.iter().map(|delivery| delivery.handoff_at).min();
             let grace_timer = grace_ends.filter(|_| !force_stop.is_cancelled());
             let give_up_timer = give_up_at.filter(|_| !give_up.is_cancelled());
@@ -528,7 +562,11 @@ impl Dispatcher {
                     tracing::warn!("giving up on unanswered claims and completions");
                     give_up.cancel();
                 }
-                received = self.consumer.recv(), if fetch => match received {
+                received = self.consumer.recv(), if poll => match received {
+                    // Read before a pause took effect, or from a partition
+                    // assigned while draining: not tracked, so delivered again
+                    // after a restart.
+                    Ok(_) if draining => {}
                     Ok(message) => {
                         let topic = self
                             .topics
@@ -539,6 +577,11 @@ impl Dispatcher {
                         let received = Received::from_message(&message, topic);
                         drop(message);
                         self.accept(received);
+                        if self.pending.len() > self.prefetch {
+                            // A partition the pause missed (e.g. assigned
+                            // again by a rebalance): pause everything again.
+                            self.paused = None;
+                        }
                     }
                     Err(error) => {
                         tracing::warn!(%error, "kafka receive failed");
@@ -546,6 +589,31 @@ impl Dispatcher {
                     }
                 },
                 _ = sleep_until_opt(next_handoff), if next_handoff.is_some() && !draining => {}
+                _ = sleep_until_opt(pause_at), if pause_at.is_some() && !long_full => {}
+            }
+        }
+    }
+
+    /// Pause every assigned partition while `full`, resume when not.
+    fn pause_while(&mut self, full: bool) {
+        let assigned = self
+            .shared
+            .assigned
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone();
+        if full {
+            if self.paused.as_ref() == Some(&assigned) {
+                return;
+            }
+            if let Err(error) = self.consumer.pause(&partition_list(&assigned)) {
+                tracing::warn!(%error, "pausing partitions failed");
+            }
+            Counters::add(&self.shared.status.counters.pauses);
+            self.paused = Some(assigned);
+        } else if self.paused.take().is_some() {
+            if let Err(error) = self.consumer.resume(&partition_list(&assigned)) {
+                tracing::warn!(%error, "resuming partitions failed");
             }
         }
     }
@@ -678,6 +746,14 @@ impl Dispatcher {
         gauges.running = self.limits.total_used();
         gauges.running_by_type = self.limits.used_by_type();
     }
+}
+
+fn partition_list(partitions: &BTreeSet<(String, i32)>) -> rdkafka::TopicPartitionList {
+    let mut list = rdkafka::TopicPartitionList::new();
+    for (topic, partition) in partitions {
+        list.add_partition(topic, *partition);
+    }
+    list
 }
 
 async fn sleep_until_opt(deadline: Option<Instant>) {

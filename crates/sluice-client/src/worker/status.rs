@@ -20,6 +20,7 @@ pub(crate) struct Counters {
     pub lease_lost: AtomicU64,
     pub malformed: AtomicU64,
     pub refreshes_reported: AtomicU64,
+    pub pauses: AtomicU64,
 }
 
 impl Counters {
@@ -81,6 +82,8 @@ pub struct WorkerSnapshot {
     /// Messages that were not an `AdmittedJob` (logged and skipped).
     pub malformed: u64,
     pub refreshes_reported: u64,
+    /// Times the partitions were paused because the local queue stayed full.
+    pub pauses: u64,
 }
 
 impl WorkerStatus {
@@ -116,6 +119,7 @@ impl WorkerStatus {
             lease_lost: load(&counters.lease_lost),
             malformed: load(&counters.malformed),
             refreshes_reported: load(&counters.refreshes_reported),
+            pauses: load(&counters.pauses),
         }
     }
 }

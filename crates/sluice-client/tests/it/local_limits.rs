@@ -128,16 +128,19 @@ async fn per_process_limits_hold_and_a_saturated_worker_hands_its_jobs_to_an_idl
         busy_snapshot.delivered >= JOBS as u64,
         "the jobs did not all land on the busy worker's partition: {busy_snapshot:?}"
     );
-    // ...and the idle worker ran most of them.
-    assert!(idle_runs.len() >= 4, "the idle worker ran only {}", idle_runs.len());
-    // No job waited long while the idle worker had room.
+    // ...and the idle worker ran about half of them (it has 2 of the 3 slots).
+    assert!(idle_runs.len() >= 3, "the idle worker ran only {}", idle_runs.len());
+    // No job waited long while the idle worker had room. Jobs bounce between
+    // the two full workers (300 ms at each), so some wait happens; without
+    // hand-off the idle worker stays idle and this is ~5 s.
     assert!(
-        stranded <= 1_000,
+        stranded <= 2_000,
         "jobs waited {stranded} ms while the idle worker had room"
     );
-    // Three slots for 8 jobs of 800 ms: about 3 rounds, not 8 in a row.
+    // Three slots for 8 jobs of 800 ms: about 3 rounds (2.4 s), not 8 in a
+    // row (6.4 s).
     assert!(
-        last_end - first_enqueue < 5_000,
+        last_end - first_enqueue < 5_500,
         "took {} ms; one at a time would take {} ms",
         last_end - first_enqueue,
         JOBS as u64 * RUN_MS
@@ -146,6 +149,71 @@ async fn per_process_limits_hold_and_a_saturated_worker_hands_its_jobs_to_an_idl
     busy.stop().await;
     idle.stop().await;
     assert_eq!(stack.tickets_left().await?, 0);
+    stack.stop().await;
+    Ok(())
+}
+
+/// A worker whose local queue stays full pauses its partitions (to keep
+/// polling and its group membership) and resumes where it stopped: nothing
+/// is lost or stalls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_full_for_long_pauses_its_partitions_and_resumes_without_losing_a_job() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("sdk_pause", &[])?, 1).await?;
+    let runs = Runs::default();
+    let handler = {
+        let runs = runs.clone();
+        move |job: sluice_client::Job| {
+            let runs = runs.clone();
+            async move {
+                let guard = RunGuard::start(&runs, "single", &job);
+                tokio::time::sleep(Duration::from_millis(millis_of(job.payload()))).await;
+                guard.finished();
+                Ok(())
+            }
+        }
+    };
+    let worker = RunningWorker::start(
+        Worker::builder(client_options(&stack), handler)
+            .task_group("default")
+            .worker_id("single")
+            .concurrency(1)
+            .prefetch(1)
+            .pause_when_full_for(Duration::from_millis(200))
+            .build()?,
+    );
+    wait_assigned(&[&worker], usize::try_from(stack.config.kafka.partitions.admitted)?).await?;
+    let producer = Producer::new(&client_options(&stack))?;
+    // One enqueue at a time, so each admitted job is its own record batch:
+    // tansu (memory storage) reports a partition's high watermark as its last
+    // batch's base offset + 1, so a fetch resumed inside a multi-record batch
+    // sees nothing until newer data arrives (real Kafka has no such gap).
+    let mut job_ids = Vec::new();
+    for index in 0..5 {
+        let request = JobBuilder::new("acme", "default")
+            .job_id(format!("p-{index}"))
+            .payload("job/700")
+            .build()?;
+        job_ids.push(producer.enqueue(request).await?.job_id);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_all_status(&stack, &job_ids, pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
+
+    let mut all = runs.all();
+    all.sort_by_key(|run| run.started_ms);
+    let gaps: Vec<i64> = all
+        .windows(2)
+        .map(|pair| pair[1].started_ms - pair[0].ended_ms)
+        .collect();
+    println!("gaps between runs (ms): {gaps:?}; {:?}", worker.status.snapshot());
+    assert_eq!(all.len(), 5, "{all:?}");
+    assert_eq!(max_overlap(&all), 1);
+    assert!(
+        worker.status.snapshot().pauses >= 1,
+        "the queue never stayed full long enough to pause"
+    );
+    // The next job was already queued locally while its partition was paused.
+    assert!(gaps.iter().all(|gap| *gap < 1_000), "gaps {gaps:?}");
+    worker.stop().await;
     stack.stop().await;
     Ok(())
 }

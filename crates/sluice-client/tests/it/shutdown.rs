@@ -90,8 +90,11 @@ async fn shutdown_hands_back_queued_and_overdue_jobs_and_their_tickets_return_at
     for job_id in ["waiting-1", "waiting-2"] {
         sluice_e2e::wait_status(&admission, job_id, pb::JobStatus::Waiting, Duration::from_secs(30)).await?;
     }
-    let before = key_state(&stack, "acme", KEY).await?;
-    assert_eq!((before.holders.len(), before.waiting), (4, 2), "{before:?}");
+    sluice_e2e::eventually(Duration::from_secs(30), "4 holders and 2 waiters", || async {
+        let state = key_state(&stack, "acme", KEY).await?;
+        Ok((state.holders.len(), state.waiting) == (4, 2))
+    })
+    .await?;
 
     let shutdown_at = now_ms();
     shutdown_began.notify_waiters();
