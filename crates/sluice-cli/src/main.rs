@@ -1,25 +1,49 @@
 //! `sluice`: run everything locally (`sluice dev`), set up topics, migrate,
-//! and check health.
+//! check health, inspect and steer a running stack (jobs, keys, rate limits,
+//! floating limits), and watch a live demo.
 
+mod demo;
+mod endpoints;
+mod floating;
+mod jobs;
+mod keys;
+mod output;
+mod rate_limits;
 mod try_it;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
-use anyhow::Context;
 use clap::{Parser, Subcommand};
+use serde::Serialize;
 use sluice_common::kafka::ensure_topics;
 use sluice_common::service::{all_topics, Supervisor};
 use sluice_common::{grpc, telemetry, Faults, Shutdown, SluiceConfig};
+
+use crate::endpoints::Endpoints;
+use crate::output::{OutputFormat, Printable, Render, RpcError, Table};
 
 #[derive(Debug, Parser)]
 #[command(name = "sluice", version, about = "Admission control for background jobs")]
 struct Cli {
     /// Configuration file (TOML), layered over the built-in defaults and
-    /// under SLUICE__SECTION__KEY environment variables.
+    /// under SLUICE__SECTION__KEY environment variables. Used by dev,
+    /// migrate, topics, try and demo (brokers, topic prefix, database).
     #[arg(long, global = true, env = "SLUICE_CONFIG")]
     config: Option<PathBuf>,
+    #[command(flatten)]
+    endpoints: Endpoints,
+    /// Output format: human-readable tables, or JSON for scripts.
+    #[arg(
+        long,
+        short = 'o',
+        global = true,
+        value_enum,
+        default_value = "table",
+        env = "SLUICE_OUTPUT"
+    )]
+    output: OutputFormat,
     #[command(subcommand)]
     command: Command,
 }
@@ -36,11 +60,32 @@ enum Command {
         #[command(subcommand)]
         command: TopicsCommand,
     },
+    /// Jobs: status and why they wait; cancel.
+    Jobs {
+        #[command(subcommand)]
+        command: jobs::JobsCommand,
+    },
+    /// Concurrency and floating keys: list, describe, override, pause, resume.
+    Keys {
+        #[command(subcommand)]
+        command: keys::KeysCommand,
+    },
+    /// Stored rate limits (referenced by jobs as rate_limit_key).
+    RateLimits {
+        #[command(subcommand)]
+        command: rate_limits::RateLimitsCommand,
+    },
+    /// Floating concurrency limits: refresh state; delete.
+    Floating {
+        #[command(subcommand)]
+        command: floating::FloatingCommand,
+    },
     /// Enqueue jobs on one key and run them with a worker, showing the limit
     /// hold (an example against a running stack).
     Try {
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
-        endpoint: String,
+        /// Admission endpoint (default: --admission).
+        #[arg(long)]
+        endpoint: Option<String>,
         #[arg(long, default_value_t = 30)]
         jobs: usize,
         #[arg(long, default_value_t = 2)]
@@ -53,10 +98,15 @@ enum Command {
         #[arg(long, default_value = "300ms")]
         hold: String,
     },
-    /// Exit 0 when the gRPC health service at ENDPOINT reports SERVING.
+    /// Run producers and workers against a running stack and watch each key
+    /// live: holders against max, waiting jobs, admitted per second.
+    Demo(demo::DemoArgs),
+    /// Check the services' gRPC health: all four, or one --endpoint. Exits
+    /// non-zero unless every one checked is SERVING.
     Health {
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
-        endpoint: String,
+        /// Check only this endpoint.
+        #[arg(long)]
+        endpoint: Option<String>,
         /// Check one named service instead of the whole server.
         #[arg(long, default_value = "")]
         service: String,
@@ -71,10 +121,41 @@ enum TopicsCommand {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {
-        Command::Health { endpoint, service } => health(&endpoint, &service).await,
+    let format = cli.output;
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            output::print_error(format, &error);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let format = cli.output;
+    let printable: Box<dyn Printable> = match cli.command {
+        Command::Jobs { command } => jobs::run(&cli.endpoints, command).await?,
+        Command::Keys { command } => keys::run(&cli.endpoints, command).await?,
+        Command::RateLimits { command } => rate_limits::run(&cli.endpoints, command).await?,
+        Command::Floating { command } => floating::run(&cli.endpoints, command).await?,
+        Command::Health { endpoint, service } => {
+            let checks: Vec<(&'static str, String)> = match endpoint {
+                Some(endpoint) => vec![("", endpoints::normalized(&endpoint))],
+                None => cli.endpoints.all().to_vec(),
+            };
+            let report = health(checks, &service).await;
+            output::print(format, &report)?;
+            let failing: Vec<String> = report
+                .services
+                .iter()
+                .filter(|check| check.status != "SERVING")
+                .map(|check| format!("{} is {}", check.endpoint, check.status))
+                .collect();
+            anyhow::ensure!(failing.is_empty(), "not serving: {}", failing.join(", "));
+            return Ok(());
+        }
         Command::Try {
             endpoint,
             jobs,
@@ -86,10 +167,10 @@ async fn main() -> anyhow::Result<()> {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             let hold =
                 sluice_common::config::parse_duration(&hold).map_err(|message| anyhow::anyhow!("--hold: {message}"))?;
-            try_it::run(
+            return try_it::run(
                 &config,
                 try_it::TryOptions {
-                    endpoint,
+                    endpoint: endpoints::normalized(&endpoint.unwrap_or(cli.endpoints.admission)),
                     jobs,
                     limit,
                     key,
@@ -97,12 +178,16 @@ async fn main() -> anyhow::Result<()> {
                     hold,
                 },
             )
-            .await
+            .await;
+        }
+        Command::Demo(args) => {
+            let config = SluiceConfig::load(cli.config.as_deref())?;
+            return demo::run(&config, &cli.endpoints, args, format).await;
         }
         Command::Dev => {
             let config = Arc::new(SluiceConfig::load(cli.config.as_deref())?);
             let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
-            dev(config, &telemetry).await
+            return dev(config, &telemetry).await;
         }
         Command::Migrate => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
@@ -111,8 +196,12 @@ async fn main() -> anyhow::Result<()> {
             sluice_limit_grant::migrate(&config).await?;
             sluice_rate_window::migrate(&config).await?;
             sluice_refresh_dispatcher::migrate(&config).await?;
-            println!("migrations applied");
-            Ok(())
+            Box::new(Migrated {
+                schemas: ["admission", "limit_grant", "rate_window", "refresh_dispatcher"]
+                    .iter()
+                    .map(|service| config.schema(service))
+                    .collect(),
+            })
         }
         Command::Topics {
             command: TopicsCommand::Ensure,
@@ -120,41 +209,117 @@ async fn main() -> anyhow::Result<()> {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
             let counts = ensure_topics(&config.kafka, &all_topics(&config), true).await?;
-            let mut names: Vec<_> = counts.into_iter().collect();
-            names.sort();
-            for (name, partitions) in names {
-                println!("{name}\t{partitions} partitions");
-            }
-            Ok(())
+            let mut topics: Vec<TopicOut> = counts
+                .into_iter()
+                .map(|(name, partitions)| TopicOut { name, partitions })
+                .collect();
+            topics.sort_by(|left, right| left.name.cmp(&right.name));
+            Box::new(Topics { topics })
         }
+    };
+    output::print(format, printable.as_ref())
+}
+
+#[derive(Debug, Serialize)]
+struct Migrated {
+    schemas: Vec<String>,
+}
+
+impl Render for Migrated {
+    fn table(&self) -> String {
+        format!("migrations applied: {}\n", self.schemas.join(", "))
     }
 }
 
-async fn health(endpoint: &str, service: &str) -> anyhow::Result<()> {
+#[derive(Debug, Serialize)]
+struct TopicOut {
+    name: String,
+    partitions: i32,
+}
+
+#[derive(Debug, Serialize)]
+struct Topics {
+    topics: Vec<TopicOut>,
+}
+
+impl Render for Topics {
+    fn table(&self) -> String {
+        let mut table = Table::new(&["TOPIC", "PARTITIONS"]);
+        for topic in &self.topics {
+            table.row(vec![topic.name.clone(), topic.partitions.to_string()]);
+        }
+        table.render(0)
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct HealthCheck {
+    service: String,
+    endpoint: String,
+    /// SERVING, NOT_SERVING, ... or UNREACHABLE.
+    status: String,
+    error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct HealthReport {
+    services: Vec<HealthCheck>,
+}
+
+impl Render for HealthReport {
+    fn table(&self) -> String {
+        let mut table = Table::new(&["SERVICE", "ENDPOINT", "STATUS"]);
+        for check in &self.services {
+            let status = match &check.error {
+                Some(error) => format!("{} ({error})", check.status),
+                None => check.status.clone(),
+            };
+            table.row(vec![
+                if check.service.is_empty() {
+                    "-".to_string()
+                } else {
+                    check.service.clone()
+                },
+                check.endpoint.clone(),
+                status,
+            ]);
+        }
+        table.render(0)
+    }
+}
+
+async fn health(checks: Vec<(&'static str, String)>, service: &str) -> HealthReport {
+    use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .with_context(|| format!("bad endpoint {endpoint}"))?
-        .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .with_context(|| format!("cannot connect to {endpoint}"))?;
-    let response = HealthClient::new(channel)
-        .check(HealthCheckRequest {
-            service: service.to_string(),
-        })
-        .await
-        .with_context(|| format!("health check of {endpoint} failed"))?
-        .into_inner();
-    let status = tonic_health::pb::health_check_response::ServingStatus::try_from(response.status)
-        .map(|status| status.as_str_name().to_string())
-        .unwrap_or_else(|_| response.status.to_string());
-    println!("{endpoint}: {status}");
-    if status != "SERVING" {
-        anyhow::bail!("{endpoint} is {status}");
+    let mut services = Vec::with_capacity(checks.len());
+    for (name, endpoint) in checks {
+        let answer = match endpoints::channel(&endpoint) {
+            Ok(channel) => HealthClient::new(channel)
+                .check(HealthCheckRequest {
+                    service: service.to_string(),
+                })
+                .await
+                .map_err(|status| RpcError::new("health", &endpoint, status).to_string()),
+            Err(error) => Err(format!("{error:#}")),
+        };
+        let (status, error) = match answer {
+            Ok(response) => (
+                ServingStatus::try_from(response.into_inner().status)
+                    .map(|status| status.as_str_name().to_string())
+                    .unwrap_or_else(|_| "UNKNOWN".to_string()),
+                None,
+            ),
+            Err(error) => ("UNREACHABLE".to_string(), Some(error)),
+        };
+        services.push(HealthCheck {
+            service: name.to_string(),
+            endpoint,
+            status,
+            error,
+        });
     }
-    Ok(())
+    HealthReport { services }
 }
 
 async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -> anyhow::Result<()> {

@@ -5,5 +5,8 @@
 // Test-only crate: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod cli;
+mod json_requests;
 mod python_worker;
+mod readme_examples;
 mod support;

@@ -13,7 +13,7 @@ use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::support::{python_tools, repo_root};
+use crate::support::{python_tools, repo_root, LOW_CONNECTIONS};
 
 /// A running `worker.py` and the JSON events it printed so far.
 struct PythonWorker {
@@ -119,7 +119,11 @@ fn peak_running(events: &[serde_json::Value], job_ids: &[String]) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_worker_runs_jobs_under_their_limit_heartbeats_a_long_job_and_reports_failures() -> anyhow::Result<()>
 {
-    let stack = Stack::start(test_config("pyworker", &[("task_groups.default.lease", "2s")])?, 1).await?;
+    let stack = Stack::start(
+        test_config("pyworker", &[("task_groups.default.lease", "2s"), LOW_CONNECTIONS[0]])?,
+        1,
+    )
+    .await?;
     let admission = stack.admission_client().await?;
     let limited: Vec<String> = (0..10).map(|index| format!("limited-{index}")).collect();
     for job_id in &limited {
@@ -198,7 +202,11 @@ async fn the_python_worker_runs_jobs_under_their_limit_heartbeats_a_long_job_and
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_worker_answers_refreshes_stops_a_cancelled_job_and_hands_back_on_sigterm() -> anyhow::Result<()> {
-    let stack = Stack::start(test_config("pyworker2", &[("task_groups.default.lease", "2s")])?, 1).await?;
+    let stack = Stack::start(
+        test_config("pyworker2", &[("task_groups.default.lease", "2s"), LOW_CONNECTIONS[0]])?,
+        1,
+    )
+    .await?;
     let admission = stack.admission_client().await?;
     let mut worker = PythonWorker::start(&stack, &["--concurrency", "8", "--refresh", "--grace-s", "0.5"])?;
 

@@ -1,0 +1,132 @@
+//! Where the CLI reaches the four services: flags, environment variables,
+//! and the local dev ports by default.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use sluice_proto::v1::admission_client::AdmissionClient;
+use sluice_proto::v1::limits_client::LimitsClient;
+use sluice_proto::v1::rate_limits_client::RateLimitsClient;
+use sluice_proto::v1::refresh_client::RefreshClient;
+use tonic::transport::Channel;
+
+use crate::output::RpcError;
+
+/// gRPC endpoints of the services. Any instance of a service will do: calls
+/// that decide on a key are forwarded to its owner.
+#[derive(Clone, Debug, clap::Args)]
+pub struct Endpoints {
+    /// Admission (jobs).
+    #[arg(
+        long = "admission",
+        global = true,
+        env = "SLUICE_ADMISSION_ENDPOINT",
+        default_value = "http://127.0.0.1:50051",
+        value_name = "URL"
+    )]
+    pub admission: String,
+    /// limit-grant (concurrency and floating keys).
+    #[arg(
+        long = "limit-grant",
+        global = true,
+        env = "SLUICE_LIMIT_GRANT_ENDPOINT",
+        default_value = "http://127.0.0.1:50052",
+        value_name = "URL"
+    )]
+    pub limit_grant: String,
+    /// rate-window (rate limits).
+    #[arg(
+        long = "rate-window",
+        global = true,
+        env = "SLUICE_RATE_WINDOW_ENDPOINT",
+        default_value = "http://127.0.0.1:50053",
+        value_name = "URL"
+    )]
+    pub rate_window: String,
+    /// refresh-dispatcher (floating-limit refreshes).
+    #[arg(
+        long = "refresh-dispatcher",
+        global = true,
+        env = "SLUICE_REFRESH_DISPATCHER_ENDPOINT",
+        default_value = "http://127.0.0.1:50054",
+        value_name = "URL"
+    )]
+    pub refresh_dispatcher: String,
+}
+
+/// `127.0.0.1:50051` and `http://127.0.0.1:50051` both work.
+pub fn normalized(endpoint: &str) -> String {
+    if endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    }
+}
+
+/// A channel that connects on first use: an unreachable service shows up as
+/// the call's `UNAVAILABLE`, with the service and endpoint named.
+pub fn channel(endpoint: &str) -> anyhow::Result<Channel> {
+    let endpoint = normalized(endpoint);
+    Ok(tonic::transport::Endpoint::from_shared(endpoint.clone())
+        .with_context(|| format!("bad endpoint {endpoint:?}"))?
+        .connect_timeout(Duration::from_secs(3))
+        .timeout(Duration::from_secs(15))
+        .connect_lazy())
+}
+
+/// A client of one service, with what to say when a call fails.
+pub struct Service<C> {
+    pub client: C,
+    pub name: &'static str,
+    pub endpoint: String,
+}
+
+impl<C> Service<C> {
+    pub fn error(&self, status: tonic::Status) -> RpcError {
+        RpcError::new(self.name, &self.endpoint, status)
+    }
+}
+
+impl Endpoints {
+    pub fn admission(&self) -> anyhow::Result<Service<AdmissionClient<Channel>>> {
+        Ok(Service {
+            client: AdmissionClient::new(channel(&self.admission)?),
+            name: "admission",
+            endpoint: normalized(&self.admission),
+        })
+    }
+
+    pub fn limits(&self) -> anyhow::Result<Service<LimitsClient<Channel>>> {
+        Ok(Service {
+            client: LimitsClient::new(channel(&self.limit_grant)?),
+            name: "limit-grant",
+            endpoint: normalized(&self.limit_grant),
+        })
+    }
+
+    pub fn rates(&self) -> anyhow::Result<Service<RateLimitsClient<Channel>>> {
+        Ok(Service {
+            client: RateLimitsClient::new(channel(&self.rate_window)?),
+            name: "rate-window",
+            endpoint: normalized(&self.rate_window),
+        })
+    }
+
+    pub fn refresh(&self) -> anyhow::Result<Service<RefreshClient<Channel>>> {
+        Ok(Service {
+            client: RefreshClient::new(channel(&self.refresh_dispatcher)?),
+            name: "refresh-dispatcher",
+            endpoint: normalized(&self.refresh_dispatcher),
+        })
+    }
+
+    /// Every service with its endpoint, for `sluice health`.
+    pub fn all(&self) -> [(&'static str, String); 4] {
+        [
+            ("admission", normalized(&self.admission)),
+            ("limit-grant", normalized(&self.limit_grant)),
+            ("rate-window", normalized(&self.rate_window)),
+            ("refresh-dispatcher", normalized(&self.refresh_dispatcher)),
+        ]
+    }
+}

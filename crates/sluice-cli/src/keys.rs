@@ -1,0 +1,411 @@
+//! `sluice keys list|describe|set-limit|pause|resume`: concurrency and
+//! floating keys, at their owner in limit-grant.
+
+use serde::Serialize;
+use sluice_proto::v1 as pb;
+
+use crate::endpoints::Endpoints;
+use crate::jobs::kind_word;
+use crate::output::{fields, optional_time_ms, or_dash, time_ms, Printable, Render, Table};
+
+#[derive(Debug, clap::Args)]
+pub struct TenantArg {
+    /// The tenant (`*` for global task-group caps).
+    #[arg(long, short = 't', env = "SLUICE_TENANT")]
+    pub tenant: String,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum KeysCommand {
+    /// Keys of a tenant that have holders, waiters, an override or floating
+    /// state, ordered by key.
+    List {
+        #[command(flatten)]
+        tenant: TenantArg,
+        /// Only keys starting with this.
+        #[arg(long, default_value = "")]
+        prefix: String,
+        /// At most this many keys (1 to 1000).
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        limit: u32,
+        /// Continue after a previous listing (its next_page_token).
+        #[arg(long, default_value = "")]
+        page_token: String,
+    },
+    /// A key's max and where it comes from, its holders and first waiters.
+    Describe {
+        #[command(flatten)]
+        tenant: TenantArg,
+        key: String,
+        /// How many of the first waiters to show.
+        #[arg(long, default_value_t = 10)]
+        waiters: u32,
+    },
+    /// Set a runtime override of the key's max (beats the jobs' values, is
+    /// persisted); 0 pauses the key. Or --clear it to restore the jobs' values.
+    SetLimit {
+        #[command(flatten)]
+        tenant: TenantArg,
+        key: String,
+        #[arg(required_unless_present = "clear", conflicts_with = "clear")]
+        max: Option<u32>,
+        #[arg(long)]
+        clear: bool,
+    },
+    /// Pause a key (an override of 0): no new grants; running jobs go on.
+    Pause {
+        #[command(flatten)]
+        tenant: TenantArg,
+        key: String,
+    },
+    /// Resume a paused key by clearing its override (waiters are granted at
+    /// once). To resume at a given max instead, use set-limit.
+    Resume {
+        #[command(flatten)]
+        tenant: TenantArg,
+        key: String,
+    },
+}
+
+pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<Box<dyn Printable>> {
+    let mut limits = endpoints.limits()?;
+    let (key, change, verb) = match command {
+        KeysCommand::List {
+            tenant,
+            prefix,
+            limit,
+            page_token,
+        } => {
+            let response = limits
+                .client
+                .list_keys(pb::ListKeysRequest {
+                    tenant: tenant.tenant.clone(),
+                    prefix,
+                    page_size: limit,
+                    page_token,
+                })
+                .await
+                .map_err(|status| limits.error(status))?
+                .into_inner();
+            return Ok(Box::new(KeyListOut {
+                keys: response
+                    .keys
+                    .into_iter()
+                    .map(|summary| {
+                        let key = summary.key.unwrap_or_default();
+                        KeySummaryOut {
+                            tenant: key.tenant,
+                            key: key.key,
+                            kind: kind_word(summary.kind),
+                            holders: summary.holders,
+                            waiting: summary.waiting,
+                            override_max: summary.override_max,
+                            floating_max: summary.floating_max,
+                        }
+                    })
+                    .collect(),
+                next_page_token: (!response.next_page_token.is_empty()).then_some(response.next_page_token),
+            }));
+        }
+        KeysCommand::Describe { tenant, key, waiters } => {
+            let response = limits
+                .client
+                .describe_key(pb::DescribeKeyRequest {
+                    key: Some(pb::KeyRef {
+                        tenant: tenant.tenant,
+                        key,
+                    }),
+                    ticket: None,
+                    first_waiters: waiters.max(1),
+                })
+                .await
+                .map_err(|status| limits.error(status))?
+                .into_inner();
+            return Ok(Box::new(KeyOut::from(response.state.unwrap_or_default())));
+        }
+        KeysCommand::SetLimit {
+            tenant,
+            key,
+            max,
+            clear,
+        } => {
+            let (change, verb) = match (max, clear) {
+                (Some(max), false) => (pb::set_limit_request::Change::Max(max), "set"),
+                _ => (pb::set_limit_request::Change::Clear(true), "cleared"),
+            };
+            ((tenant.tenant, key), change, verb)
+        }
+        KeysCommand::Pause { tenant, key } => ((tenant.tenant, key), pb::set_limit_request::Change::Max(0), "paused"),
+        KeysCommand::Resume { tenant, key } => (
+            (tenant.tenant, key),
+            pb::set_limit_request::Change::Clear(true),
+            "resumed",
+        ),
+    };
+    let response = limits
+        .client
+        .set_limit(pb::SetLimitRequest {
+            key: Some(pb::KeyRef {
+                tenant: key.0,
+                key: key.1,
+            }),
+            change: Some(change),
+        })
+        .await
+        .map_err(|status| limits.error(status))?
+        .into_inner();
+    let state = KeyOut::from(response.state.unwrap_or_default());
+    Ok(Box::new(SetLimitOut {
+        change: verb.to_string(),
+        state,
+    }))
+}
+
+#[derive(Debug, Serialize)]
+pub struct KeySummaryOut {
+    pub tenant: String,
+    pub key: String,
+    pub kind: String,
+    pub holders: u32,
+    pub waiting: u32,
+    pub override_max: Option<u32>,
+    pub floating_max: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KeyListOut {
+    pub keys: Vec<KeySummaryOut>,
+    pub next_page_token: Option<String>,
+}
+
+impl Render for KeyListOut {
+    fn table(&self) -> String {
+        let mut table = Table::new(&[
+            "TENANT",
+            "KEY",
+            "KIND",
+            "HOLDERS",
+            "WAITING",
+            "OVERRIDE",
+            "FLOATING MAX",
+        ]);
+        for key in &self.keys {
+            table.row(vec![
+                key.tenant.clone(),
+                key.key.clone(),
+                key.kind.clone(),
+                key.holders.to_string(),
+                key.waiting.to_string(),
+                match key.override_max {
+                    Some(0) => "0 (paused)".to_string(),
+                    other => or_dash(other),
+                },
+                or_dash(key.floating_max),
+            ]);
+        }
+        let mut out = if table.is_empty() {
+            "no keys with holders, waiters, an override or floating state\n".to_string()
+        } else {
+            table.render(0)
+        };
+        if let Some(token) = &self.next_page_token {
+            out.push_str(&format!("more: --page-token {token}\n"));
+        }
+        out
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct HolderOut {
+    pub job_id: String,
+    pub attempt: u32,
+    pub step: u32,
+    pub granted_at_ms: i64,
+    pub expires_unless_confirmed_at_ms: i64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct WaiterOut {
+    pub job_id: String,
+    pub attempt: u32,
+    pub step: u32,
+    pub priority: u32,
+    pub waiting_since_ms: i64,
+    pub job_max: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FloatingOut {
+    pub default_max: u32,
+    pub refresh_interval_ms: u64,
+    pub metadata: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct KeyOut {
+    pub tenant: String,
+    pub key: String,
+    pub kind: String,
+    /// The max the head waiter would be checked against now.
+    pub effective_max: Option<i64>,
+    pub override_max: Option<u32>,
+    pub paused: bool,
+    pub floating_max: Option<u32>,
+    pub floating: Option<FloatingOut>,
+    pub holders: usize,
+    pub waiting: u32,
+    pub oldest_waiting_since_ms: Option<i64>,
+    pub holder_tickets: Vec<HolderOut>,
+    pub first_waiters: Vec<WaiterOut>,
+    pub partition: u32,
+    pub epoch: u64,
+}
+
+impl From<pb::KeyState> for KeyOut {
+    fn from(state: pb::KeyState) -> Self {
+        let key = state.key.unwrap_or_default();
+        KeyOut {
+            tenant: key.tenant,
+            key: key.key,
+            kind: kind_word(state.kind),
+            effective_max: state.effective_max,
+            override_max: state.override_max,
+            paused: state.paused,
+            floating_max: state.floating_max,
+            floating: state.floating.map(|floating| FloatingOut {
+                default_max: floating.default_max,
+                refresh_interval_ms: floating.refresh_interval_ms,
+                metadata: floating.metadata.into_iter().collect(),
+            }),
+            holders: state.holders.len(),
+            waiting: state.waiting,
+            oldest_waiting_since_ms: state.oldest_waiting_since_ms,
+            holder_tickets: state
+                .holders
+                .into_iter()
+                .map(|holder| {
+                    let ticket = holder.ticket.unwrap_or_default();
+                    HolderOut {
+                        job_id: ticket.job_id,
+                        attempt: ticket.attempt,
+                        step: ticket.step,
+                        granted_at_ms: holder.granted_at_ms,
+                        expires_unless_confirmed_at_ms: holder.expires_unless_confirmed_at_ms,
+                    }
+                })
+                .collect(),
+            first_waiters: state
+                .first_waiters
+                .into_iter()
+                .map(|waiter| {
+                    let ticket = waiter.ticket.unwrap_or_default();
+                    WaiterOut {
+                        job_id: ticket.job_id,
+                        attempt: ticket.attempt,
+                        step: ticket.step,
+                        priority: waiter.priority,
+                        waiting_since_ms: waiter.waiting_since_ms,
+                        job_max: waiter.job_max,
+                    }
+                })
+                .collect(),
+            partition: state.partition,
+            epoch: state.epoch,
+        }
+    }
+}
+
+impl KeyOut {
+    /// Where the max in force comes from.
+    fn max_source(&self) -> String {
+        if self.paused {
+            "paused (override 0)".to_string()
+        } else if let Some(max) = self.override_max {
+            format!("{max} (override)")
+        } else if let Some(max) = self.floating_max {
+            format!("{max} (floating)")
+        } else if let Some(max) = self.effective_max {
+            format!("{max} (the jobs' own max)")
+        } else {
+            "- (no holders or waiters)".to_string()
+        }
+    }
+}
+
+impl Render for KeyOut {
+    fn table(&self) -> String {
+        let mut pairs = vec![
+            ("key", format!("{} (tenant {})", self.key, self.tenant)),
+            ("kind", self.kind.clone()),
+            ("max", self.max_source()),
+            (
+                "holders",
+                match self.effective_max {
+                    Some(max) => format!("{} of {max}", self.holders),
+                    None => self.holders.to_string(),
+                },
+            ),
+            ("waiting", self.waiting.to_string()),
+            ("oldest wait", optional_time_ms(self.oldest_waiting_since_ms)),
+        ];
+        if let Some(floating) = &self.floating {
+            pairs.push((
+                "floating",
+                format!(
+                    "default_max {}, refresh every {} ms, metadata {:?}",
+                    floating.default_max, floating.refresh_interval_ms, floating.metadata
+                ),
+            ));
+        }
+        pairs.push(("owner", format!("partition {}, epoch {}", self.partition, self.epoch)));
+        let mut out = fields(&pairs);
+        if !self.holder_tickets.is_empty() {
+            let mut holders = Table::new(&["JOB", "ATTEMPT", "STEP", "GRANTED"]);
+            for holder in &self.holder_tickets {
+                holders.row(vec![
+                    holder.job_id.clone(),
+                    holder.attempt.to_string(),
+                    (holder.step + 1).to_string(),
+                    time_ms(holder.granted_at_ms),
+                ]);
+            }
+            out.push_str("\nholders\n");
+            out.push_str(&holders.render(2));
+        }
+        if !self.first_waiters.is_empty() {
+            let mut waiters = Table::new(&["#", "JOB", "ATTEMPT", "PRIORITY", "JOB MAX", "WAITING SINCE"]);
+            for (position, waiter) in self.first_waiters.iter().enumerate() {
+                waiters.row(vec![
+                    position.to_string(),
+                    waiter.job_id.clone(),
+                    waiter.attempt.to_string(),
+                    waiter.priority.to_string(),
+                    waiter.job_max.to_string(),
+                    time_ms(waiter.waiting_since_ms),
+                ]);
+            }
+            out.push_str("\nfirst waiters\n");
+            out.push_str(&waiters.render(2));
+        }
+        out
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct SetLimitOut {
+    /// "set", "cleared", "paused" or "resumed".
+    pub change: String,
+    pub state: KeyOut,
+}
+
+impl Render for SetLimitOut {
+    fn table(&self) -> String {
+        format!(
+            "{} {} (tenant {}): max {}\n",
+            self.change,
+            self.state.key,
+            self.state.tenant,
+            self.state.max_source()
+        )
+    }
+}
