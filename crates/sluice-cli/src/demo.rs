@@ -21,7 +21,7 @@ use rand::Rng;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
-use rdkafka::Message;
+use rdkafka::{Message, TopicPartitionList};
 use serde::Serialize;
 use sluice_common::kafka::client_config;
 use sluice_common::SluiceConfig;
@@ -51,7 +51,7 @@ pub struct DemoArgs {
     /// Producer tasks.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
     producers: u32,
-    /// Worker tasks, each with its own consumer in one consumer group.
+    /// Worker tasks, each reading its share of the admitted topic's partitions.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=16))]
     workers: u32,
     /// Jobs each worker runs at once.
@@ -391,8 +391,11 @@ fn start_producers(
 // ---------------------------------------------------------------------------
 // Workers
 
-/// Start the workers and wait until their group has every partition of the
-/// admitted topic assigned, so no job is produced before someone reads it.
+/// Start the workers. Each reads its share of the admitted topic's
+/// partitions from the current end, assigned explicitly: no group
+/// rebalance to wait for, and no job produced from now on can fall before a
+/// worker's start (starting at a watermark read now, not at "latest"
+/// resolved whenever the first fetch happens).
 async fn start_workers(
     config: &SluiceConfig,
     args: &DemoArgs,
@@ -402,57 +405,39 @@ async fn start_workers(
     tasks: &mut JoinSet<anyhow::Result<()>>,
 ) -> anyhow::Result<()> {
     let topic = config.admitted_topic(&args.task_group);
-    let group = config.group(&format!("sluice-demo-{}", shared.run_id));
-    let mut consumers = Vec::new();
-    for _ in 0..args.workers {
-        let mut settings = client_config(&config.kafka);
-        settings
-            .set("group.id", &group)
-            .set("auto.offset.reset", "latest")
-            .set("enable.auto.commit", "true")
-            .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
-        let consumer: StreamConsumer = settings.create().context("creating a Kafka consumer")?;
-        consumer
-            .subscribe(&[&topic])
-            .with_context(|| format!("subscribing to {topic}"))?;
-        consumers.push(Arc::new(consumer));
-    }
-    let partitions = consumers[0]
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set("group.id", config.group(&format!("sluice-demo-{}", shared.run_id)))
+        .set("enable.auto.commit", "false")
+        .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
+    let probe: StreamConsumer = settings.create().context("creating a Kafka consumer")?;
+    let partitions: Vec<i32> = probe
         .fetch_metadata(Some(&topic), Duration::from_secs(10))
         .with_context(|| format!("reading the metadata of {topic}"))?
         .topics()
         .first()
-        .map_or(0, |metadata| metadata.partitions().len());
+        .map(|metadata| metadata.partitions().iter().map(|partition| partition.id()).collect())
+        .unwrap_or_default();
     anyhow::ensure!(
-        partitions > 0,
+        !partitions.is_empty(),
         "topic {topic} does not exist: is task group {:?} declared?",
         args.task_group
     );
-    let ready_by = Instant::now() + Duration::from_secs(30);
-    loop {
-        // Polling drives the group protocol; nothing is produced yet.
-        for consumer in &consumers {
-            let _ = tokio::time::timeout(Duration::from_millis(50), consumer.recv()).await;
-        }
-        let mut assigned = 0;
-        let mut idle = 0;
-        for consumer in &consumers {
-            let count = consumer.assignment()?.count();
-            assigned += count;
-            if count == 0 {
-                idle += 1;
-            }
-        }
-        let everyone_busy = idle == 0 || consumers.len() > partitions;
-        if assigned >= partitions && everyone_busy {
-            break;
-        }
-        anyhow::ensure!(
-            Instant::now() < ready_by,
-            "the demo workers' group did not get every partition of {topic} within 30s"
-        );
+    let mut starts = Vec::with_capacity(partitions.len());
+    for partition in &partitions {
+        let (_, high) = probe
+            .fetch_watermarks(&topic, *partition, Duration::from_secs(10))
+            .with_context(|| format!("reading the end of {topic}/{partition}"))?;
+        starts.push((*partition, high));
     }
-    for (number, consumer) in consumers.into_iter().enumerate() {
+    let workers = usize::try_from(args.workers).unwrap_or(1).min(partitions.len());
+    for number in 0..workers {
+        let mut assignment = TopicPartitionList::new();
+        for (partition, start) in starts.iter().skip(number).step_by(workers) {
+            assignment.add_partition_offset(&topic, *partition, rdkafka::Offset::Offset(*start))?;
+        }
+        let consumer: StreamConsumer = settings.create().context("creating a Kafka consumer")?;
+        consumer.assign(&assignment)?;
         let worker = Worker {
             worker_id: format!("sluice-demo-{}-{number}", shared.run_id),
             admission: admission.clone(),
@@ -460,7 +445,7 @@ async fn start_workers(
             slots: Arc::new(tokio::sync::Semaphore::new(args.worker_concurrency)),
         };
         let stop = stop.clone();
-        tasks.spawn(async move { worker.run(consumer, stop).await });
+        tasks.spawn(async move { worker.run(Arc::new(consumer), stop).await });
     }
     Ok(())
 }

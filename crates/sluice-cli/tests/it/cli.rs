@@ -616,3 +616,75 @@ async fn dev_runs_all_four_services_until_sigterm() -> anyhow::Result<()> {
     cleanup(&config, &pool).await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_runs_producers_and_workers_and_reports_each_key_within_its_limit() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("clidemo", LOW_CONNECTIONS)?, 1).await?;
+    let common = [
+        "demo",
+        "--keys",
+        "2",
+        "--limit",
+        "2",
+        "--jobs",
+        "16",
+        "--rate",
+        "100",
+        "--min-work",
+        "200ms",
+        "--max-work",
+        "300ms",
+        "--timeout",
+        "60s",
+    ];
+
+    let mut plain_args = common.to_vec();
+    plain_args.push("--plain");
+    let plain = sluice_ok(&stack, &plain_args).await?;
+    let first_line = plain.stdout.lines().next().unwrap_or_default();
+    assert!(
+        first_line.starts_with("demo ")
+            && first_line.ends_with(": 16 jobs on 2 keys (max 2 each), 100/s from 2 producers, 2 workers x 8"),
+        "{plain}"
+    );
+    for key in ["demo-1", "demo-2"] {
+        assert!(
+            plain
+                .stdout
+                .lines()
+                .any(|line| line.contains(&format!("s  {key}   holders ")) && line.contains("/2  waiting ")),
+            "a status line for {key}: {plain}"
+        );
+    }
+    assert!(plain.stdout.contains(": 16 of 16 jobs done in "), "{plain}");
+    assert!(
+        plain
+            .stdout
+            .contains("KEY     MAX  PRODUCED  DONE  PEAK RUNNING  PEAK HOLDERS"),
+        "{plain}"
+    );
+    assert!(
+        plain.stdout.contains("no key ever had more holders than its max"),
+        "{plain}"
+    );
+
+    // JSON requests this time, and the summary as JSON.
+    let mut json_args = common.to_vec();
+    json_args.extend(["--json", "-o", "json"]);
+    let summary = sluice_ok(&stack, &json_args).await?.json()?;
+    assert_eq!(summary["produced"], 16, "{summary}");
+    assert_eq!(summary["done"], 16, "{summary}");
+    assert_eq!(summary["overruns"], serde_json::json!([]), "{summary}");
+    let keys = summary["keys"].as_array().unwrap();
+    assert_eq!(keys.len(), 2, "{summary}");
+    for key in keys {
+        assert_eq!(key["max"], 2, "{summary}");
+        assert_eq!(key["produced"], 8, "{summary}");
+        assert_eq!(key["done"], 8, "{summary}");
+        // 8 jobs of 200-300 ms produced within 0.1 s: the key is full.
+        assert_eq!(key["peak_running"], 2, "{summary}");
+        assert!(key["peak_holders"].as_u64().unwrap_or(99) <= 2, "{summary}");
+    }
+    stack.stop().await;
+    Ok(())
+}
