@@ -11,6 +11,7 @@ mod local_limits;
 mod producer;
 mod refresh;
 mod shutdown;
+mod trace;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
