@@ -68,6 +68,28 @@ ensure_postgres() {
     echo "cannot connect as postgres@127.0.0.1 without a password; allow trust for 127.0.0.1 in pg_hba.conf" >&2
     exit 1
   fi
+  ensure_postgres_connections
+}
+
+# The end-to-end tests run several whole stacks at once (each service keeps
+# its own pool), which needs more than PostgreSQL's default 100 connections.
+ensure_postgres_connections() {
+  local wanted=300 current version
+  current=$(psql -h 127.0.0.1 -U postgres -d postgres -Atqc 'show max_connections')
+  if [ "$current" -ge "$wanted" ]; then
+    return
+  fi
+  if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
+    say "PostgreSQL allows $current connections; the tests want $wanted (raise max_connections yourself)"
+    return
+  fi
+  version=$(ls /etc/postgresql | sort -n | tail -1)
+  say "raising PostgreSQL max_connections from $current to $wanted (tests run several stacks at once) and restarting it"
+  psql -h 127.0.0.1 -U postgres -d postgres -Atqc "ALTER SYSTEM SET max_connections = $wanted" >/dev/null
+  sudo_if_needed pg_ctlcluster --skip-systemctl-redirect "$version" main restart 2>/dev/null \
+    || sudo_if_needed pg_ctlcluster "$version" main restart
+  for _ in $(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+  pg_isready -q -h 127.0.0.1 -p 5432 || { echo "PostgreSQL did not come back after the restart" >&2; exit 1; }
 }
 
 ensure_broker() {

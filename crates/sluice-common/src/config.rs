@@ -503,7 +503,11 @@ mod tests {
         .map(|(name, value)| (name.to_string(), value.to_string()))
         .collect();
         let loaded = SluiceConfig::load_from(None, Some(environment), &[]).unwrap();
-        assert_eq!(loaded.kafka.sasl_password.expose(), "0123", "a secret is never re-printed as a number");
+        assert_eq!(
+            loaded.kafka.sasl_password.expose(),
+            "0123",
+            "a secret is never re-printed as a number"
+        );
         assert_eq!(loaded.kafka.sasl_username, "1e3");
         assert_eq!(loaded.kafka.linger_ms, 7);
         assert!(!loaded.kafka.create_topics);

@@ -620,6 +620,8 @@ pub async fn run_partitioned_consumer(
     struct Running {
         sender: mpsc::Sender<InMsg>,
         stop: CancellationToken,
+        /// Whether the task's first message was logged (where it resumed).
+        resumed: bool,
     }
     let mut running: HashMap<i32, Running> = HashMap::new();
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<(i32, Result<(), PartitionTaskError>)>();
@@ -644,7 +646,15 @@ pub async fn run_partitioned_consumer(
             let outcome = task.await;
             let _ = finished_sender.send((partition, outcome));
         });
-        running.insert(partition, Running { sender, stop });
+        tracing::debug!(topic = %topic, partition, "partition task started");
+        running.insert(
+            partition,
+            Running {
+                sender,
+                stop,
+                resumed: false,
+            },
+        );
     };
 
     let topic_attribute = [opentelemetry::KeyValue::new("topic", topic.to_string())];
@@ -715,7 +725,11 @@ pub async fn run_partitioned_consumer(
                         }
                         let detached = InMsg::from_borrowed(&message);
                         drop(message);
-                        if let Some(entry) = running.get(&partition) {
+                        if let Some(entry) = running.get_mut(&partition) {
+                            if !entry.resumed {
+                                entry.resumed = true;
+                                tracing::info!(topic = %topic, partition, offset = detached.offset, "partition resumed");
+                            }
                             if entry.sender.send(detached).await.is_err() {
                                 tracing::debug!(topic = %topic, partition, "partition task gone; message left for the next owner");
                             }

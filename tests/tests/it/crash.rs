@@ -41,7 +41,7 @@ async fn run_scenario(name: &str, broken: Break) -> anyhow::Result<()> {
     let recorder = Arc::new(Recorder::default());
     let worker_stack = WorkerTarget {
         stack: &stack,
-        endpoint: worker_endpoint,
+        endpoint: worker_endpoint.clone(),
     };
     worker_stack.start(&recorder, &stop);
     RequestProducer::new(&stack.config)?
@@ -70,10 +70,32 @@ async fn run_scenario(name: &str, broken: Break) -> anyhow::Result<()> {
         }
     }
 
-    eventually(Duration::from_secs(180), "300 completions", || async {
+    let completed = eventually(Duration::from_secs(180), "300 completions", || async {
         Ok(recorder.completed() == 300)
     })
-    .await?;
+    .await;
+    if let Err(error) = completed {
+        // Say where the missing jobs are before failing.
+        let statuses = stack.job_statuses().await?;
+        let query = format!(
+            "SELECT job_id, status, attempt, step FROM \"{}\".jobs WHERE status <> {} LIMIT 5",
+            stack.config.schema("admission"),
+            pb::JobStatus::Succeeded as i16
+        );
+        let stuck: Vec<(String, i16, i32, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(query))
+            .fetch_all(&stack.pool)
+            .await?;
+        let admission = sluice_proto::v1::admission_client::AdmissionClient::new(connect(&worker_endpoint).await?);
+        let mut views = Vec::new();
+        for (job_id, ..) in &stuck {
+            views.push(job_view(&admission, job_id).await?);
+        }
+        anyhow::bail!(
+            "{error}; {} completed; statuses {statuses:?}; stuck {stuck:?}; claims {:?}; views {views:#?}",
+            recorder.completed(),
+            recorder.claim_outcomes.lock().unwrap()
+        );
+    }
     check_runs(&recorder, 300, 2);
     eventually(Duration::from_secs(60), "no ticket left", || async {
         Ok(stack.tickets_left().await? == 0)

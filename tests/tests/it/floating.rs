@@ -86,18 +86,18 @@ async fn refreshes_move_the_max_raise_admits_at_once_and_a_failure_keeps_the_max
 
     // 40 jobs; the first creates the key's state with default_max 1. Later
     // jobs carry another default, which is ignored.
-    let requests: Vec<pb::JobRequest> = (0..40)
-        .map(|index| {
-            floating_job(
-                "acme",
-                "gpu",
-                if index == 0 { 1 } else { 9 },
-                300,
-                &format!("f/{index}"),
-            )
-        })
+    let producer = RequestProducer::new(&stack.config)?;
+    producer.send(&[floating_job("acme", "gpu", 1, 300, "f/0")]).await?;
+    eventually(
+        Duration::from_secs(30),
+        "the first job creates the key's state",
+        || async { Ok(key_state(&stack, "acme", "gpu").await?.floating.is_some()) },
+    )
+    .await?;
+    let requests: Vec<pb::JobRequest> = (1..40)
+        .map(|index| floating_job("acme", "gpu", 9, 300, &format!("f/{index}")))
         .collect();
-    RequestProducer::new(&stack.config)?.send(&requests).await?;
+    producer.send(&requests).await?;
 
     // While the failed refresh waits for its retry, the dispatcher shows it.
     eventually(Duration::from_secs(60), "the failed refresh", || async {
