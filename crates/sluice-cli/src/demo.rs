@@ -171,7 +171,8 @@ pub async fn run(
     let mut views = vec![KeyView::default(); shared.keys.len()];
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     let deadline = started + args.timeout;
-    let outcome: anyhow::Result<()> = loop {
+    let mut unanswered_since: Option<Instant> = None;
+    let outcome: anyhow::Result<()> = 'watch: loop {
         tokio::select! {
             _ = ticker.tick() => {}
             _ = tokio::signal::ctrl_c() => break Ok(()),
@@ -183,9 +184,21 @@ pub async fn run(
             }
         }
         for (index, key) in shared.keys.iter().enumerate() {
-            let state = describe(&mut limits.client, &args.tenant, key)
-                .await
-                .map_err(|status| limits.error(status))?;
+            // A key's owner can be briefly away (a rebalance moving its
+            // partition): keep the last view, give up only if it stays away.
+            let state = match describe(&mut limits.client, &args.tenant, key).await {
+                Ok(state) => {
+                    unanswered_since = None;
+                    state
+                }
+                Err(status) => {
+                    let since = *unanswered_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > Duration::from_secs(30) {
+                        break 'watch Err(limits.error(status).into());
+                    }
+                    continue;
+                }
+            };
             let holders = state.holders.len();
             let max = state.effective_max.unwrap_or(i64::from(args.limit));
             peak_holders[index] = peak_holders[index].max(holders);
@@ -551,16 +564,27 @@ impl Worker {
             }
         }
         stats.running.fetch_sub(1, Ordering::SeqCst);
-        admission
-            .complete(pb::CompleteRequest {
-                worker_id: self.worker_id.clone(),
-                completions: vec![pb::Completion {
-                    job_id: admitted.job_id,
-                    attempt: admitted.attempt,
-                    outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
-                }],
-            })
-            .await?;
+        let completion = pb::CompleteRequest {
+            worker_id: self.worker_id.clone(),
+            completions: vec![pb::Completion {
+                job_id: admitted.job_id,
+                attempt: admitted.attempt,
+                outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+            }],
+        };
+        // Completing twice is harmless (ACCEPTED again), so retry while
+        // admission is briefly unavailable.
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match admission.complete(completion.clone()).await {
+                Ok(_) => break,
+                Err(status) if status.code() == tonic::Code::Unavailable && delay < Duration::from_secs(5) => {
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                Err(status) => return Err(status),
+            }
+        }
         stats.done.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -15,6 +15,7 @@ use crate::output::RpcError;
 /// gRPC endpoints of the services. Any instance of a service will do: calls
 /// that decide on a key are forwarded to its owner.
 #[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Endpoints")]
 pub struct Endpoints {
     /// Admission (jobs).
     #[arg(

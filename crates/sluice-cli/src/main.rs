@@ -32,8 +32,6 @@ struct Cli {
     /// migrate, topics, try and demo (brokers, topic prefix, database).
     #[arg(long, global = true, env = "SLUICE_CONFIG")]
     config: Option<PathBuf>,
-    #[command(flatten)]
-    endpoints: Endpoints,
     /// Output format: human-readable tables, or JSON for scripts.
     #[arg(
         long,
@@ -44,6 +42,8 @@ struct Cli {
         env = "SLUICE_OUTPUT"
     )]
     output: OutputFormat,
+    #[command(flatten)]
+    endpoints: Endpoints,
     #[command(subcommand)]
     command: Command,
 }

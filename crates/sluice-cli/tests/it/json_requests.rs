@@ -217,6 +217,11 @@ async fn json_requests_are_admitted_and_run_and_bad_ones_are_dead_lettered_with_
     )
     .await?;
     assert_eq!(after_bad.run_at_ms, Some(978_307_200_000));
+    // The worker records a run once its Complete has been answered.
+    eventually(Duration::from_secs(10), "both runs recorded", || async {
+        Ok(recorder.completed() == 2)
+    })
+    .await?;
     let payloads: std::collections::HashMap<String, String> = recorder
         .runs()
         .into_iter()

@@ -68,12 +68,17 @@ async fn wait_succeeded(stack: &Stack, job_id: &str) -> anyhow::Result<pb::JobVi
     }
 }
 
-fn payload_of(recorder: &Recorder, job_id: &str) -> Option<String> {
-    recorder
-        .runs()
-        .into_iter()
-        .find(|run| run.job_id == job_id)
-        .map(|run| run.payload)
+/// The payload the worker ran the job with (it records a run once its
+/// Complete has been answered, so shortly after the job shows SUCCEEDED).
+async fn payload_of(recorder: &Recorder, job_id: &str) -> anyhow::Result<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(run) = recorder.runs().into_iter().find(|run| run.job_id == job_id) {
+            return Ok(run.payload);
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "no recorded run of {job_id}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,7 +108,7 @@ async fn the_readme_kcat_example_produces_a_job_that_runs_and_a_typo_that_is_dea
     let view = wait_succeeded(&stack, "report-42").await?;
     let keys: Vec<&str> = view.acquisition_order.iter().map(|step| step.key.as_str()).collect();
     assert_eq!(keys, vec!["warehouse", "inline:exports:"]);
-    assert_eq!(payload_of(&recorder, "report-42").as_deref(), Some(r#"{"report": 42}"#));
+    assert_eq!(payload_of(&recorder, "report-42").await?, r#"{"report": 42}"#);
     let missing = admission
         .clone()
         .get_job(pb::GetJobRequest {
@@ -172,7 +177,7 @@ async fn the_readme_python_example_produces_a_job_that_runs() -> anyhow::Result<
         "the stripe key has no stored resource here, so it does not throttle: {}",
         view.reason
     );
-    assert_eq!(payload_of(&recorder, "invoice-7").as_deref(), Some(r#"{"invoice": 7}"#));
+    assert_eq!(payload_of(&recorder, "invoice-7").await?, r#"{"invoice": 7}"#);
     stop.trigger();
     stack.stop().await;
     Ok(())
