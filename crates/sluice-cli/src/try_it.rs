@@ -41,17 +41,28 @@ pub async fn run(config: &SluiceConfig, options: TryOptions) -> anyhow::Result<(
     let mut settings = client_config(&config.kafka);
     settings
         .set("group.id", format!("sluice-try-{}", uuid::Uuid::new_v4()))
-        .set("auto.offset.reset", "latest")
+        .set("enable.auto.commit", "false")
         .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
     let consumer: StreamConsumer = settings.create()?;
     let topic = config.admitted_topic("default");
-    consumer.subscribe(&[&topic])?;
-    // Wait for the assignment so no admitted job is missed.
-    let ready_by = Instant::now() + Duration::from_secs(20);
-    while consumer.assignment()?.count() == 0 {
-        anyhow::ensure!(Instant::now() < ready_by, "no partition of {topic} assigned within 20s");
-        let _ = tokio::time::timeout(Duration::from_millis(200), consumer.recv()).await;
+    // Read every partition from its end as of now, taken before enqueueing:
+    // an offset reset to "latest" is resolved only at the first fetch, and a
+    // job admitted before that would wait for the claim timeout's re-send.
+    let metadata = consumer
+        .fetch_metadata(Some(&topic), Duration::from_secs(10))
+        .with_context(|| format!("reading the metadata of {topic}"))?;
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    for partition in metadata
+        .topics()
+        .first()
+        .map(|topic| topic.partitions())
+        .unwrap_or_default()
+    {
+        let (_, high) = consumer.fetch_watermarks(&topic, partition.id(), Duration::from_secs(10))?;
+        assignment.add_partition_offset(&topic, partition.id(), rdkafka::Offset::Offset(high))?;
     }
+    anyhow::ensure!(assignment.count() > 0, "topic {topic} has no partitions");
+    consumer.assign(&assignment)?;
 
     let requests: Vec<pb::JobRequest> = (0..options.jobs)
         .map(|index| pb::JobRequest {

@@ -509,13 +509,23 @@ async fn health_topics_migrate_try_and_errors() -> anyhow::Result<()> {
     let tried = sluice_ok(
         &stack,
         &[
-            "try", "--jobs", "6", "--limit", "2", "--hold", "150ms", "--key", "try-key", "--tenant", "cli",
+            "try", "--jobs", "6", "--limit", "2", "--hold", "400ms", "--key", "try-key", "--tenant", "cli",
         ],
     )
     .await?;
     assert!(tried.stdout.contains("enqueued 6 jobs on key \"try-key\""), "{tried}");
     assert!(tried.stdout.contains("all 6 jobs done"), "{tried}");
-    assert!(tried.stdout.contains("at most 2 ran at once (limit 2)"), "{tried}");
+    // Two at once is the rule; on a loaded machine the second grant can
+    // arrive after the first job is done, so 1 is possible, never above 2.
+    let at_most: usize = tried
+        .stdout
+        .split("; at most ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|number| number.parse().ok())
+        .unwrap_or(usize::MAX);
+    assert!((1..=2).contains(&at_most), "{tried}");
+    assert!(tried.stdout.contains("ran at once (limit 2)"), "{tried}");
 
     // Errors: the service, the endpoint, the gRPC code and message.
     let invalid = sluice_fails(&stack, &["keys", "describe", "--tenant", "", "k"]).await?;
