@@ -124,6 +124,8 @@ impl WorkerBuilder {
     /// How a job's task type is named (default: its task group). E.g. a
     /// handler registry that dispatches on a name in the payload returns that
     /// name, so `process_limit("thumbnail", 2)` limits one kind of job.
+    /// Called once per received job on the worker's dispatch task: keep it
+    /// cheap (no I/O).
     pub fn task_type(mut self, task_type: impl Fn(&pb::AdmittedJob) -> String + Send + Sync + 'static) -> Self {
         self.task_type = Arc::new(task_type);
         self
@@ -339,9 +341,11 @@ impl Worker {
             source,
         })?;
         let consumer = Arc::new(consumer);
+        // Forwards need no idempotence (a duplicate is dropped by its claim),
+        // which spares the first forward a producer-id round trip.
         let mut forward_config = self.options.kafka_config();
         forward_config
-            .set("enable.idempotence", "true")
+            .set("enable.idempotence", "false")
             .set("acks", "all")
             .set("linger.ms", "0");
         let forwarder: FutureProducer = forward_config.create().map_err(|source| Error::Kafka {
@@ -453,11 +457,15 @@ impl Worker {
         // up): stop the helpers and commit what is done.
         background.cancel();
         drop(dispatcher);
-        drop(shared);
         let _ = completer.await;
         let _ = heartbeats.await;
         let _ = metadata_task.await;
         let _ = mirror.await;
+        // The forwarding producer joins its polling thread when dropped: drop
+        // it off the runtime.
+        if let Ok(last) = Arc::try_unwrap(shared) {
+            let _ = tokio::task::spawn_blocking(move || drop(last)).await;
+        }
         if let Some(task) = refresh_task {
             if let Err(join_error) = task.await {
                 tracing::warn!(%join_error, "refresh consumer task failed");

@@ -10,7 +10,7 @@ use sluice_proto::v1 as pb;
 use crate::*;
 
 const JOBS: usize = 8;
-const RUN_MS: u64 = 800;
+const RUN_MS: u64 = 1_000;
 const HANDOFF_MS: u64 = 300;
 
 fn worker(stack: &Stack, name: &'static str, slow_limit: usize, runs: &Runs) -> anyhow::Result<Worker> {
@@ -27,7 +27,7 @@ fn worker(stack: &Stack, name: &'static str, slow_limit: usize, runs: &Runs) -> 
     Ok(Worker::builder(client_options(stack), handler)
         .task_group("default")
         .worker_id(name)
-        .concurrency(4)
+        .concurrency(8)
         // The task type is the payload's name before the first '/'.
         .task_type(|job: &pb::AdmittedJob| {
             String::from_utf8_lossy(&job.payload)
@@ -41,11 +41,11 @@ fn worker(stack: &Stack, name: &'static str, slow_limit: usize, runs: &Runs) -> 
         .build()?)
 }
 
-/// Milliseconds, within [first enqueue, last end], during which `idle_worker`
-/// ran fewer than `idle_limit` jobs while some job had been waiting (since
-/// enqueue) for longer than `threshold_ms` without starting.
-fn stranded_ms(runs: &[Run], idle_worker: &str, idle_limit: usize, threshold_ms: i64) -> i64 {
-    let Some(from) = runs.iter().map(|run| run.enqueued_at_ms).min() else {
+/// Milliseconds, within [first admission, last end], during which the `idle`
+/// worker ran fewer than `idle_limit` jobs while some job had been waiting
+/// (since admission) for longer than `threshold_ms` without starting.
+fn stranded_ms(runs: &[Run], idle_limit: usize, threshold_ms: i64) -> i64 {
+    let Some(from) = runs.iter().map(|run| run.admitted_at_ms).min() else {
         return 0;
     };
     let until = runs.iter().map(|run| run.ended_ms).max().unwrap_or(from);
@@ -54,11 +54,11 @@ fn stranded_ms(runs: &[Run], idle_worker: &str, idle_limit: usize, threshold_ms:
     while at < until {
         let idle_running = runs
             .iter()
-            .filter(|run| run.worker == idle_worker && run.started_ms <= at && at < run.ended_ms)
+            .filter(|run| run.worker == "idle" && run.started_ms <= at && at < run.ended_ms)
             .count();
         let someone_waits_too_long = runs
             .iter()
-            .any(|run| run.enqueued_at_ms + threshold_ms < at && at < run.started_ms);
+            .any(|run| run.admitted_at_ms + threshold_ms < at && at < run.started_ms);
         if idle_running < idle_limit && someone_waits_too_long {
             stranded += 10;
         }
@@ -72,9 +72,9 @@ async fn per_process_limits_hold_and_a_saturated_worker_hands_its_jobs_to_an_idl
     let stack = Stack::start(test_config("sdk_limits", &[])?, 1).await?;
     let partitions = stack.config.kafka.partitions.admitted;
     let runs = Runs::default();
-    // "busy" may run one slow job at a time, "idle" two.
+    // "busy" may run one slow job at a time, "idle" eight.
     let busy = RunningWorker::start(worker(&stack, "busy", 1, &runs)?);
-    let idle = RunningWorker::start(worker(&stack, "idle", 2, &runs)?);
+    let idle = RunningWorker::start(worker(&stack, "idle", 8, &runs)?);
     wait_assigned(&[&busy, &idle], usize::try_from(partitions)?).await?;
     let busy_partition = busy.status.snapshot().assigned[0].1;
 
@@ -97,9 +97,12 @@ async fn per_process_limits_hold_and_a_saturated_worker_hands_its_jobs_to_an_idl
     let all = runs.all();
     let busy_runs = runs.of_worker("busy");
     let idle_runs = runs.of_worker("idle");
-    let first_enqueue = all.iter().map(|run| run.enqueued_at_ms).min().unwrap();
+    let first_enqueue = all.iter().map(|run| run.admitted_at_ms).min().unwrap();
     let last_end = all.iter().map(|run| run.ended_ms).max().unwrap();
-    let stranded = stranded_ms(&all, "idle", 2, i64::try_from(HANDOFF_MS)? + 700);
+    // A job may wait its 300 ms at the busy worker plus a Kafka hop and a
+    // claim (slow on a loaded machine); 2.5 s in all is allowed before its
+    // wait counts as stranded.
+    let stranded = stranded_ms(&all, 8, 2_500);
     let busy_snapshot = busy.status.snapshot();
     let idle_snapshot = idle.status.snapshot();
     println!(
@@ -110,35 +113,42 @@ async fn per_process_limits_hold_and_a_saturated_worker_hands_its_jobs_to_an_idl
         max_overlap(&idle_runs),
         last_end - first_enqueue
     );
+    let mut timeline = all.clone();
+    timeline.sort_by_key(|run| run.started_ms);
+    for run in &timeline {
+        println!(
+            "  {} {} attempt {} started +{} ended +{}",
+            run.worker,
+            run.job_id,
+            run.attempt,
+            run.started_ms - first_enqueue,
+            run.ended_ms - first_enqueue
+        );
+    }
 
     // Every job ran once, to success.
     assert_eq!(all.len(), JOBS, "{all:?}");
     assert!(all.iter().all(|run| !run.dropped));
-    // Per-process limits held.
+    // The per-process limit held.
     assert!(
         max_overlap(&busy_runs) <= 1,
         "busy ran more than 1 slow job at once: {busy_runs:?}"
     );
-    assert!(
-        max_overlap(&idle_runs) <= 2,
-        "idle ran more than 2 slow jobs at once: {idle_runs:?}"
-    );
+    assert!(max_overlap(&idle_runs) <= 8);
     // Admission put every job on the busy worker's partition...
     assert!(
         busy_snapshot.delivered >= JOBS as u64,
         "the jobs did not all land on the busy worker's partition: {busy_snapshot:?}"
     );
-    // ...and the idle worker ran about half of them (it has 2 of the 3 slots).
-    assert!(idle_runs.len() >= 3, "the idle worker ran only {}", idle_runs.len());
-    // No job waited long while the idle worker had room. Jobs bounce between
-    // the two full workers (300 ms at each), so some wait happens; without
-    // hand-off the idle worker stays idle and this is ~5 s.
+    // ...and the idle worker ran most of them.
+    assert!(idle_runs.len() >= 5, "the idle worker ran only {}", idle_runs.len());
+    // No job waited long while the idle worker had room: without hand-off
+    // the busy worker runs them one after another and this is ~6 s.
     assert!(
         stranded <= 2_000,
         "jobs waited {stranded} ms while the idle worker had room"
     );
-    // Three slots for 8 jobs of 800 ms: about 3 rounds (2.4 s), not 8 in a
-    // row (6.4 s).
+    // About one round (1 s plus the hand-off), not 8 in a row (8 s).
     assert!(
         last_end - first_enqueue < 5_500,
         "took {} ms; one at a time would take {} ms",
@@ -193,8 +203,13 @@ async fn a_worker_full_for_long_pauses_its_partitions_and_resumes_without_losing
             .job_id(format!("p-{index}"))
             .payload("job/700")
             .build()?;
-        job_ids.push(producer.enqueue(request).await?.job_id);
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let job_id = producer.enqueue(request).await?.job_id;
+        // Admitted (published) before the next one is enqueued.
+        sluice_e2e::eventually(Duration::from_secs(30), "the job to be admitted", || async {
+            Ok(job_view(&stack, &job_id).await?.admitted_at_ms.is_some())
+        })
+        .await?;
+        job_ids.push(job_id);
     }
     wait_all_status(&stack, &job_ids, pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
 

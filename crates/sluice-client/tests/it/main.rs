@@ -56,6 +56,8 @@ pub struct Run {
     pub task_type: String,
     pub payload: String,
     pub enqueued_at_ms: i64,
+    /// When admission admitted this attempt (its clock).
+    pub admitted_at_ms: i64,
     pub started_ms: i64,
     /// When the handler returned or was dropped.
     pub ended_ms: i64,
@@ -105,6 +107,7 @@ impl RunGuard {
                 task_type: job.task_type().to_string(),
                 payload: String::from_utf8_lossy(job.payload()).to_string(),
                 enqueued_at_ms: job.admitted().enqueued_at_ms,
+                admitted_at_ms: job.admitted().admitted_at_ms,
                 started_ms: now_ms(),
                 ended_ms: 0,
                 stop_reason: None,

@@ -52,11 +52,11 @@ async fn the_refresh_handler_sets_a_floating_keys_max() -> anyhow::Result<()> {
 
     // Default max 1: the first job holds the key, the others wait, which
     // makes a refresh due.
-    let requests = (0..6)
+    let requests = (0..8)
         .map(|index| {
             JobBuilder::new("acme", "default")
                 .job_id(format!("gpu-{index}"))
-                .payload("gpu/1500")
+                .payload("gpu/2000")
                 .floating(
                     FloatingLimit::new("gpu", 1)
                         .refresh_every(Duration::from_millis(200))
