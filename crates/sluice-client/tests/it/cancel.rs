@@ -143,7 +143,11 @@ async fn a_cancel_stops_the_running_handler_and_its_ticket_returns() -> anyhow::
     assert!(polite_next[0].started_ms >= polite[0].ended_ms);
     assert!(stubborn_next[0].started_ms >= stubborn[0].ended_ms);
     assert_eq!(worker.status.snapshot().cancelled, 2);
-    assert_eq!(key_state(&stack, "acme", "polite-key").await?.holders.len(), 0);
+    sluice_e2e::eventually(Duration::from_secs(10), "the keys' tickets released", || async {
+        Ok(key_state(&stack, "acme", "polite-key").await?.holders.is_empty()
+            && key_state(&stack, "acme", "stubborn-key").await?.holders.is_empty())
+    })
+    .await?;
 
     worker.stop().await;
     assert_eq!(stack.tickets_left().await?, 0);
