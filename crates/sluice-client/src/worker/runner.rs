@@ -837,3 +837,77 @@ pub(crate) async fn hand_back(shared: Arc<Shared>, deliveries: Vec<Delivery>, re
         shared.done(&delivery).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn returned(result: Result<(), JobError>) -> Ended {
+        Ended::Returned(Ok(result))
+    }
+
+    #[test]
+    fn what_is_reported_for_each_way_a_handler_ends() {
+        assert!(matches!(decide(returned(Ok(())), None), AttemptOutcome::Succeeded));
+        assert!(matches!(
+            decide(returned(Err(JobError::fatal("boom"))), None),
+            AttemptOutcome::Failed {
+                non_retryable: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            decide(returned(Err(JobError::hand_back("later"))), None),
+            AttemptOutcome::HandedBack { .. }
+        ));
+        // A cancel is confirmed however the handler ended.
+        assert!(matches!(
+            decide(returned(Ok(())), Some(StopReason::Cancelled)),
+            AttemptOutcome::CancelConfirmed
+        ));
+        assert!(matches!(
+            decide(Ended::Dropped, Some(StopReason::Cancelled)),
+            AttemptOutcome::CancelConfirmed
+        ));
+        // A lost lease reports nothing; a shutdown hands back.
+        assert!(AttemptOutcome::LeaseLost.completion().is_none());
+        assert!(matches!(
+            decide(returned(Ok(())), Some(StopReason::LeaseLost)),
+            AttemptOutcome::LeaseLost
+        ));
+        assert!(matches!(
+            decide(Ended::Dropped, Some(StopReason::Shutdown)),
+            AttemptOutcome::HandedBack { .. }
+        ));
+        let panicked = decide(Ended::Returned(Err(Box::new("oops"))), None);
+        match panicked {
+            AttemptOutcome::Failed { message, non_retryable } => {
+                assert!(message.contains("oops"), "{message}");
+                assert!(!non_retryable);
+            }
+            other => panic!("a panic is a failure, not {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stopped_handler_gets_the_stop_grace_then_is_dropped() {
+        let stop = StopSignal::default();
+        let force = CancellationToken::new();
+        stop.stop(StopReason::Cancelled);
+        let stubborn = async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(Ok(()))
+        };
+        let began = Instant::now();
+        let ended = supervise(stubborn, &stop, &force, Duration::from_secs(5)).await;
+        assert!(matches!(ended, Ended::Dropped));
+        assert_eq!(began.elapsed(), Duration::from_secs(5));
+
+        // At the end of the shutdown grace a handler is dropped at once.
+        let stop = StopSignal::default();
+        force.cancel();
+        let ended = supervise(std::future::pending(), &stop, &force, Duration::from_secs(5)).await;
+        assert!(matches!(ended, Ended::Dropped));
+        assert_eq!(stop.reason(), Some(StopReason::Shutdown));
+    }
+}
