@@ -11,6 +11,44 @@
 //!   optional floating-limit [`RefreshHandler`], and a graceful shutdown.
 //! - [`ClientOptions`] says where Sluice is; no service configuration needed.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//! use sluice_client::proto::RefreshTask;
+//! use sluice_client::{ClientOptions, FloatingLimit, InlineRate, Job, JobBuilder, JobError, Producer, RefreshError, Worker};
+//!
+//! # async fn do_the_work(_payload: &[u8]) {}
+//! # fn quota_for(_metadata: &std::collections::HashMap<String, String>) -> u32 { 4 }
+//! # async fn example() -> Result<(), sluice_client::Error> {
+//! let options = ClientOptions::default();
+//! let producer = Producer::new(&options)?;
+//! let request = JobBuilder::new("acme", "default")
+//!     .payload(b"thumbnail:42".to_vec())
+//!     .concurrency("images", 4)
+//!     .floating(FloatingLimit::new("gpu-pool", 2).refresh_every(Duration::from_secs(60)))
+//!     .rate(InlineRate::new("api", 100, Duration::from_secs(1)))
+//!     .idempotency("upload-42", Duration::from_secs(3600))
+//!     .build()?;
+//! let enqueued = producer.enqueue(request.clone()).await?; // gRPC: job id, status, deduplicated
+//! producer.send(&request).await?; // or Kafka: jobs.requested
+//!
+//! let worker = Worker::builder(options, |job: Job| async move {
+//!     tokio::select! {
+//!         _ = do_the_work(job.payload()) => Ok(()),
+//!         _ = job.cancelled() => Err(JobError::retryable("stopped")), // cancel, lost lease, shutdown
+//!     }
+//! })
+//! .task_group("default")
+//! .concurrency(8) // handlers at once in this process
+//! .task_type(|job| String::from_utf8_lossy(&job.payload).split(':').next().unwrap_or("").to_string())
+//! .process_limit("thumbnail", 2) // at most 2 thumbnails at once here
+//! .refresh_handler(|task: RefreshTask| async move { Ok::<_, RefreshError>(quota_for(&task.metadata)) })
+//! .build()?;
+//! worker.run(sluice_client::shutdown_on_signals()).await?;
+//! # let _ = enqueued;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Each handler runs inside a `tracing` span named [`HANDLE_SPAN`]
 //! (`sluice.worker.handle`, fields `job_id`, `attempt`, `tenant`,
 //! `task_group`, `task_type`, `worker_id`, `outcome`) whose parent is the W3C
