@@ -38,12 +38,13 @@ fmt-check:
 clippy: setup
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
+# Against a fresh broker of their own (scripts/with-test-broker.sh).
 unit-and-integration: setup python-tools
 ifeq ($(NEXTEST),yes)
-	$(CARGO) nextest run --locked --workspace --no-fail-fast
+	scripts/with-test-broker.sh $(CARGO) nextest run --locked --workspace --no-fail-fast
 	$(CARGO) test --locked --workspace --doc
 else
-	$(CARGO) test --locked --workspace --no-fail-fast
+	scripts/with-test-broker.sh $(CARGO) test --locked --workspace --no-fail-fast
 endif
 
 helm-check:

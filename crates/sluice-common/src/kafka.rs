@@ -504,6 +504,9 @@ pub struct RebalanceContext {
     topic: Arc<str>,
     assigned: Arc<Mutex<HashSet<i32>>>,
     progress: Arc<ConsumerProgress>,
+    /// Since when the group session is lost (librdkafka revoked the
+    /// assignment as lost) with no assignment back yet.
+    lost_since: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
 impl ClientContext for RebalanceContext {
@@ -537,8 +540,16 @@ impl RebalanceContext {
 }
 
 impl ConsumerContext for RebalanceContext {
-    fn pre_rebalance(&self, _consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn pre_rebalance(&self, consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Error(error) = rebalance {
+            tracing::warn!(topic = %self.topic, %error, "rebalance error");
+        }
         if let Rebalance::Revoke(list) = rebalance {
+            if consumer.assignment_lost() {
+                tracing::warn!(topic = %self.topic, "the group session was lost; partitions revoked as lost");
+                let mut lost_since = self.lost_since.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                lost_since.get_or_insert_with(std::time::Instant::now);
+            }
             let mut assigned = self.assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let mut progress = self
                 .progress
@@ -555,6 +566,8 @@ impl ConsumerContext for RebalanceContext {
 
     fn post_rebalance(&self, _consumer: &rdkafka::consumer::BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
+            // Any assignment, even an empty one, means the member is back in the group.
+            *self.lost_since.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
             let mut assigned = self.assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let mut progress = self
                 .progress
@@ -581,6 +594,11 @@ pub struct ConsumerOptions {
 /// Consume `topic` in `group`, one task per assigned partition, until
 /// shutdown or a crash. A partition task that stops with an error is restarted
 /// only by a new assignment; a crash stops everything.
+///
+/// A member whose group session is lost (it could not heartbeat in time)
+/// normally rejoins by itself. If no assignment comes back within twice the
+/// session timeout, the consumer is re-created and joins as a new member:
+/// seen with tansu under CPU starvation, and harmless with Kafka.
 pub async fn run_partitioned_consumer(
     kafka: &KafkaConfig,
     options: ConsumerOptions,
@@ -588,12 +606,43 @@ pub async fn run_partitioned_consumer(
     progress: Arc<ConsumerProgress>,
     shutdown: Shutdown,
 ) -> Result<(), KafkaPlumbingError> {
+    let rejoin_within = Duration::from_millis(u64::from(kafka.session_timeout_ms) * 2).max(Duration::from_secs(10));
+    loop {
+        match consume_as_member(kafka, &options, &factory, &progress, &shutdown, rejoin_within).await? {
+            MemberEnd::Stopped => return Ok(()),
+            MemberEnd::MembershipLost => {
+                tracing::warn!(
+                    topic = %options.topic,
+                    group = %options.group,
+                    ?rejoin_within,
+                    "no assignment since the group session was lost; re-creating the consumer"
+                );
+            }
+        }
+    }
+}
+
+enum MemberEnd {
+    Stopped,
+    MembershipLost,
+}
+
+async fn consume_as_member(
+    kafka: &KafkaConfig,
+    options: &ConsumerOptions,
+    factory: &Arc<dyn PartitionTaskFactory>,
+    progress: &Arc<ConsumerProgress>,
+    shutdown: &Shutdown,
+    rejoin_within: Duration,
+) -> Result<MemberEnd, KafkaPlumbingError> {
     let topic: Arc<str> = Arc::from(options.topic.as_str());
     let assigned = Arc::new(Mutex::new(HashSet::new()));
+    let lost_since = Arc::new(Mutex::new(None));
     let context = RebalanceContext {
         topic: topic.clone(),
         assigned: assigned.clone(),
         progress: progress.clone(),
+        lost_since: lost_since.clone(),
     };
     let mut client = client_config(kafka);
     client
@@ -604,6 +653,13 @@ pub async fn run_partitioned_consumer(
         .set("auto.offset.reset", "earliest")
         .set("partition.assignment.strategy", "cooperative-sticky")
         .set("session.timeout.ms", kafka.session_timeout_ms.to_string())
+        // Also the coordinator's rebalance timeout: how long a rebalance
+        // waits for a member that stopped polling (a zombie) before going on
+        // without it. librdkafka's 300 s default stalls a group for minutes.
+        .set(
+            "max.poll.interval.ms",
+            (kafka.session_timeout_ms.saturating_mul(3)).max(30_000).to_string(),
+        )
         .set(
             "heartbeat.interval.ms",
             (kafka.session_timeout_ms / 5).max(100).to_string(),
@@ -663,12 +719,12 @@ pub async fn run_partitioned_consumer(
     reconcile_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let outcome = loop {
         tokio::select! {
-            _ = shutdown.cancelled() => break Ok(()),
+            _ = shutdown.cancelled() => break MemberEnd::Stopped,
             Some((partition, outcome)) = finished.recv() => {
                 match outcome {
                     Err(PartitionTaskError::Crashed) => {
                         shutdown.crash();
-                        break Ok(());
+                        break MemberEnd::Stopped;
                     }
                     Err(error @ PartitionTaskError::Stopped { .. }) => {
                         // Keep the dead entry: the partition stays stopped (and
@@ -686,6 +742,13 @@ pub async fn run_partitioned_consumer(
                 }
             }
             _ = reconcile_timer.tick() => {
+                let lost_for = lost_since
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .map(|since| since.elapsed());
+                if lost_for.is_some_and(|lost_for| lost_for >= rejoin_within) {
+                    break MemberEnd::MembershipLost;
+                }
                 if consumed_since_report > 0 {
                     crate::metrics::metrics().consumed.add(consumed_since_report, &topic_attribute);
                     consumed_since_report = 0;
@@ -751,7 +814,7 @@ pub async fn run_partitioned_consumer(
     for entry in running.values() {
         entry.stop.cancel();
     }
-    if !shutdown.is_crashed() {
+    if matches!(outcome, MemberEnd::Stopped) && !shutdown.is_crashed() {
         // Give partition tasks a moment to store their last offsets, then
         // commit them before leaving the group.
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -764,10 +827,15 @@ pub async fn run_partitioned_consumer(
     // async runtime. Offset stores hold the consumer weakly, so this is the
     // last strong reference.
     let closed = tokio::task::spawn_blocking(move || drop(consumer)).await;
-    if closed.is_err() {
-        tracing::warn!(topic = %topic, "closing the consumer panicked");
+    if let Err(error) = closed {
+        // Cancelled when the runtime itself is shutting down.
+        if error.is_panic() {
+            tracing::warn!(topic = %topic, %error, "closing the consumer panicked");
+        } else {
+            tracing::debug!(topic = %topic, %error, "closing the consumer was cut short");
+        }
     }
-    outcome
+    Ok(outcome)
 }
 
 /// Read a header as UTF-8 text.

@@ -12,4 +12,5 @@ mod flow;
 mod introspection;
 mod jobs_api;
 mod limits;
+mod membership;
 mod rate;

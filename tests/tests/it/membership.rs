@@ -1,0 +1,175 @@
+//! The partitioned consumer survives a lost group session: its own tansu
+//! broker is frozen (SIGSTOP) for longer than the session timeout, so the
+//! member's session expires; afterwards every message is still processed.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use sluice_common::kafka::{
+    ensure_topics, run_partitioned_consumer, ConsumerOptions, ConsumerProgress, OutMsg, PartitionInput,
+    PartitionTaskError, PartitionTaskFactory, Publisher, TopicSpec,
+};
+use sluice_common::Shutdown;
+use sluice_e2e::*;
+
+/// A broker of this test's own, so freezing it disturbs no other test.
+struct PrivateBroker {
+    child: std::process::Child,
+    address: String,
+}
+
+impl PrivateBroker {
+    async fn start() -> anyhow::Result<Self> {
+        let port = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
+            probe.local_addr()?.port()
+        };
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = std::process::Command::new("tansu")
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .env_remove("LISTENER_URL")
+            .env_remove("STORAGE_ENGINE")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        let address = format!("127.0.0.1:{port}");
+        let broker = PrivateBroker { child, address };
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(&broker.address).await.is_err() {
+            anyhow::ensure!(std::time::Instant::now() < deadline, "tansu did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(broker)
+    }
+
+    fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let status = std::process::Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill {signal} failed");
+        Ok(())
+    }
+}
+
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        let _ = self.signal("-CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Records every (partition, offset) it is given and stores the offsets.
+struct Recording {
+    seen: Arc<Mutex<HashSet<(i32, i64)>>>,
+}
+
+impl PartitionTaskFactory for Recording {
+    fn start(&self, mut input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
+        let seen = self.seen.clone();
+        async move {
+            loop {
+                let message = tokio::select! {
+                    _ = input.stop.cancelled() => return Ok(()),
+                    received = input.messages.recv() => match received {
+                        Some(message) => message,
+                        None => return Ok(()),
+                    },
+                };
+                seen.lock().unwrap().insert((message.partition, message.offset));
+                input.offsets.store(message.offset + 1);
+            }
+        }
+        .boxed()
+    }
+}
+
+async fn produce(publisher: &Publisher, topic: &Arc<str>, count: usize, tag: &str) -> anyhow::Result<()> {
+    let messages = (0..count)
+        .map(|index| OutMsg {
+            topic: topic.clone(),
+            partition: Some(i32::try_from(index % 2).unwrap()),
+            key: None,
+            payload: format!("{tag}-{index}").into_bytes(),
+            headers: Vec::new(),
+        })
+        .collect();
+    publisher.send_all(messages).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_whose_group_session_was_lost_processes_everything_afterwards() -> anyhow::Result<()> {
+    init_logging();
+    let broker = PrivateBroker::start().await?;
+    let config = test_config(
+        "membership",
+        &[
+            ("kafka.brokers", broker.address.as_str()),
+            ("kafka.session_timeout_ms", "6000"),
+        ],
+    )?;
+    let topic_name = config.topic("member-input");
+    let topic: Arc<str> = Arc::from(topic_name.as_str());
+    ensure_topics(
+        &config.kafka,
+        &[TopicSpec {
+            name: topic_name.clone(),
+            partitions: 2,
+            internal: false,
+        }],
+        true,
+    )
+    .await?;
+    let seen = Arc::new(Mutex::new(HashSet::new()));
+    let shutdown = Shutdown::new();
+    let consumer = tokio::spawn({
+        let kafka = config.kafka.clone();
+        let group = config.group("member-group");
+        let seen = seen.clone();
+        let shutdown = shutdown.clone();
+        let topic_name = topic_name.clone();
+        async move {
+            run_partitioned_consumer(
+                &kafka,
+                ConsumerOptions {
+                    group,
+                    topic: topic_name,
+                    channel_capacity: 100,
+                    track_end: false,
+                },
+                Arc::new(Recording { seen }),
+                Arc::new(ConsumerProgress::default()),
+                shutdown,
+            )
+            .await
+        }
+    });
+    let publisher = Publisher::new(&config.kafka)?;
+    produce(&publisher, &topic, 10, "before").await?;
+    eventually(Duration::from_secs(60), "the first 10 messages", || async {
+        Ok(seen.lock().unwrap().len() == 10)
+    })
+    .await?;
+
+    // Freeze the broker past the session timeout: the member's session is lost.
+    broker.signal("-STOP")?;
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    broker.signal("-CONT")?;
+
+    produce(&publisher, &topic, 10, "after").await?;
+    eventually(
+        Duration::from_secs(90),
+        "all 20 messages after the lost session",
+        || async { Ok(seen.lock().unwrap().len() == 20) },
+    )
+    .await?;
+    shutdown.trigger();
+    let _ = tokio::time::timeout(Duration::from_secs(30), consumer).await;
+    Ok(())
+}
