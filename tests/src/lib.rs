@@ -78,7 +78,19 @@ pub fn test_config(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<Slu
     settings.push(("kafka.topic_prefix", prefix.as_str()));
     settings.push(("postgres.schema_prefix", prefix.as_str()));
     settings.extend_from_slice(overrides);
-    Ok(SluiceConfig::load_with(None, &settings)?)
+    Ok(with_single_message_batches(SluiceConfig::load_with(None, &settings)?))
+}
+
+/// One message per produce batch. tansu reports a partition's high
+/// watermark as its last batch's base offset + 1, so a consumer that resumes
+/// inside a multi-message batch (after a rebalance or restart) fetches
+/// nothing until newer data arrives. Real Kafka has no such bug.
+fn with_single_message_batches(mut config: SluiceConfig) -> SluiceConfig {
+    config
+        .kafka
+        .producer_properties
+        .insert("batch.num.messages".to_string(), "1".to_string());
+    config
 }
 
 /// Like `test_config`, with `toml` (e.g. task groups with caps) layered as a
@@ -94,7 +106,7 @@ pub fn test_config_toml(name: &str, toml: &str, overrides: &[(&str, &str)]) -> a
     settings.extend_from_slice(overrides);
     let loaded = SluiceConfig::load_with(Some(&path), &settings)?;
     let _ = std::fs::remove_file(&path);
-    Ok(loaded)
+    Ok(with_single_message_batches(loaded))
 }
 
 /// One running service instance.
@@ -485,6 +497,7 @@ impl RequestProducer {
     pub fn new(config: &SluiceConfig) -> anyhow::Result<Self> {
         let mut client = client_config(&config.kafka);
         client.set("linger.ms", "5").set("enable.idempotence", "true");
+        sluice_common::kafka::apply_producer_properties(&mut client, &config.kafka);
         Ok(RequestProducer {
             producer: client.create()?,
             topic: config.topic(&config.topics.requested),

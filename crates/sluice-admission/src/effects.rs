@@ -219,10 +219,12 @@ impl Routes {
         };
         let mut headers = trace_headers(&job.trace);
         headers.push(("content-type".to_string(), b"application/x-protobuf".to_vec()));
+        // Keyed by attempt: a job handed back (a new attempt) may land on
+        // another worker's partition instead of the one that gave it back.
         outbox.push(OutMsg {
             topic: topic.clone(),
             partition: None,
-            key: Some(job.state.job_id.clone().into_bytes()),
+            key: Some(admitted_key(&job.state.job_id, job.state.attempt).into_bytes()),
             payload: admitted.encode_to_vec(),
             headers,
         });
@@ -262,6 +264,11 @@ impl Routes {
             ],
         );
     }
+}
+
+/// The Kafka key of an admitted message: `<job id>/<attempt>`.
+pub fn admitted_key(job_id: &str, attempt: u32) -> String {
+    format!("{job_id}/{attempt}")
 }
 
 /// A bounded label for a dead-letter reason: the field it names with list

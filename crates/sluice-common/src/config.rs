@@ -117,6 +117,10 @@ pub struct KafkaConfig {
     pub sasl_password: Secret,
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
+    /// Extra librdkafka properties of producers only (e.g. compression.type),
+    /// applied after `properties`.
+    #[serde(default)]
+    pub producer_properties: BTreeMap<String, String>,
     pub partitions: PartitionCounts,
 }
 

@@ -58,6 +58,13 @@ pub fn client_config(kafka: &KafkaConfig) -> ClientConfig {
 // ---------------------------------------------------------------------------
 // Producing
 
+/// `kafka.producer_properties`, applied last to a producer's settings.
+pub fn apply_producer_properties(client: &mut ClientConfig, kafka: &KafkaConfig) {
+    for (key, value) in &kafka.producer_properties {
+        client.set(key, value);
+    }
+}
+
 /// One message to publish.
 #[derive(Clone, Debug)]
 pub struct OutMsg {
@@ -162,6 +169,7 @@ impl Publisher {
             .set("message.max.bytes", (kafka.max_message_bytes + 100_000).to_string())
             .set("queue.buffering.max.messages", "1000000")
             .set("message.timeout.ms", "30000");
+        apply_producer_properties(&mut client, kafka);
         let producer: FutureProducer = client.create()?;
         Ok(Publisher {
             producer,

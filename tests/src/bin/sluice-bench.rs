@@ -53,7 +53,7 @@ async fn main() -> anyhow::Result<()> {
     ];
 
     eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit} (fetch.wait.max.ms={fetch_wait_ms})");
-    let mut stack = Stack::start(test_config("bench", &overrides)?, 1).await?;
+    let mut stack = Stack::start(bench_config("bench", &overrides)?, 1).await?;
     let writes_before = pg_writes(&stack).await?;
     let throughput = run_throughput(&stack, jobs, keys, limit).await?;
     eprintln!("bench: {:.0} admitted jobs/s", throughput);
@@ -69,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
     cleanup(&config, &stack.pool).await;
 
     eprintln!("bench: TryAcquire decisions over gRPC on loopback");
-    let rate_stack = Stack::start(test_config("benchrate", &overrides)?, 1).await?;
+    let rate_stack = Stack::start(bench_config("benchrate", &overrides)?, 1).await?;
     let grpc_decisions = run_try_acquire_grpc(&rate_stack, Duration::from_secs(5)).await?;
     rate_stack.stop().await;
     eprintln!("bench: TryAcquire decisions in process (the window core, one thread)");
@@ -485,4 +485,12 @@ async fn run_relay(config: &SluiceConfig, messages: u64) -> anyhow::Result<f64> 
     let elapsed = started.elapsed().as_secs_f64();
     stop.trigger();
     Ok(to_f64(messages) / elapsed)
+}
+
+/// The tests' configuration with production-like producer batching: the
+/// benchmark runs on a fresh broker and never resumes mid-batch.
+fn bench_config(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<sluice_common::SluiceConfig> {
+    let mut config = test_config(name, overrides)?;
+    config.kafka.producer_properties.clear();
+    Ok(config)
 }

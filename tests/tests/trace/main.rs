@@ -17,7 +17,7 @@ use opentelemetry_proto::tonic::collector::metrics::v1::{ExportMetricsServiceReq
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
 use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
-use sluice_common::{telemetry, Shutdown};
+use sluice_common::telemetry;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 
@@ -145,6 +145,9 @@ fn span_id_of(context: &pb::TraceContext) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     std::env::remove_var("OTEL_EXPORTER_OTLP_ENDPOINT");
+    // The worker's span is a `tracing` span at INFO: a quieter RUST_LOG
+    // would filter it out of the trace.
+    std::env::remove_var("RUST_LOG");
     let (receiver, otlp_endpoint) = start_receiver().await?;
     let config = test_config(
         "trace",
@@ -157,22 +160,28 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     let guard = telemetry::init(&config.telemetry, "sluice-trace-test")?;
     assert!(guard.exporting(), "an OTLP exporter with an endpoint");
     let stack = Stack::start(config, 1).await?;
-    let stop = Shutdown::new();
-    let recorder = Arc::new(Recorder::default());
-    tokio::spawn(run_worker(
-        stack.config.clone(),
-        stack.admissions[0].endpoint.clone(),
-        WorkerOptions {
-            worker_id: "tracer".to_string(),
-            task_group: "default".to_string(),
-            group: format!("{}workers", stack.config.kafka.topic_prefix),
-            concurrency: 4,
-            min_run: Duration::from_millis(1_000),
-            max_run: Duration::from_millis(1_000),
-        },
-        recorder.clone(),
-        stop.clone(),
-    ));
+    // The worker is the Rust SDK's: its handler span joins the job's trace.
+    let options = sluice_client::ClientOptions {
+        brokers: stack.config.kafka.brokers.clone(),
+        topic_prefix: stack.config.kafka.topic_prefix.clone(),
+        requested_topic: stack.config.topics.requested.clone(),
+        admitted_topic_prefix: stack.config.topics.admitted_prefix.clone(),
+        refresh_tasks_topic: stack.config.topics.refresh_tasks.clone(),
+        admission_endpoint: stack.admissions[0].endpoint.clone(),
+        refresh_endpoint: stack.refresh_dispatchers[0].endpoint.clone(),
+        group_id: "workers".to_string(),
+        fetch_wait_max_ms: 25,
+        ..Default::default()
+    };
+    let worker = sluice_client::Worker::builder(options, |_job: sluice_client::Job| async move {
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+        Ok(())
+    })
+    .task_group("default")
+    .worker_id("tracer")
+    .build()?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let worker_task = tokio::spawn(worker.run(stop.clone()));
 
     // The blocker holds the concurrency key for 1 s and the only unit of the
     // rate window for 3 s: the traced job waits on both, in that order.
@@ -305,18 +314,26 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     assert_eq!(rate_grant.scope, "sluice-rate-window");
     assert_eq!(rate_grant.parent_span_id, enqueue.span_id);
 
-    // The admitted message's span, then the completion.
+    // The admitted message's span, the SDK worker's handler span under it
+    // (context from the message's headers), then the completion under the
+    // handler (context from the Complete call's metadata).
     let admit = one("admission.admit");
     assert_eq!(admit.parent_span_id, enqueue.span_id);
+    let handle = one(sluice_client::HANDLE_SPAN);
+    assert_eq!(handle.parent_span_id, admit.span_id, "{handle:#?}");
+    assert_eq!(handle.attributes["job_id"], "traced");
+    assert_eq!(handle.attributes["outcome"], "succeeded");
+    assert!(millis(handle) >= 900, "the handler ran 1 s: {} ms", millis(handle));
     let complete = one("admission.complete");
     assert_eq!(complete.attributes["sluice.status"], "JOB_STATUS_SUCCEEDED");
-    assert!(
-        complete.parent_span_id == enqueue.span_id,
-        "the completion hangs under the job: {complete:#?}"
+    assert_eq!(
+        complete.parent_span_id, handle.span_id,
+        "the completion hangs under the worker's span: {complete:#?}"
     );
     assert!(spans.iter().all(|span| !span.service.is_empty()), "service.name is set");
 
-    stop.trigger();
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(30), worker_task).await;
     stack.stop().await;
     drop(guard);
     Ok(())

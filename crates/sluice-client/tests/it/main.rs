@@ -213,11 +213,15 @@ pub fn crc32(bytes: &[u8]) -> u32 {
     !crc
 }
 
-/// Job ids that admission's producer (keyed by job id) puts on `partition`.
+/// Job ids whose first attempt admission's producer (keyed by
+/// `<job id>/<attempt>`) puts on `partition`.
 pub fn job_ids_on_partition(prefix: &str, partition: i32, partitions: i32, count: usize) -> Vec<String> {
     (0..)
         .map(|index| format!("{prefix}-{index}"))
-        .filter(|job_id| i64::from(crc32(job_id.as_bytes())) % i64::from(partitions) == i64::from(partition))
+        .filter(|job_id| {
+            let key = sluice_admission::effects::admitted_key(job_id, 1);
+            i64::from(crc32(key.as_bytes())) % i64::from(partitions) == i64::from(partition)
+        })
         .take(count)
         .collect()
 }
