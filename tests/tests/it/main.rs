@@ -14,3 +14,4 @@ mod jobs_api;
 mod limits;
 mod membership;
 mod rate;
+mod storage;
