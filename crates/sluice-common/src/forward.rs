@@ -56,6 +56,28 @@ pub async fn owner_endpoint(
     }
 }
 
+/// A call decided by a partition's owner: this instance's partition task
+/// when it owns `partition` (`make` builds the request, `answer` turns the
+/// task's reply into the response), else `forward`, the same call to the
+/// owner named in the directory.
+pub async fn on_owner<L, R, T, F>(
+    registry: &crate::owner::OwnerRegistry<L>,
+    partition: i32,
+    make: impl FnOnce(tokio::sync::oneshot::Sender<R>) -> L,
+    answer: impl FnOnce(R) -> Result<T, Status>,
+    forward: F,
+) -> Result<tonic::Response<T>, Status>
+where
+    L: Send + 'static,
+    F: std::future::Future<Output = Result<tonic::Response<T>, Status>>,
+{
+    match registry.call(partition, make).await {
+        Ok(reply) => answer(reply).map(tonic::Response::new),
+        Err(crate::owner::LocalCallError::NotOwner(_)) => forward.await,
+        Err(error) => Err(Status::unavailable(error.to_string())),
+    }
+}
+
 /// Lazily connected channels to other instances, by endpoint.
 #[derive(Default)]
 pub struct ChannelCache {

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use sluice_common::forward::{forwarded_request, is_forwarded, owner_endpoint, ChannelCache};
-use sluice_common::owner::{LocalCallError, OwnerRegistry};
+use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
+use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::key_partition;
 use sluice_common::validate::{check_name, FieldError};
 use sluice_proto::v1 as pb;
@@ -32,10 +32,6 @@ fn checked_key(key: Option<&pb::KeyRef>, max_key_bytes: usize) -> Result<(String
     Ok((key.tenant.clone(), key.key.clone()))
 }
 
-fn local_error(error: LocalCallError) -> Status {
-    Status::unavailable(error.to_string())
-}
-
 impl LimitsApi {
     /// A client for the partition's owner (see `owner_endpoint`).
     async fn owner_client(
@@ -60,26 +56,27 @@ impl pb::limits_server::Limits for LimitsApi {
             _ => return Err(FieldError::new("change", "set `max` (0 pauses) or `clear: true`").into()),
         };
         let partition = key_partition(&tenant, &key, self.limit_partitions);
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::SetLimit {
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::SetLimit {
                 tenant: tenant.clone(),
                 key: key.clone(),
                 max,
                 reply,
-            })
-            .await;
-        match outcome {
-            Ok(state) => {
+            },
+            |state| {
                 tracing::info!(%tenant, %key, ?max, "limit override set");
-                Ok(Response::new(pb::SetLimitResponse { state: Some(state) }))
-            }
-            Err(LocalCallError::NotOwner(_)) => {
-                let mut client = self.owner_client(partition, forwarded).await?;
-                client.set_limit(forwarded_request(message)).await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+                Ok(pb::SetLimitResponse { state: Some(state) })
+            },
+            async {
+                self.owner_client(partition, forwarded)
+                    .await?
+                    .set_limit(forwarded_request(message))
+                    .await
+            },
+        )
+        .await
     }
 
     async fn describe_key(
@@ -96,24 +93,25 @@ impl pb::limits_server::Limits for LimitsApi {
             usize::try_from(message.first_waiters.min(1000)).unwrap_or(10)
         };
         let ticket = message.ticket.as_ref().map(TicketKey::from_proto);
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::DescribeKey {
-                tenant: tenant.clone(),
-                key: key.clone(),
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::DescribeKey {
+                tenant,
+                key,
                 ticket,
                 first_waiters,
                 reply,
-            })
-            .await;
-        match outcome {
-            Ok(described) => Ok(Response::new(described)),
-            Err(LocalCallError::NotOwner(_)) => {
-                let mut client = self.owner_client(partition, forwarded).await?;
-                client.describe_key(forwarded_request(message)).await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+            Ok,
+            async {
+                self.owner_client(partition, forwarded)
+                    .await?
+                    .describe_key(forwarded_request(message))
+                    .await
+            },
+        )
+        .await
     }
 
     /// Answered from committed state by any instance: keys span partitions.

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use sluice_common::forward::{forwarded_request, is_forwarded, owner_endpoint, ChannelCache};
-use sluice_common::owner::{LocalCallError, OwnerRegistry};
+use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
+use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::rate_key_partition;
 use sluice_common::validate::{check_name, FieldError};
 use sluice_proto::v1 as pb;
@@ -73,10 +73,6 @@ impl RateLimitsApi {
     }
 }
 
-fn local_error(error: LocalCallError) -> Status {
-    Status::unavailable(error.to_string())
-}
-
 #[tonic::async_trait]
 impl pb::rate_limits_server::RateLimits for RateLimitsApi {
     async fn put_rate_limit(
@@ -90,26 +86,25 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
             &resource_ref(&resource.tenant, &resource.resource_key),
             self.rate_partitions,
         );
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::PutResource {
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::PutResource {
                 resource: resource.clone(),
                 reply,
-            })
-            .await;
-        match outcome {
-            Ok(answer) => {
+            },
+            |answer| {
                 tracing::info!(tenant = %resource.tenant, key = %resource.resource_key, max_count = resource.max_count, window_seconds = resource.window_seconds, "rate limit resource put");
-                answer.map(Response::new)
-            }
-            Err(LocalCallError::NotOwner(_)) => {
+                answer
+            },
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .put_rate_limit(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 
     async fn list_rate_limits(
@@ -168,24 +163,24 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
             &resource_ref(&message.tenant, &message.resource_key),
             self.rate_partitions,
         );
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::DeleteResource {
-                tenant: message.tenant.clone(),
-                resource_key: message.resource_key.clone(),
+        let (tenant, resource_key) = (message.tenant.clone(), message.resource_key.clone());
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::DeleteResource {
+                tenant,
+                resource_key,
                 reply,
-            })
-            .await;
-        match outcome {
-            Ok(answer) => answer.map(Response::new),
-            Err(LocalCallError::NotOwner(_)) => {
+            },
+            |answer| answer,
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .delete_rate_limit(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 
     async fn try_acquire(
@@ -238,26 +233,25 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         };
         let partition = rate_key_partition(&key, self.rate_partitions);
         let to_u64 = |value: i64| u64::try_from(value).unwrap_or(1);
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::TryAcquire {
-                key: key.clone(),
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::TryAcquire {
+                key,
                 limit: to_u64(limit),
                 window_ms: to_u64(window_ms),
                 cost: to_u64(cost),
                 reply,
-            })
-            .await;
-        match outcome {
-            Ok(answer) => answer.map(Response::new),
-            Err(LocalCallError::NotOwner(_)) => {
+            },
+            |answer| answer,
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .try_acquire(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 
     async fn describe_rate_key(
@@ -269,23 +263,18 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         let key = self.check_key("key", message.key.as_ref())?;
         let partition = rate_key_partition(&key, self.rate_partitions);
         let ticket = message.ticket.as_ref().map(TicketKey::from_proto);
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::Describe {
-                key: key.clone(),
-                ticket,
-                reply,
-            })
-            .await;
-        match outcome {
-            Ok(answer) => answer.map(Response::new),
-            Err(LocalCallError::NotOwner(_)) => {
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::Describe { key, ticket, reply },
+            |answer| answer,
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .describe_rate_key(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 }

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use sluice_common::forward::{forwarded_request, is_forwarded, owner_endpoint, ChannelCache};
-use sluice_common::owner::{LocalCallError, OwnerRegistry};
+use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
+use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::key_partition;
 use sluice_common::validate::{check_name, FieldError};
 use sluice_proto::v1 as pb;
@@ -45,10 +45,6 @@ impl RefreshApi {
     }
 }
 
-fn local_error(error: LocalCallError) -> Status {
-    Status::unavailable(error.to_string())
-}
-
 #[tonic::async_trait]
 impl pb::refresh_server::Refresh for RefreshApi {
     async fn report_refresh(
@@ -66,25 +62,25 @@ impl pb::refresh_server::Refresh for RefreshApi {
             Some(pb::report_refresh_request::Result::Error(error)) => RefreshResult::Error(error.clone()),
             None => return Err(FieldError::new("result", "set new_max or error").into()),
         };
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::Report {
-                key: key.clone(),
-                task_id: message.task_id.clone(),
+        let task_id = message.task_id.clone();
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::Report {
+                key,
+                task_id,
                 result,
                 reply,
-            })
-            .await;
-        match outcome {
-            Ok(answer) => Ok(Response::new(answer)),
-            Err(LocalCallError::NotOwner(_)) => {
+            },
+            Ok,
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .report_refresh(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 
     async fn describe_floating_limit(
@@ -94,28 +90,24 @@ impl pb::refresh_server::Refresh for RefreshApi {
         let forwarded = is_forwarded(request.metadata());
         let message = request.into_inner();
         let (key, partition) = self.check_key(message.key.as_ref())?;
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::Describe {
-                key: key.clone(),
-                reply,
-            })
-            .await;
-        match outcome {
-            Ok(Some(described)) => Ok(Response::new(described)),
-            Ok(None) => Err(Status::not_found(format!(
-                "no refresh has been due for floating key ({:?}, {:?}) yet; limit-grant's DescribeKey shows \
-                 its current max",
-                key.0, key.1
-            ))),
-            Err(LocalCallError::NotOwner(_)) => {
+        let missing = format!(
+            "no refresh has been due for floating key ({:?}, {:?}) yet; limit-grant's DescribeKey shows \
+             its current max",
+            key.0, key.1
+        );
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::Describe { key, reply },
+            |described| described.ok_or_else(|| Status::not_found(missing)),
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .describe_floating_limit(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 
     async fn delete_floating_limit(
@@ -125,22 +117,18 @@ impl pb::refresh_server::Refresh for RefreshApi {
         let forwarded = is_forwarded(request.metadata());
         let message = request.into_inner();
         let (key, partition) = self.check_key(message.key.as_ref())?;
-        let outcome = self
-            .registry
-            .call(partition, |reply| LocalRequest::Delete {
-                key: key.clone(),
-                reply,
-            })
-            .await;
-        match outcome {
-            Ok(answer) => Ok(Response::new(answer)),
-            Err(LocalCallError::NotOwner(_)) => {
+        on_owner(
+            &self.registry,
+            partition,
+            |reply| LocalRequest::Delete { key, reply },
+            Ok,
+            async {
                 self.owner_client(partition, forwarded)
                     .await?
                     .delete_floating_limit(forwarded_request(message))
                     .await
-            }
-            Err(error) => Err(local_error(error)),
-        }
+            },
+        )
+        .await
     }
 }
