@@ -170,93 +170,46 @@ async fn listener() -> anyhow::Result<(tokio::net::TcpListener, String)> {
     Ok((listener, endpoint))
 }
 
-pub async fn start_limit_grant(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
+/// Start one service instance in this process on 127.0.0.1:0.
+async fn start_node<F, Fut, E>(
+    name: &'static str,
+    config: &Arc<SluiceConfig>,
+    faults: Faults,
+    run: F,
+) -> anyhow::Result<Node>
+where
+    F: FnOnce(Arc<SluiceConfig>, tokio::net::TcpListener, Shutdown, Faults) -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
+    E: std::fmt::Display,
+{
     let (listener, endpoint) = listener().await?;
     let shutdown = Shutdown::new();
-    let handle = tokio::spawn({
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        let faults = faults.clone();
-        async move {
-            sluice_limit_grant::run(config, listener, shutdown, faults)
-                .await
-                .map_err(|error| error.to_string())
-        }
-    });
+    let running = run(config.clone(), listener, shutdown.clone(), faults.clone());
+    let handle = tokio::spawn(async move { running.await.map_err(|error| error.to_string()) });
     Ok(Node {
-        name: "limit-grant",
+        name,
         endpoint,
         shutdown,
         faults,
         handle: Some(handle),
     })
+}
+
+pub async fn start_limit_grant(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
+    start_node("limit-grant", config, faults, sluice_limit_grant::run).await
 }
 
 pub async fn start_rate_window(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
-    let (listener, endpoint) = listener().await?;
-    let shutdown = Shutdown::new();
-    let handle = tokio::spawn({
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        let faults = faults.clone();
-        async move {
-            sluice_rate_window::run(config, listener, shutdown, faults)
-                .await
-                .map_err(|error| error.to_string())
-        }
-    });
-    Ok(Node {
-        name: "rate-window",
-        endpoint,
-        shutdown,
-        faults,
-        handle: Some(handle),
-    })
+    start_node("rate-window", config, faults, sluice_rate_window::run).await
 }
 
 pub async fn start_refresh_dispatcher(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
-    let (listener, endpoint) = listener().await?;
-    let shutdown = Shutdown::new();
-    let handle = tokio::spawn({
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        let faults = faults.clone();
-        async move {
-            sluice_refresh_dispatcher::run(config, listener, shutdown, faults)
-                .await
-                .map_err(|error| error.to_string())
-        }
-    });
-    Ok(Node {
-        name: "refresh-dispatcher",
-        endpoint,
-        shutdown,
-        faults,
-        handle: Some(handle),
-    })
+    start_node("refresh-dispatcher", config, faults, sluice_refresh_dispatcher::run).await
 }
 
 /// Start admission; it reaches limit-grant at `config.admission.limit_grant_endpoint`.
 pub async fn start_admission(config: &Arc<SluiceConfig>, faults: Faults) -> anyhow::Result<Node> {
-    let (listener, endpoint) = listener().await?;
-    let shutdown = Shutdown::new();
-    let handle = tokio::spawn({
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        let faults = faults.clone();
-        async move {
-            sluice_admission::run(config, listener, shutdown, faults)
-                .await
-                .map_err(|error| error.to_string())
-        }
-    });
-    Ok(Node {
-        name: "admission",
-        endpoint,
-        shutdown,
-        faults,
-        handle: Some(handle),
-    })
+    start_node("admission", config, faults, sluice_admission::run).await
 }
 
 /// A whole stack: limit-grant, rate-window, refresh-dispatcher and admission

@@ -870,9 +870,7 @@ fn same_trace(left: &pb::TraceContext, right: &pb::TraceContext) -> bool {
 /// The tracer scope of admission's spans.
 const SCOPE: &str = "sluice-admission";
 
-fn at_ms(ms: i64) -> std::time::SystemTime {
-    std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
+use sluice_common::clock::system_time_at_ms as at_ms;
 
 /// The span covering a job's wait on one limit, from when the key's owner
 /// queued it to the grant.

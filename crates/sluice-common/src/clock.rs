@@ -14,6 +14,11 @@ pub fn wall_clock_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// The instant `ms` milliseconds after the unix epoch (0 for negatives).
+pub fn system_time_at_ms(ms: i64) -> std::time::SystemTime {
+    std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
 /// Unix microseconds from the local wall clock.
 pub fn wall_clock_us() -> i64 {
     SystemTime::now()

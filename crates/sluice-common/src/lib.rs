@@ -16,6 +16,7 @@ pub mod service;
 pub mod shutdown;
 pub mod storage;
 pub mod telemetry;
+pub mod ticket;
 pub mod validate;
 
 pub use config::SluiceConfig;

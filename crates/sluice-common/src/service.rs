@@ -192,3 +192,133 @@ pub async fn report_readiness<L: Send + 'static>(
         }
     }
 }
+
+/// Why a service instance could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    #[error(transparent)]
+    Kafka(#[from] crate::kafka::KafkaPlumbingError),
+    #[error(transparent)]
+    Grpc(#[from] crate::grpc::GrpcError),
+    #[error("{service} stopped: {reason}")]
+    Stopped { service: &'static str, reason: String },
+}
+
+/// What sets one partition-owning service (limit-grant, rate-window,
+/// refresh-dispatcher) apart; `run_owner_service` does the rest.
+pub struct OwnerServiceSpec {
+    /// The service's name (logs, the owner directory, metrics).
+    pub service: &'static str,
+    /// Its schema (after `postgres.schema_prefix`) and its own migrations;
+    /// the owner runtime's are added.
+    pub schema: &'static str,
+    pub migrator: &'static Migrator,
+    /// The gRPC service it serves (health and reflection).
+    pub grpc_service: &'static str,
+    /// The input topic and consumer group (before the prefix), and the name
+    /// of the consuming task.
+    pub input_topic: String,
+    pub consumer_group: String,
+    pub consumer_task: &'static str,
+    pub advertised_endpoint: String,
+    pub max_batch: usize,
+}
+
+/// What a service's gRPC API needs to reach the keys' owners.
+pub struct OwnerApiParts<L> {
+    pub registry: std::sync::Arc<crate::owner::OwnerRegistry<L>>,
+    pub pool: PgPool,
+    /// This instance's advertised endpoint.
+    pub endpoint: String,
+}
+
+/// Apply a partition-owning service's migrations (the `migrate` subcommand).
+pub async fn migrate_owner_service(
+    config: &SluiceConfig,
+    schema: &str,
+    migrator: &Migrator,
+) -> Result<(), ServiceError> {
+    migrate_only(config, schema, &[&crate::owner::MIGRATOR, migrator]).await?;
+    Ok(())
+}
+
+/// Run one instance of a partition-owning service until `shutdown`: its
+/// database, topics and publisher, the owner runtime on the input topic's
+/// consumer group, readiness that follows the owner runtime, and the gRPC
+/// API that `add_api` adds to the base routes (health, reflection).
+pub async fn run_owner_service<S: crate::owner::OwnedStore>(
+    config: std::sync::Arc<SluiceConfig>,
+    listener: TcpListener,
+    shutdown: Shutdown,
+    faults: crate::faults::Faults,
+    spec: OwnerServiceSpec,
+    store: S,
+    add_api: impl FnOnce(&mut tonic::service::RoutesBuilder, OwnerApiParts<<S::State as crate::owner::OwnedState>::Local>),
+) -> Result<(), ServiceError> {
+    use std::sync::Arc;
+
+    use crate::kafka::{ConsumerOptions, ConsumerProgress, Publisher};
+    use crate::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
+
+    let pool = open_database(&config, spec.schema, &[&crate::owner::MIGRATOR, spec.migrator]).await?;
+    crate::kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
+    let publisher = Publisher::new(&config.kafka)?;
+    let endpoint = advertised_endpoint(&spec.advertised_endpoint, &listener);
+    let registry = OwnerRegistry::new();
+    let runtime = OwnerRuntime::new(
+        Arc::new(store),
+        pool.clone(),
+        publisher.clone(),
+        registry.clone(),
+        OwnerSettings {
+            service: spec.service,
+            owner_id: format!("{}-{}", spec.service, uuid::Uuid::new_v4()),
+            endpoint: endpoint.clone(),
+            max_batch: spec.max_batch,
+        },
+        faults,
+    );
+    let (mut routes, health) = crate::grpc::base_routes(vec![spec.grpc_service])?;
+    add_api(
+        &mut routes,
+        OwnerApiParts {
+            registry: registry.clone(),
+            pool: pool.clone(),
+            endpoint: endpoint.clone(),
+        },
+    );
+
+    let mut supervisor = Supervisor::new(shutdown.clone());
+    {
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        let options = ConsumerOptions {
+            group: config.group(&spec.consumer_group),
+            topic: config.topic(&spec.input_topic),
+            channel_capacity: 10_000,
+            track_end: false,
+        };
+        supervisor.spawn(spec.consumer_task, async move {
+            crate::kafka::run_partitioned_consumer(
+                &config.kafka,
+                options,
+                Arc::new(runtime),
+                Arc::new(ConsumerProgress::default()),
+                shutdown,
+            )
+            .await
+        });
+    }
+    supervisor.spawn("readiness", report_readiness(registry, health, shutdown.clone()));
+    supervisor.spawn("grpc server", crate::grpc::serve(listener, routes, shutdown.clone()));
+    tracing::info!(service = spec.service, %endpoint, "service started");
+    let outcome = supervisor.wait().await;
+    publisher.flush(std::time::Duration::from_secs(5));
+    pool.close().await;
+    outcome.map_err(|reason| ServiceError::Stopped {
+        service: spec.service,
+        reason,
+    })
+}

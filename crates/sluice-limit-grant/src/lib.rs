@@ -10,33 +10,20 @@ pub mod store;
 use std::sync::Arc;
 
 use sluice_common::forward::ChannelCache;
-use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
-use sluice_common::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
-use sluice_common::service::{advertised_endpoint, all_topics, open_database, report_readiness, Supervisor};
-use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
+use sluice_common::service::{run_owner_service, OwnerServiceSpec};
+use sluice_common::{Faults, Shutdown, SluiceConfig};
 use tokio::net::TcpListener;
 
-use crate::state::LocalRequest;
 use crate::store::{LimitStore, Topology};
 
 pub const SERVICE: &str = "limit-grant";
 pub const SCHEMA: &str = "limit_grant";
 
-#[derive(Debug, thiserror::Error)]
-pub enum LimitGrantError {
-    #[error(transparent)]
-    Storage(#[from] sluice_common::storage::StorageError),
-    #[error(transparent)]
-    Kafka(#[from] sluice_common::kafka::KafkaPlumbingError),
-    #[error(transparent)]
-    Grpc(#[from] sluice_common::grpc::GrpcError),
-    #[error("limit-grant stopped: {0}")]
-    Stopped(String),
-}
+/// Why limit-grant could not start or stopped.
+pub type LimitGrantError = sluice_common::service::ServiceError;
 
 pub async fn migrate(config: &SluiceConfig) -> Result<(), LimitGrantError> {
-    sluice_common::service::migrate_only(config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &store::MIGRATOR]).await?;
-    Ok(())
+    sluice_common::service::migrate_owner_service(config, SCHEMA, &store::MIGRATOR).await
 }
 
 /// Run one limit-grant instance until `shutdown`.
@@ -46,11 +33,6 @@ pub async fn run(
     shutdown: Shutdown,
     faults: Faults,
 ) -> Result<(), LimitGrantError> {
-    let pool = open_database(&config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &store::MIGRATOR]).await?;
-    kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
-    let publisher = Publisher::new(&config.kafka)?;
-    let endpoint = advertised_endpoint(&config.limit_grant.advertised_endpoint, &listener);
-    let registry: Arc<OwnerRegistry<LocalRequest>> = OwnerRegistry::new();
     let topology = Topology {
         limit_partitions: config.kafka.partitions.limit_commands,
         grants_topic: Arc::from(config.topic(&config.topics.grants)),
@@ -60,53 +42,36 @@ pub async fn run(
         max_message_bytes: config.kafka.max_message_bytes,
         ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),
     };
-    let runtime = OwnerRuntime::new(
-        Arc::new(LimitStore { topology }),
-        pool.clone(),
-        publisher.clone(),
-        registry.clone(),
-        OwnerSettings {
-            service: SERVICE,
-            owner_id: format!("{SERVICE}-{}", uuid::Uuid::new_v4()),
-            endpoint: endpoint.clone(),
-            max_batch: config.limit_grant.max_batch,
-        },
+    let spec = OwnerServiceSpec {
+        service: SERVICE,
+        schema: SCHEMA,
+        migrator: &store::MIGRATOR,
+        grpc_service: "sluice.v1.Limits",
+        input_topic: config.topics.limit_commands.clone(),
+        consumer_group: config.limit_grant.consumer_group.clone(),
+        consumer_task: "limit-command consumer",
+        advertised_endpoint: config.limit_grant.advertised_endpoint.clone(),
+        max_batch: config.limit_grant.max_batch,
+    };
+    let limit_partitions = config.kafka.partitions.limit_commands;
+    let max_key_bytes = config.admission.max_key_bytes;
+    run_owner_service(
+        config,
+        listener,
+        shutdown,
         faults,
-    );
-
-    let (mut routes, health) = grpc::base_routes(vec!["sluice.v1.Limits"])?;
-    routes.add_service(sluice_proto::v1::limits_server::LimitsServer::new(service::LimitsApi {
-        registry: registry.clone(),
-        pool: pool.clone(),
-        limit_partitions: config.kafka.partitions.limit_commands,
-        own_endpoint: endpoint.clone(),
-        channels: ChannelCache::default(),
-        max_key_bytes: config.admission.max_key_bytes,
-    }));
-
-    let mut supervisor = Supervisor::new(shutdown.clone());
-    let consumer_config = config.clone();
-    let consumer_shutdown = shutdown.clone();
-    supervisor.spawn("limit-command consumer", async move {
-        kafka::run_partitioned_consumer(
-            &consumer_config.kafka,
-            ConsumerOptions {
-                group: consumer_config.group(&consumer_config.limit_grant.consumer_group),
-                topic: consumer_config.topic(&consumer_config.topics.limit_commands),
-                channel_capacity: 10_000,
-                track_end: false,
-            },
-            Arc::new(runtime),
-            Arc::new(ConsumerProgress::default()),
-            consumer_shutdown,
-        )
-        .await
-    });
-    supervisor.spawn("readiness", report_readiness(registry, health, shutdown.clone()));
-    supervisor.spawn("grpc server", grpc::serve(listener, routes, shutdown.clone()));
-    tracing::info!(%endpoint, "limit-grant started");
-    let outcome = supervisor.wait().await;
-    publisher.flush(std::time::Duration::from_secs(5));
-    pool.close().await;
-    outcome.map_err(LimitGrantError::Stopped)
+        spec,
+        LimitStore { topology },
+        |routes, parts| {
+            routes.add_service(sluice_proto::v1::limits_server::LimitsServer::new(service::LimitsApi {
+                registry: parts.registry,
+                pool: parts.pool,
+                limit_partitions,
+                own_endpoint: parts.endpoint,
+                channels: ChannelCache::default(),
+                max_key_bytes,
+            }));
+        },
+    )
+    .await
 }

@@ -16,30 +16,7 @@ use tokio::sync::oneshot;
 /// (tenant, key).
 pub type KeyId = (String, String);
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TicketKey {
-    pub job_id: String,
-    pub attempt: u32,
-    pub step: u32,
-}
-
-impl TicketKey {
-    pub fn from_proto(ticket: &pb::TicketId) -> Self {
-        TicketKey {
-            job_id: ticket.job_id.clone(),
-            attempt: ticket.attempt,
-            step: ticket.step,
-        }
-    }
-
-    pub fn to_proto(&self) -> pb::TicketId {
-        pb::TicketId {
-            job_id: self.job_id.clone(),
-            attempt: self.attempt,
-            step: self.step,
-        }
-    }
-}
+pub use sluice_common::ticket::TicketKey;
 
 /// A ticket as stored: held, or waiting in its key's queue.
 #[derive(Clone, Debug, PartialEq)]
@@ -643,7 +620,7 @@ impl LimitPartition {
             &record.key,
             granted_at_ms - record.waiting_since_ms,
         );
-        let at = |ms: i64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+        let at = sluice_common::clock::system_time_at_ms;
         sluice_common::telemetry::record_span(
             "sluice-limit-grant",
             "limit-grant.grant",

@@ -12,33 +12,20 @@ pub mod window;
 use std::sync::Arc;
 
 use sluice_common::forward::ChannelCache;
-use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
-use sluice_common::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
-use sluice_common::service::{advertised_endpoint, all_topics, open_database, report_readiness, Supervisor};
-use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
+use sluice_common::service::{run_owner_service, OwnerServiceSpec};
+use sluice_common::{Faults, Shutdown, SluiceConfig};
 use tokio::net::TcpListener;
 
-use crate::state::LocalRequest;
 use crate::store::{RateStore, Topology};
 
 pub const SERVICE: &str = "rate-window";
 pub const SCHEMA: &str = "rate_window";
 
-#[derive(Debug, thiserror::Error)]
-pub enum ServiceError {
-    #[error(transparent)]
-    Storage(#[from] sluice_common::storage::StorageError),
-    #[error(transparent)]
-    Kafka(#[from] sluice_common::kafka::KafkaPlumbingError),
-    #[error(transparent)]
-    Grpc(#[from] sluice_common::grpc::GrpcError),
-    #[error("rate-window stopped: {0}")]
-    Stopped(String),
-}
+/// Why rate-window could not start or stopped.
+pub type ServiceError = sluice_common::service::ServiceError;
 
 pub async fn migrate(config: &SluiceConfig) -> Result<(), ServiceError> {
-    sluice_common::service::migrate_only(config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &store::MIGRATOR]).await?;
-    Ok(())
+    sluice_common::service::migrate_owner_service(config, SCHEMA, &store::MIGRATOR).await
 }
 
 /// Run one rate-window instance until `shutdown`.
@@ -48,11 +35,6 @@ pub async fn run(
     shutdown: Shutdown,
     faults: Faults,
 ) -> Result<(), ServiceError> {
-    let pool = open_database(&config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &store::MIGRATOR]).await?;
-    kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
-    let publisher = Publisher::new(&config.kafka)?;
-    let endpoint = advertised_endpoint(&config.rate_window.advertised_endpoint, &listener);
-    let registry: Arc<OwnerRegistry<LocalRequest>> = OwnerRegistry::new();
     let topology = Topology {
         rate_partitions: config.kafka.partitions.rate_commands,
         grants_topic: Arc::from(config.topic(&config.topics.grants)),
@@ -60,56 +42,38 @@ pub async fn run(
         max_message_bytes: config.kafka.max_message_bytes,
         granted_retention_ms: config.rate_window.granted_retention.as_millis_i64(),
     };
-    let runtime = OwnerRuntime::new(
-        Arc::new(RateStore { topology }),
-        pool.clone(),
-        publisher.clone(),
-        registry.clone(),
-        OwnerSettings {
-            service: SERVICE,
-            owner_id: format!("{SERVICE}-{}", uuid::Uuid::new_v4()),
-            endpoint: endpoint.clone(),
-            max_batch: config.rate_window.max_batch,
-        },
+    let spec = OwnerServiceSpec {
+        service: SERVICE,
+        schema: SCHEMA,
+        migrator: &store::MIGRATOR,
+        grpc_service: "sluice.v1.RateLimits",
+        input_topic: config.topics.rate_commands.clone(),
+        consumer_group: config.rate_window.consumer_group.clone(),
+        consumer_task: "rate-command consumer",
+        advertised_endpoint: config.rate_window.advertised_endpoint.clone(),
+        max_batch: config.rate_window.max_batch,
+    };
+    let rate_partitions = config.kafka.partitions.rate_commands;
+    let max_key_bytes = config.admission.max_key_bytes;
+    run_owner_service(
+        config,
+        listener,
+        shutdown,
         faults,
-    );
-    let (mut routes, health) = grpc::base_routes(vec!["sluice.v1.RateLimits"])?;
-    routes.add_service(sluice_proto::v1::rate_limits_server::RateLimitsServer::new(
-        service::RateLimitsApi {
-            registry: registry.clone(),
-            pool: pool.clone(),
-            rate_partitions: config.kafka.partitions.rate_commands,
-            own_endpoint: endpoint.clone(),
-            channels: ChannelCache::default(),
-            max_key_bytes: config.admission.max_key_bytes,
-        },
-    ));
-
-    let mut supervisor = Supervisor::new(shutdown.clone());
-    {
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        supervisor.spawn("rate-command consumer", async move {
-            kafka::run_partitioned_consumer(
-                &config.kafka,
-                ConsumerOptions {
-                    group: config.group(&config.rate_window.consumer_group),
-                    topic: config.topic(&config.topics.rate_commands),
-                    channel_capacity: 10_000,
-                    track_end: false,
+        spec,
+        RateStore { topology },
+        |routes, parts| {
+            routes.add_service(sluice_proto::v1::rate_limits_server::RateLimitsServer::new(
+                service::RateLimitsApi {
+                    registry: parts.registry,
+                    pool: parts.pool,
+                    rate_partitions,
+                    own_endpoint: parts.endpoint,
+                    channels: ChannelCache::default(),
+                    max_key_bytes,
                 },
-                Arc::new(runtime),
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        });
-    }
-    supervisor.spawn("readiness", report_readiness(registry, health, shutdown.clone()));
-    supervisor.spawn("grpc server", grpc::serve(listener, routes, shutdown.clone()));
-    tracing::info!(%endpoint, "rate-window started");
-    let outcome = supervisor.wait().await;
-    publisher.flush(std::time::Duration::from_secs(5));
-    pool.close().await;
-    outcome.map_err(ServiceError::Stopped)
+            ));
+        },
+    )
+    .await
 }

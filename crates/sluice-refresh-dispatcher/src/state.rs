@@ -191,10 +191,7 @@ impl RefreshPartition {
         };
         let task = pb::RefreshTask {
             task_id: in_flight.task_id.clone(),
-            key: Some(pb::KeyRef {
-                tenant: key_id.0.clone(),
-                key: key_id.1.clone(),
-            }),
+            key: Some(key_ref(key_id)),
             current_max: schedule.current_max,
             metadata: schedule.metadata.clone().into_iter().collect(),
             attempt: in_flight.attempt,
@@ -205,7 +202,7 @@ impl RefreshPartition {
             traceparent: schedule.traceparent.clone(),
             tracestate: schedule.tracestate.clone(),
         };
-        let at = |ms: i64| std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+        let at = sluice_common::clock::system_time_at_ms;
         let span = sluice_common::telemetry::record_span(
             "sluice-refresh-dispatcher",
             "refresh-dispatcher.issue",
@@ -231,37 +228,33 @@ impl RefreshPartition {
     }
 
     fn emit_set_max(&self, now_ms: i64, key_id: &KeyId, task_id: &str, max: u32, outbox: &mut Outbox) {
-        let command = pb::LimitCommand {
-            trace: None,
-            sent_at_ms: now_ms,
-            command: Some(pb::limit_command::Command::SetFloatingMax(pb::SetFloatingMax {
-                key: Some(pb::KeyRef {
-                    tenant: key_id.0.clone(),
-                    key: key_id.1.clone(),
-                }),
-                max,
-                task_id: task_id.to_string(),
-            })),
-        };
-        let partition = key_partition(&key_id.0, &key_id.1, self.settings.limit_partitions);
-        outbox.push_entry(
-            &self.settings.limit_commands_topic,
-            partition,
-            &command,
-            self.settings.max_message_bytes,
-        );
+        let command = pb::limit_command::Command::SetFloatingMax(pb::SetFloatingMax {
+            key: Some(key_ref(key_id)),
+            max,
+            task_id: task_id.to_string(),
+        });
+        self.push_limit_command(now_ms, key_id, command, outbox);
     }
 
     fn emit_delete(&self, now_ms: i64, key_id: &KeyId, outbox: &mut Outbox) {
+        let command = pb::limit_command::Command::DeleteFloating(pb::DeleteFloatingState {
+            key: Some(key_ref(key_id)),
+        });
+        self.push_limit_command(now_ms, key_id, command, outbox);
+    }
+
+    /// A command to the key's owner in limit-grant.
+    fn push_limit_command(
+        &self,
+        now_ms: i64,
+        key_id: &KeyId,
+        command: pb::limit_command::Command,
+        outbox: &mut Outbox,
+    ) {
         let command = pb::LimitCommand {
             trace: None,
             sent_at_ms: now_ms,
-            command: Some(pb::limit_command::Command::DeleteFloating(pb::DeleteFloatingState {
-                key: Some(pb::KeyRef {
-                    tenant: key_id.0.clone(),
-                    key: key_id.1.clone(),
-                }),
-            })),
+            command: Some(command),
         };
         let partition = key_partition(&key_id.0, &key_id.1, self.settings.limit_partitions);
         outbox.push_entry(
@@ -356,10 +349,7 @@ impl RefreshPartition {
     fn describe(&self, key_id: &KeyId) -> Option<pb::DescribeFloatingLimitResponse> {
         let schedule = self.schedules.get(key_id)?;
         Some(pb::DescribeFloatingLimitResponse {
-            key: Some(pb::KeyRef {
-                tenant: key_id.0.clone(),
-                key: key_id.1.clone(),
-            }),
+            key: Some(key_ref(key_id)),
             current_max: schedule.current_max,
             default_max: schedule.default_max,
             refresh_interval_ms: schedule.refresh_interval_ms,
@@ -422,6 +412,13 @@ impl RefreshPartition {
                 }));
             }
         }
+    }
+}
+
+fn key_ref(key_id: &KeyId) -> pb::KeyRef {
+    pb::KeyRef {
+        tenant: key_id.0.clone(),
+        key: key_id.1.clone(),
     }
 }
 
