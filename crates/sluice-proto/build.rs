@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
+        .codec_path("crate::codec::SluiceCodec")
         .file_descriptor_set_path(out_dir.join("sluice_descriptor.bin"))
         .compile_protos(&files, &[proto_root])?;
     Ok(())

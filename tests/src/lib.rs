@@ -109,6 +109,90 @@ pub fn test_config_toml(name: &str, toml: &str, overrides: &[(&str, &str)]) -> a
     Ok(with_single_message_batches(loaded))
 }
 
+/// A tansu broker of a test's own, on a port of its own, so freezing,
+/// restarting or killing it disturbs no other test. The binary is
+/// `SLUICE_TANSU` (set by `scripts/with-test-broker.sh`), else `tansu` on the
+/// PATH.
+pub struct PrivateBroker {
+    child: Option<std::process::Child>,
+    port: u16,
+    pub address: String,
+}
+
+impl PrivateBroker {
+    pub async fn start() -> anyhow::Result<Self> {
+        let port = {
+            let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
+            probe.local_addr()?.port()
+        };
+        let mut broker = PrivateBroker {
+            child: None,
+            port,
+            address: format!("127.0.0.1:{port}"),
+        };
+        broker.spawn().await?;
+        Ok(broker)
+    }
+
+    async fn spawn(&mut self) -> anyhow::Result<()> {
+        let url = format!("tcp://127.0.0.1:{}", self.port);
+        let binary = std::env::var("SLUICE_TANSU").unwrap_or_else(|_| "tansu".to_string());
+        let child = std::process::Command::new(&binary)
+            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+            .args(["--storage-engine", "memory://tansu/"])
+            .env_remove("LISTENER_URL")
+            .env_remove("STORAGE_ENGINE")
+            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {binary} (set SLUICE_TANSU or put tansu on the PATH)"))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(&self.address).await.is_err() {
+            anyhow::ensure!(Instant::now() < deadline, "tansu did not start on {}", self.address);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+
+    /// Send a signal (`-STOP`, `-CONT`, ...) to the broker process.
+    pub fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let Some(child) = &self.child else {
+            anyhow::bail!("the broker is not running");
+        };
+        let status = std::process::Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill {signal} failed");
+        Ok(())
+    }
+
+    /// Kill the broker and start a new one on the same port: memory storage,
+    /// so every topic, offset and group is gone (a broker that lost its log).
+    pub async fn restart_empty(&mut self) -> anyhow::Result<()> {
+        self.kill();
+        // The port is free once the old process is reaped.
+        self.spawn().await
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = std::process::Command::new("kill")
+                .args(["-CONT", &child.id().to_string()])
+                .status();
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// One running service instance.
 pub struct Node {
     pub name: &'static str,
@@ -123,6 +207,19 @@ impl Node {
     pub async fn stop(mut self) {
         self.shutdown.trigger();
         self.join().await;
+    }
+
+    /// Graceful stop that must finish within `bound` (the drain is bounded).
+    pub async fn stop_within(mut self, bound: Duration) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        self.shutdown.trigger();
+        let Some(handle) = self.handle.take() else {
+            return Ok(Duration::ZERO);
+        };
+        match tokio::time::timeout(bound, handle).await {
+            Ok(_) => Ok(started.elapsed()),
+            Err(_) => anyhow::bail!("{} did not stop within {bound:?} of being asked to", self.name),
+        }
     }
 
     /// Stop at once, skipping every flush (a killed process).
@@ -474,6 +571,9 @@ impl RequestProducer {
             if let Some(key) = &message.key {
                 record = record.key(key);
             }
+            if let Some(partition) = message.partition {
+                record = record.partition(partition);
+            }
             loop {
                 match self.producer.send_result(record) {
                     Ok(delivery) => {
@@ -506,6 +606,7 @@ impl RequestProducer {
             requests
                 .iter()
                 .map(|request| RawRequest {
+                    partition: None,
                     key: Some(request.payload.clone()),
                     payload: request.encode_to_vec(),
                     headers: Vec::new(),
@@ -519,6 +620,8 @@ impl RequestProducer {
 /// One message for `jobs.requested`, as bytes.
 #[derive(Clone, Debug, Default)]
 pub struct RawRequest {
+    /// Where to send it; `None` lets the producer pick by key.
+    pub partition: Option<i32>,
     pub key: Option<Vec<u8>>,
     pub payload: Vec<u8>,
     pub headers: Vec<(String, Vec<u8>)>,
@@ -615,9 +718,17 @@ pub async fn run_worker(
     let slots = Arc::new(tokio::sync::Semaphore::new(options.concurrency));
     let mut running = tokio::task::JoinSet::new();
     loop {
-        let message = tokio::select! {
+        let received = tokio::select! {
             _ = stop.cancelled() => break,
-            received = consumer.recv() => received?,
+            received = consumer.recv() => received,
+        };
+        let message = match received {
+            Ok(message) => message,
+            // A broker restarting or a partition end: the client recovers.
+            Err(error) => {
+                tracing::debug!(%error, "test worker: consumer error");
+                continue;
+            }
         };
         recorder.deliveries.fetch_add(1, Ordering::Relaxed);
         let admitted = pb::AdmittedJob::decode(message.payload().unwrap_or_default())?;
@@ -1072,4 +1183,134 @@ pub fn floating_job(
         }],
         ..Default::default()
     }
+}
+
+// ---------------------------------------------------------------------------
+// Dead letters and quarantined input
+
+/// One message of the dead-letter topic.
+#[derive(Clone, Debug)]
+pub struct DeadLetter {
+    pub payload: Vec<u8>,
+    pub headers: HashMap<String, String>,
+}
+
+impl DeadLetter {
+    pub fn header(&self, name: &str) -> &str {
+        self.headers.get(name).map_or("", String::as_str)
+    }
+
+    /// (source partition, source offset).
+    pub fn source(&self) -> (String, String) {
+        (
+            self.header("sluice-source-partition").to_string(),
+            self.header("sluice-source-offset").to_string(),
+        )
+    }
+}
+
+/// Read the dead-letter topic from its start until `until` holds for what
+/// was read (or `timeout` passes: an error).
+pub async fn read_dead_letters(
+    config: &SluiceConfig,
+    timeout: Duration,
+    until: impl Fn(&[DeadLetter]) -> bool,
+) -> anyhow::Result<Vec<DeadLetter>> {
+    use rdkafka::message::Headers as _;
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set(
+            "group.id",
+            format!("{}dlq-{}", config.kafka.topic_prefix, uuid::Uuid::new_v4()),
+        )
+        .set("auto.offset.reset", "earliest")
+        .set("fetch.wait.max.ms", "25");
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[&config.topic(&config.topics.deadletter)])?;
+    let deadline = Instant::now() + timeout;
+    let mut letters = Vec::new();
+    while !until(&letters) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        anyhow::ensure!(
+            !left.is_zero(),
+            "dead letters not as expected within {timeout:?}: {} read",
+            letters.len()
+        );
+        let Ok(received) = tokio::time::timeout(left.min(Duration::from_secs(1)), consumer.recv()).await else {
+            continue;
+        };
+        let message = received?;
+        let headers = message
+            .headers()
+            .map(|headers| {
+                headers
+                    .iter()
+                    .map(|header| {
+                        (
+                            header.key.to_string(),
+                            String::from_utf8_lossy(header.value.unwrap_or_default()).to_string(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        letters.push(DeadLetter {
+            payload: message.payload().unwrap_or_default().to_vec(),
+            headers,
+        });
+    }
+    Ok(letters)
+}
+
+/// Read `topic` from its start until `until` holds for the payloads read.
+pub async fn read_topic(
+    config: &SluiceConfig,
+    topic: &str,
+    timeout: Duration,
+    until: impl Fn(&[Vec<u8>]) -> bool,
+) -> anyhow::Result<Vec<Vec<u8>>> {
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set(
+            "group.id",
+            format!("{}reader-{}", config.kafka.topic_prefix, uuid::Uuid::new_v4()),
+        )
+        .set("auto.offset.reset", "earliest")
+        .set("fetch.wait.max.ms", "25");
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[topic])?;
+    let deadline = Instant::now() + timeout;
+    let mut payloads = Vec::new();
+    while !until(&payloads) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        anyhow::ensure!(
+            !left.is_zero(),
+            "{topic} not as expected within {timeout:?}: {} read",
+            payloads.len()
+        );
+        if let Ok(received) = tokio::time::timeout(left.min(Duration::from_secs(1)), consumer.recv()).await {
+            payloads.push(received?.payload().unwrap_or_default().to_vec());
+        }
+    }
+    Ok(payloads)
+}
+
+/// Rows of a service's quarantine table: (input offset, entry, reason).
+pub async fn quarantined(stack: &Stack, service_schema: &str) -> anyhow::Result<Vec<(i64, Vec<u8>, String)>> {
+    let query = format!(
+        "SELECT input_offset, entry, reason FROM \"{}\".quarantine ORDER BY id",
+        stack.config.schema(service_schema)
+    );
+    Ok(sqlx::query_as(sqlx::AssertSqlSafe(query))
+        .fetch_all(&stack.pool)
+        .await?)
+}
+
+/// Publish raw messages (internal topics included) as a broken or hostile
+/// producer would.
+pub async fn publish_raw(config: &SluiceConfig, messages: Vec<sluice_common::kafka::OutMsg>) -> anyhow::Result<()> {
+    sluice_common::kafka::Publisher::new(&config.kafka)?
+        .send_all(messages)
+        .await?;
+    Ok(())
 }

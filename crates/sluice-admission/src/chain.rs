@@ -10,7 +10,10 @@
 use std::collections::HashSet;
 
 use sluice_common::config::{parse_duration, CapScope, SluiceConfig};
-use sluice_common::validate::{check_name, FieldError};
+use sluice_common::validate::{
+    check_floating_values, check_i64, check_name, check_rate_window, check_u32, check_unique_key, FieldError,
+    MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_IDEMPOTENCY_WINDOW_MS, MAX_ID_BYTES, MAX_RUN_AT_MS,
+};
 use sluice_proto::v1 as pb;
 
 /// Keys starting with this are task-group caps; jobs cannot name them.
@@ -117,8 +120,8 @@ impl RetrySettings {
     pub fn from_request(retry: Option<&pb::RetryPolicy>) -> Result<Self, FieldError> {
         let default = pb::RetryPolicy::default();
         let retry = retry.unwrap_or(&default);
-        let initial = optional_duration_ms("retry.initial_backoff", &retry.initial_backoff, 1_000)?;
-        let max = optional_duration_ms("retry.max_backoff", &retry.max_backoff, 300_000)?;
+        let initial = optional_duration_ms("retry.initial_backoff", &retry.initial_backoff, 1_000, MAX_BACKOFF_MS)?;
+        let max = optional_duration_ms("retry.max_backoff", &retry.max_backoff, 300_000, MAX_BACKOFF_MS)?;
         if max < initial {
             return Err(FieldError::new(
                 "retry.max_backoff",
@@ -130,7 +133,7 @@ impl RetrySettings {
         } else {
             retry.backoff_multiplier
         };
-        if !(1.0..=100.0).contains(&multiplier) {
+        if !multiplier.is_finite() || !(1.0..=100.0).contains(&multiplier) {
             return Err(FieldError::new("retry.backoff_multiplier", "must be between 1 and 100"));
         }
         if retry.max_attempts > 1000 {
@@ -151,12 +154,25 @@ impl RetrySettings {
     }
 }
 
-fn optional_duration_ms(field: &str, text: &str, default_ms: i64) -> Result<i64, FieldError> {
+/// A duration field ("90s", "1h"), empty for `default_ms`, at most `max_ms`.
+fn optional_duration_ms(field: &str, text: &str, default_ms: i64, max_ms: i64) -> Result<i64, FieldError> {
     if text.trim().is_empty() {
         return Ok(default_ms);
     }
+    if text.len() > 64 {
+        return Err(FieldError::new(field, "is not a duration (too long)"));
+    }
     let duration = parse_duration(text).map_err(|message| FieldError::new(field, message))?;
-    Ok(i64::try_from(duration.as_millis()).unwrap_or(i64::MAX))
+    match i64::try_from(duration.as_millis()) {
+        Ok(millis) if millis <= max_ms => Ok(millis),
+        _ => Err(FieldError::new(
+            field,
+            format!(
+                "{text:?} is longer than the maximum {}",
+                humantime::format_duration(std::time::Duration::from_millis(u64::try_from(max_ms).unwrap_or(0)))
+            ),
+        )),
+    }
 }
 
 /// A request that passed validation, with everything derived from it.
@@ -175,7 +191,7 @@ pub struct ValidJob {
 pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJob, FieldError> {
     let limits = &config.admission;
     if let Some(job_id) = &request.job_id {
-        check_name("job_id", job_id, 200)?;
+        check_name("job_id", job_id, MAX_ID_BYTES)?;
     }
     check_name("tenant", &request.tenant, limits.max_key_bytes)?;
     if request.tenant == GLOBAL_CAP_TENANT {
@@ -198,6 +214,9 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
     let priority = request.priority.unwrap_or(limits.default_priority);
     if priority > 99 {
         return Err(FieldError::new("priority", "must be 0 (most urgent) to 99"));
+    }
+    if let Some(run_at_ms) = request.run_at_ms {
+        check_i64("run_at_ms", run_at_ms, 0, MAX_RUN_AT_MS)?;
     }
     if request.payload.len() > limits.max_payload_bytes {
         return Err(FieldError::new(
@@ -223,6 +242,7 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
             "idempotency_window",
             &request.idempotency_window,
             limits.default_idempotency_window.as_millis_i64(),
+            MAX_IDEMPOTENCY_WINDOW_MS,
         )?)
     };
     if idempotency_window_ms == Some(0) {
@@ -308,6 +328,12 @@ fn validate_limit(
                     "must be at least 1 (pause a key with an override of 0 instead)",
                 ));
             }
+            check_u32(
+                "concurrency.max_concurrency",
+                concurrency.max_concurrency,
+                1,
+                MAX_CONCURRENCY,
+            )?;
             Ok(StoredStep {
                 tenant: tenant.to_string(),
                 key: concurrency.key.clone(),
@@ -319,29 +345,7 @@ fn validate_limit(
         }
         Some(pb::limit::Kind::Floating(floating)) => {
             check_job_key("floating.key", &floating.key, max_key_bytes)?;
-            if floating.default_max < 1 {
-                return Err(FieldError::new("floating.default_max", "must be at least 1"));
-            }
-            if floating.refresh_interval_ms == 0 {
-                return Err(FieldError::new(
-                    "floating.refresh_interval_ms",
-                    "must be greater than 0",
-                ));
-            }
-            let metadata_bytes: usize = floating
-                .metadata
-                .iter()
-                .map(|(name, value)| name.len() + value.len())
-                .sum();
-            if metadata_bytes > limits.max_floating_metadata_bytes {
-                return Err(FieldError::new(
-                    "floating.metadata",
-                    format!(
-                        "is {metadata_bytes} bytes; at most {} (admission.max_floating_metadata_bytes)",
-                        limits.max_floating_metadata_bytes
-                    ),
-                ));
-            }
+            check_floating_values("floating", floating, limits.max_floating_metadata_bytes)?;
             Ok(StoredStep {
                 tenant: tenant.to_string(),
                 key: floating.key.clone(),
@@ -370,28 +374,10 @@ fn validate_limit(
             }
             Some(pb::rate_limit::Spec::Inline(inline)) => {
                 check_name("rate.inline.name", &inline.name, max_key_bytes)?;
-                if inline.unique_key.len() > max_key_bytes || inline.unique_key.chars().any(char::is_control) {
-                    return Err(FieldError::new(
-                        "rate.inline.unique_key",
-                        format!("must be at most {max_key_bytes} bytes without control characters"),
-                    ));
-                }
-                if inline.limit <= 0 {
-                    return Err(FieldError::new("rate.inline.limit", "must be greater than 0"));
-                }
-                if inline.duration_ms <= 0 {
-                    return Err(FieldError::new("rate.inline.duration_ms", "must be greater than 0"));
-                }
-                if inline.cost < 0 {
-                    return Err(FieldError::new("rate.inline.cost", "must not be negative"));
-                }
+                check_unique_key("rate.inline.unique_key", &inline.unique_key, max_key_bytes)?;
                 let cost = if inline.cost == 0 { 1 } else { inline.cost };
-                if cost > inline.limit {
-                    return Err(FieldError::new(
-                        "rate.inline.cost",
-                        format!("{cost} is above the limit {}; it could never be granted", inline.limit),
-                    ));
-                }
+                check_rate_window("rate.inline", inline.limit, inline.duration_ms, inline.cost)?;
+                check_rate_window("rate.inline", inline.limit, inline.duration_ms, cost)?;
                 Ok(StoredStep {
                     tenant: tenant.to_string(),
                     key: format!("inline:{}:{}", inline.name, inline.unique_key),

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use sluice_common::clock::{wall_clock_ms, wall_clock_us};
+use sluice_common::fault::classify_sql;
 use sluice_common::kafka::{Outbox, Publisher};
+use sluice_common::readiness::Readiness;
 use sluice_common::telemetry::record_span;
 use sluice_common::{FaultPoint, Faults, SluiceConfig};
 use sluice_proto::v1 as pb;
@@ -24,21 +26,52 @@ use crate::transitions::{self, AttemptEnd, Effect, JobState, Status, Timing};
 pub enum AdmissionError {
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// A job id that exists with a different request (`OnConflict::Refuse`).
+    #[error("job {job_id:?} already exists with a different request")]
+    Conflict { index: usize, job_id: String },
     /// A fault hook stopped the instance (tests).
     #[error("crash injected")]
     Crashed,
 }
 
 impl AdmissionError {
+    /// Whether doing the same again can succeed (`sluice_common::fault`).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            AdmissionError::Database(error) => classify_sql(error).is_transient(),
+            AdmissionError::Conflict { .. } => false,
+            AdmissionError::Crashed => true,
+        }
+    }
+
+    /// The gRPC answer: UNAVAILABLE (retry) only for faults that pass.
     pub fn to_status(&self) -> tonic::Status {
         match self {
-            AdmissionError::Database(error) => {
+            AdmissionError::Database(error) if classify_sql(error).is_transient() => {
                 tracing::warn!(%error, "database error");
                 tonic::Status::unavailable("database unavailable; retry")
             }
+            AdmissionError::Database(error) => {
+                tracing::error!(%error, "PostgreSQL refuses the request's data");
+                tonic::Status::internal(format!(
+                    "the request cannot be stored ({}); retrying will not help",
+                    sluice_common::fault::clean_text(&error.to_string(), 512)
+                ))
+            }
+            AdmissionError::Conflict { .. } => tonic::Status::already_exists(self.to_string()),
             AdmissionError::Crashed => tonic::Status::unavailable("instance stopping"),
         }
     }
+}
+
+/// What `enqueue` does with a request whose job id exists with a different
+/// request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnConflict {
+    /// Save nothing of the batch; answer `AdmissionError::Conflict` (gRPC).
+    Refuse,
+    /// Save the rest; the outcome says `conflict` (Kafka: a dead letter).
+    Report,
 }
 
 /// A validated request with its id and trace context.
@@ -53,7 +86,11 @@ pub struct Incoming {
 pub struct EnqueueOutcome {
     pub job_id: String,
     pub status: Status,
+    /// The job already existed (the same request again, or the same
+    /// idempotency key within its window): nothing new was saved.
     pub deduplicated: bool,
+    /// The job id exists with a different request: nothing was saved.
+    pub conflict: bool,
 }
 
 pub struct AdmissionCore {
@@ -63,6 +100,8 @@ pub struct AdmissionCore {
     pub routes: Routes,
     pub faults: Faults,
     pub timing: Timing,
+    /// The instance's readiness: faults being retried are conditions on it.
+    pub readiness: Readiness,
     last_enqueued_at_us: AtomicI64,
 }
 
@@ -70,7 +109,13 @@ pub struct AdmissionCore {
 pub type ClaimResults = Vec<pb::ClaimResult>;
 
 impl AdmissionCore {
-    pub fn new(config: Arc<SluiceConfig>, pool: PgPool, publisher: Publisher, faults: Faults) -> Self {
+    pub fn new(
+        config: Arc<SluiceConfig>,
+        pool: PgPool,
+        publisher: Publisher,
+        faults: Faults,
+        readiness: Readiness,
+    ) -> Self {
         let timing = Timing {
             resend_waiting_after_ms: config.admission.resend_waiting_after.as_millis_i64(),
             claim_timeout_ms: config.admission.claim_timeout.as_millis_i64(),
@@ -82,8 +127,17 @@ impl AdmissionCore {
             publisher,
             faults,
             timing,
+            readiness,
             last_enqueued_at_us: AtomicI64::new(0),
         }
+    }
+
+    /// A fault that passes is being retried: not ready until it clears.
+    pub fn note_transient(&self, condition: &str, reason: String) {
+        self.readiness.set(condition, reason);
+        sluice_common::metrics::metrics()
+            .transient_faults
+            .add(1, &[KeyValue::new("service", crate::SERVICE)]);
     }
 
     /// Enqueue times are strictly increasing within an instance, so equal
@@ -124,7 +178,8 @@ impl AdmissionCore {
         tracing::error!("giving up publishing; the sweeper will re-send the saved effects");
     }
 
-    fn new_row(&self, incoming: &Incoming, now_ms: i64) -> JobRow {
+    /// The row `enqueue` saves for `incoming` (its state decided at `now_ms`).
+    pub fn new_row(&self, incoming: &Incoming, now_ms: i64) -> JobRow {
         let valid = &incoming.valid;
         // The job's own span, under the producer's: every span of the job
         // hangs below it, across services.
@@ -145,6 +200,7 @@ impl AdmissionCore {
         let mut spec = valid.request.clone();
         spec.payload = Vec::new();
         spec.job_id = Some(incoming.job_id.clone());
+        let request_hash = Some(jobs::request_fingerprint(&spec, &valid.request.payload));
         let mut state = JobState {
             job_id: incoming.job_id.clone(),
             status: Status::Scheduled,
@@ -189,25 +245,34 @@ impl AdmissionCore {
                 Some(valid.request.idempotency_key.clone())
             },
             trace: job_trace,
+            request_hash,
         }
     }
 
     /// Save new jobs (deduplicated by id and idempotency key), then send
-    /// their first effects together with `extra` (e.g. dead letters).
-    pub async fn enqueue(&self, incoming: Vec<Incoming>, extra: Outbox) -> Result<Vec<EnqueueOutcome>, AdmissionError> {
+    /// their first effects. The same job id with a different request is a
+    /// conflict, handled as `on_conflict` says.
+    pub async fn enqueue(
+        &self,
+        incoming: &[Incoming],
+        on_conflict: OnConflict,
+    ) -> Result<Vec<EnqueueOutcome>, AdmissionError> {
         let now_ms = wall_clock_ms();
         tracing::debug!(jobs = incoming.len(), "enqueue batch");
         let rows: Vec<JobRow> = incoming.iter().map(|request| self.new_row(request, now_ms)).collect();
-        let mut outbox = extra;
+        let mut outbox = Outbox::new();
         let mut outcomes: Vec<Option<EnqueueOutcome>> = vec![None; rows.len()];
 
+        if self.faults.hit(FaultPoint::AdmissionSaveRefused) {
+            return Err(AdmissionError::Database(sluice_common::faults::refused_by_storage()));
+        }
         let mut connection = self.pool.acquire().await?;
         let mut transaction = connection.begin().await?;
         // Idempotency keys: the first request of a (tenant, key) in the batch
         // claims it; later ones, and ones whose key is held, are duplicates.
         let mut claims = Vec::new();
         let mut claim_index: HashMap<(String, String), usize> = HashMap::new();
-        for (index, (row, request)) in rows.iter().zip(&incoming).enumerate() {
+        for (index, (row, request)) in rows.iter().zip(incoming).enumerate() {
             if let (Some(key), Some(window_ms)) = (&row.idempotency_key, request.valid.idempotency_window_ms) {
                 let pair = (row.tenant.clone(), key.clone());
                 if let std::collections::hash_map::Entry::Vacant(entry) = claim_index.entry(pair) {
@@ -216,7 +281,7 @@ impl AdmissionCore {
                         row.tenant.clone(),
                         key.clone(),
                         row.state.job_id.clone(),
-                        now_ms + window_ms,
+                        now_ms.saturating_add(window_ms),
                     ));
                 }
             }
@@ -225,7 +290,9 @@ impl AdmissionCore {
         let holders = jobs::claim_idempotency_keys(&mut transaction, &claims, now_ms).await?;
         let mut to_insert: Vec<JobRow> = Vec::new();
         let mut insert_positions: Vec<usize> = Vec::new();
-        let mut seen_ids: HashSet<String> = HashSet::new();
+        // The first row of each job id in the batch; later ones repeat it.
+        let mut first_of: HashMap<String, usize> = HashMap::new();
+        let mut repeats: Vec<(usize, usize)> = Vec::new();
         let mut existing_ids: Vec<String> = Vec::new();
         for (index, row) in rows.iter().enumerate() {
             if let Some(key) = &row.idempotency_key {
@@ -236,33 +303,33 @@ impl AdmissionCore {
                             job_id: holder.clone(),
                             status: Status::Unspecified,
                             deduplicated: true,
+                            conflict: false,
                         });
                         existing_ids.push(holder.clone());
                         continue;
                     }
                 }
             }
-            if !seen_ids.insert(row.state.job_id.clone()) {
-                existing_ids.push(row.state.job_id.clone());
-                continue;
+            match first_of.entry(row.state.job_id.clone()) {
+                std::collections::hash_map::Entry::Occupied(first) => {
+                    repeats.push((index, *first.get()));
+                    continue;
+                }
+                std::collections::hash_map::Entry::Vacant(entry) => {
+                    entry.insert(index);
+                }
             }
             to_insert.push(row.clone());
             insert_positions.push(index);
         }
         let inserted = jobs::insert_jobs(&mut transaction, &to_insert).await?;
-        let mut redelivered: Vec<String> = Vec::new();
+        let mut redelivered: Vec<usize> = Vec::new();
         for (row, index) in to_insert.iter().zip(&insert_positions) {
-            if inserted.contains(&row.state.job_id) {
-                outcomes[*index] = Some(EnqueueOutcome {
-                    job_id: row.state.job_id.clone(),
-                    status: row.state.status,
-                    deduplicated: false,
-                });
-            } else {
-                redelivered.push(row.state.job_id.clone());
+            if !inserted.contains(&row.state.job_id) {
+                redelivered.push(*index);
+                existing_ids.push(row.state.job_id.clone());
             }
         }
-        existing_ids.extend(redelivered.iter().cloned());
         existing_ids.sort_unstable();
         existing_ids.dedup();
         let existing: HashMap<String, JobRow> = jobs::fetch_jobs(&mut transaction, &existing_ids)
@@ -270,6 +337,54 @@ impl AdmissionCore {
             .into_iter()
             .map(|row| (row.state.job_id.clone(), row))
             .collect();
+        // The same id again: a redelivery when the request is the same, a
+        // conflict when it is not.
+        let same_request = |row: &JobRow, saved: Option<&Vec<u8>>| match (saved, &row.request_hash) {
+            (Some(saved), Some(ours)) => saved == ours,
+            _ => true,
+        };
+        let mut conflicts: Vec<usize> = Vec::new();
+        let mut resend: Vec<String> = Vec::new();
+        for index in &redelivered {
+            let row = &rows[*index];
+            let saved = existing.get(&row.state.job_id);
+            if same_request(row, saved.and_then(|saved| saved.request_hash.as_ref())) {
+                resend.push(row.state.job_id.clone());
+                outcomes[*index] = Some(EnqueueOutcome {
+                    job_id: row.state.job_id.clone(),
+                    status: saved.map_or(row.state.status, |saved| saved.state.status),
+                    deduplicated: true,
+                    conflict: false,
+                });
+            } else {
+                conflicts.push(*index);
+            }
+        }
+        for (index, first) in &repeats {
+            // The request the id stands for: the one saved now, else the one
+            // saved before (the first occurrence may itself be a conflict).
+            let first_row = &rows[*first];
+            let reference = if inserted.contains(&first_row.state.job_id) {
+                first_row.request_hash.as_ref()
+            } else {
+                existing
+                    .get(&first_row.state.job_id)
+                    .and_then(|saved| saved.request_hash.as_ref())
+            };
+            if same_request(&rows[*index], reference) {
+                continue;
+            }
+            conflicts.push(*index);
+        }
+        conflicts.sort_unstable();
+        if let (OnConflict::Refuse, Some(index)) = (on_conflict, conflicts.first()) {
+            // Nothing of the batch is saved.
+            drop(transaction);
+            return Err(AdmissionError::Conflict {
+                index: *index,
+                job_id: rows[*index].state.job_id.clone(),
+            });
+        }
         transaction.commit().await?;
         drop(connection);
 
@@ -287,7 +402,7 @@ impl AdmissionCore {
             }
         }
         // A redelivered request changes nothing and re-sends its effect.
-        for job_id in &redelivered {
+        for job_id in &resend {
             if let Some(row) = existing.get(job_id) {
                 self.push_pending_effect(&mut outbox, row);
             }
@@ -295,23 +410,36 @@ impl AdmissionCore {
         record_commit(started);
         self.publish(outbox).await;
 
+        for index in &conflicts {
+            let row = &rows[*index];
+            outcomes[*index] = Some(EnqueueOutcome {
+                job_id: row.state.job_id.clone(),
+                status: existing
+                    .get(&row.state.job_id)
+                    .map_or(Status::Unspecified, |saved| saved.state.status),
+                deduplicated: false,
+                conflict: true,
+            });
+        }
         let mut results = Vec::with_capacity(rows.len());
         for (index, row) in rows.iter().enumerate() {
             let outcome = match outcomes[index].take() {
-                Some(outcome) if !outcome.deduplicated => outcome,
-                Some(duplicate) => EnqueueOutcome {
+                Some(outcome) if outcome.deduplicated && outcome.status == Status::Unspecified => EnqueueOutcome {
                     status: existing
-                        .get(&duplicate.job_id)
+                        .get(&outcome.job_id)
                         .map_or(Status::Unspecified, |job| job.state.status),
-                    ..duplicate
+                    ..outcome
                 },
-                None => EnqueueOutcome {
-                    job_id: row.state.job_id.clone(),
-                    status: existing
-                        .get(&row.state.job_id)
-                        .map_or(row.state.status, |job| job.state.status),
-                    deduplicated: false,
-                },
+                Some(outcome) => outcome,
+                None => {
+                    let repeat = repeats.iter().any(|(repeat, _)| *repeat == index);
+                    EnqueueOutcome {
+                        job_id: row.state.job_id.clone(),
+                        status: row.state.status,
+                        deduplicated: repeat,
+                        conflict: false,
+                    }
+                }
             };
             results.push(outcome);
         }
@@ -511,13 +639,19 @@ impl AdmissionCore {
                 .collect()
         };
         let mut results = Vec::with_capacity(attempts.len());
+        // An attempt named twice in one call (a redelivered admitted message
+        // batched with the first) is claimed once: the first entry wins.
+        let mut answered: HashSet<(String, u32)> = HashSet::with_capacity(attempts.len());
         for (job_id, attempt) in attempts {
             let mut result = pb::ClaimResult {
                 job_id: job_id.clone(),
                 attempt,
                 ..Default::default()
             };
-            if let Some((lease_end, lease_ms, payload)) = won.get(&(job_id.clone(), attempt)) {
+            let first_entry = answered.insert((job_id.clone(), attempt));
+            if !first_entry && won.contains_key(&(job_id.clone(), attempt)) {
+                result.outcome = pb::ClaimOutcome::Taken as i32;
+            } else if let Some((lease_end, lease_ms, payload)) = won.get(&(job_id.clone(), attempt)) {
                 result.outcome = pb::ClaimOutcome::Claimed as i32;
                 result.lease_expires_at_ms = *lease_end;
                 result.lease_ms = u64::try_from(*lease_ms).unwrap_or_default();

@@ -230,86 +230,137 @@ impl Routes {
         });
     }
 
-    /// A producer message that cannot become a job, with the reason.
+    /// A producer message that cannot become a job, with the reason, as a
+    /// dead letter (see `dead_letter`).
     pub fn push_deadletter(
         &self,
         outbox: &mut Outbox,
         source_topic: &str,
         message: &sluice_common::kafka::InMsg,
+        class: DeadLetterClass,
         reason: &str,
     ) {
+        outbox.push(self.dead_letter(source_topic, message, class, reason));
+    }
+
+    /// The dead letter of a producer message: its key, payload and headers,
+    /// plus `sluice-deadletter-reason` (the reason, naming the field),
+    /// `sluice-deadletter-class` (one of a fixed set: the metric's label),
+    /// and where it came from. One that would not fit in
+    /// `kafka.max_message_bytes` has its payload cut (and, if that is not
+    /// enough, its own headers dropped), with headers saying so: a dead
+    /// letter is never lost for its size.
+    pub fn dead_letter(
+        &self,
+        source_topic: &str,
+        message: &sluice_common::kafka::InMsg,
+        class: DeadLetterClass,
+        reason: &str,
+    ) -> OutMsg {
+        let reason = sluice_common::fault::clean_text(reason, MAX_REASON_BYTES);
+        let ours = vec![
+            ("sluice-deadletter-reason".to_string(), reason.into_bytes()),
+            ("sluice-deadletter-class".to_string(), class.label().as_bytes().to_vec()),
+            ("sluice-source-topic".to_string(), source_topic.as_bytes().to_vec()),
+            (
+                "sluice-source-partition".to_string(),
+                message.partition.to_string().into_bytes(),
+            ),
+            (
+                "sluice-source-offset".to_string(),
+                message.offset.to_string().into_bytes(),
+            ),
+        ];
+        let payload = message.payload.clone().unwrap_or_default();
+        let key = message.key.clone();
+        let headers_size = |headers: &[(String, Vec<u8>)]| -> usize {
+            headers
+                .iter()
+                .map(|(name, value)| name.len() + value.len() + RECORD_FIELD_OVERHEAD)
+                .sum()
+        };
+        let budget = self.max_message_bytes.saturating_sub(RECORD_OVERHEAD);
+        let key_size = key.as_ref().map_or(0, Vec::len);
         let mut headers = message.headers.clone();
-        headers.push(("sluice-deadletter-reason".to_string(), reason.as_bytes().to_vec()));
-        headers.push(("sluice-source-topic".to_string(), source_topic.as_bytes().to_vec()));
-        headers.push((
-            "sluice-source-partition".to_string(),
-            message.partition.to_string().into_bytes(),
-        ));
-        headers.push((
-            "sluice-source-offset".to_string(),
-            message.offset.to_string().into_bytes(),
-        ));
-        outbox.push(OutMsg {
+        let mut extra = Vec::new();
+        let mut fixed = key_size + headers_size(&headers) + headers_size(&ours) + 128;
+        if fixed > budget {
+            // The producer's own headers alone do not leave room.
+            extra.push((
+                "sluice-deadletter-headers-dropped".to_string(),
+                headers.len().to_string().into_bytes(),
+            ));
+            headers.clear();
+            fixed = key_size + headers_size(&ours) + 256;
+        }
+        let room = budget.saturating_sub(fixed);
+        let payload = if payload.len() > room {
+            extra.push((
+                "sluice-deadletter-payload-truncated".to_string(),
+                payload.len().to_string().into_bytes(),
+            ));
+            payload[..room].to_vec()
+        } else {
+            payload
+        };
+        headers.extend(ours);
+        headers.extend(extra);
+        OutMsg {
             topic: self.deadletter.clone(),
             partition: None,
-            key: message.key.clone(),
-            payload: message.payload.clone().unwrap_or_default(),
+            key: if key_size > budget / 2 { None } else { key },
+            payload,
             headers,
-        });
-        sluice_common::metrics::metrics().dead_letters.add(
-            1,
-            &[
-                opentelemetry::KeyValue::new("topic", source_topic.to_string()),
-                opentelemetry::KeyValue::new("reason", deadletter_reason_label(reason)),
-            ],
-        );
+        }
     }
+}
+
+/// Why a producer message is a dead letter: a fixed set, so the metric's
+/// label stays bounded (the reason itself is in the dead letter's header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeadLetterClass {
+    /// Not a protobuf or JSON job request at all.
+    Undecodable,
+    /// A request with a field that fails validation (the reason names it).
+    Invalid,
+    /// The job id exists with a different request.
+    Conflict,
+    /// PostgreSQL refuses to store it, every time.
+    Storage,
+    /// Checking it failed inside Sluice (a bug); it is kept, not lost.
+    Internal,
+}
+
+impl DeadLetterClass {
+    pub fn label(self) -> &'static str {
+        match self {
+            DeadLetterClass::Undecodable => "undecodable",
+            DeadLetterClass::Invalid => "invalid",
+            DeadLetterClass::Conflict => "conflict",
+            DeadLetterClass::Storage => "storage",
+            DeadLetterClass::Internal => "internal",
+        }
+    }
+}
+
+/// The longest reason header.
+const MAX_REASON_BYTES: usize = 2048;
+/// A record's framing on the broker, and each header's, in bytes (generous).
+const RECORD_OVERHEAD: usize = 512;
+const RECORD_FIELD_OVERHEAD: usize = 16;
+
+/// Count dead letters that were delivered, by source topic and class.
+pub fn count_dead_letters(source_topic: &str, class: DeadLetterClass, count: u64) {
+    sluice_common::metrics::metrics().dead_letters.add(
+        count,
+        &[
+            opentelemetry::KeyValue::new("topic", source_topic.to_string()),
+            opentelemetry::KeyValue::new("reason", class.label()),
+        ],
+    );
 }
 
 /// The Kafka key of an admitted message: `<job id>/<attempt>`.
 pub fn admitted_key(job_id: &str, attempt: u32) -> String {
     format!("{job_id}/{attempt}")
-}
-
-/// A bounded label for a dead-letter reason: the field it names with list
-/// indices dropped (`limits.concurrency.key`), or `undecodable` for a
-/// payload that is not a request at all.
-pub fn deadletter_reason_label(reason: &str) -> String {
-    let Some((field, _)) = reason.split_once(": ") else {
-        return "undecodable".to_string();
-    };
-    if field.is_empty() || field.contains(' ') {
-        return "undecodable".to_string();
-    }
-    let mut label = String::with_capacity(field.len());
-    let mut in_index = false;
-    for character in field.chars() {
-        match character {
-            '[' => in_index = true,
-            ']' => in_index = false,
-            _ if !in_index => label.push(character),
-            _ => {}
-        }
-    }
-    label.truncate(64);
-    label
-}
-
-#[cfg(test)]
-mod deadletter_label_tests {
-    use super::deadletter_reason_label;
-
-    #[test]
-    fn labels_name_the_field_without_indices() {
-        assert_eq!(deadletter_reason_label("tenant: must not be empty"), "tenant");
-        assert_eq!(
-            deadletter_reason_label("limits[3].concurrency.key: must not be empty"),
-            "limits.concurrency.key"
-        );
-        assert_eq!(
-            deadletter_reason_label("payload is not a protobuf sluice.v1.JobRequest: bad wire type"),
-            "undecodable"
-        );
-        assert_eq!(deadletter_reason_label("garbage"), "undecodable");
-    }
 }

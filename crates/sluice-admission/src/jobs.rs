@@ -16,7 +16,7 @@ use crate::transitions::{JobState, Status};
 pub const JOB_COLUMNS: &str = "job_id, tenant, task_group, priority, status, attempt, attempts_used, max_attempts, \
      step, chain, spec, payload, job_partition, lease_ms, run_timeout_ms, enqueued_at_us, run_at_ms, due_at_ms, \
      step_started_at_ms, admitted_at_ms, claimed_by, claimed_at_ms, lease_expires_at_ms, finished_at_ms, \
-     cancel_reason, last_error, history, idempotency_key, traceparent, tracestate";
+     cancel_reason, last_error, history, idempotency_key, traceparent, tracestate, request_hash";
 
 /// A whole job row.
 #[derive(Clone, Debug)]
@@ -32,6 +32,36 @@ pub struct JobRow {
     pub run_at_ms: Option<i64>,
     pub idempotency_key: Option<String>,
     pub trace: pb::TraceContext,
+    /// A fingerprint of the request (`request_fingerprint`): the same job id
+    /// sent again with another request is a conflict. `None` for rows saved
+    /// before fingerprints were kept.
+    pub request_hash: Option<Vec<u8>>,
+}
+
+/// SHA-256 of the request as saved (`spec`, with the job id set and no
+/// payload) and its payload. Map fields (floating metadata) are hashed in
+/// key order: protobuf's encoding of a map has no fixed order.
+pub fn request_fingerprint(spec: &pb::JobRequest, payload: &[u8]) -> Vec<u8> {
+    use sha2::Digest as _;
+    let mut hasher = sha2::Sha256::new();
+    let mut without_maps = spec.clone();
+    for (index, limit) in without_maps.limits.iter_mut().enumerate() {
+        if let Some(pb::limit::Kind::Floating(floating)) = &mut limit.kind {
+            let sorted: std::collections::BTreeMap<String, String> = floating.metadata.drain().collect();
+            for (name, value) in sorted {
+                hasher.update(u64::try_from(index).unwrap_or(u64::MAX).to_le_bytes());
+                hasher.update(u64::try_from(name.len()).unwrap_or(u64::MAX).to_le_bytes());
+                hasher.update(name.as_bytes());
+                hasher.update(u64::try_from(value.len()).unwrap_or(u64::MAX).to_le_bytes());
+                hasher.update(value.as_bytes());
+            }
+        }
+    }
+    let encoded = without_maps.encode_to_vec();
+    hasher.update(u64::try_from(encoded.len()).unwrap_or(u64::MAX).to_le_bytes());
+    hasher.update(&encoded);
+    hasher.update(payload);
+    hasher.finalize().to_vec()
 }
 
 fn to_u32(value: i32) -> u32 {
@@ -112,6 +142,7 @@ impl JobRow {
                 traceparent: row.try_get("traceparent")?,
                 tracestate: row.try_get("tracestate")?,
             },
+            request_hash: row.try_get("request_hash")?,
         })
     }
 }
@@ -172,6 +203,7 @@ pub async fn insert_jobs(connection: &mut PgConnection, jobs: &[JobRow]) -> Resu
     let mut idempotency_keys: Vec<Option<String>> = Vec::with_capacity(count);
     let mut traceparents = Vec::with_capacity(count);
     let mut tracestates = Vec::with_capacity(count);
+    let mut request_hashes: Vec<Option<Vec<u8>>> = Vec::with_capacity(count);
     for job in jobs {
         job_ids.push(job.state.job_id.clone());
         tenants.push(job.tenant.clone());
@@ -199,22 +231,24 @@ pub async fn insert_jobs(connection: &mut PgConnection, jobs: &[JobRow]) -> Resu
         idempotency_keys.push(job.idempotency_key.clone());
         traceparents.push(job.trace.traceparent.clone());
         tracestates.push(job.trace.tracestate.clone());
+        request_hashes.push(job.request_hash.clone());
     }
     let inserted: Vec<String> = sqlx::query_scalar(
         "INSERT INTO jobs (job_id, tenant, task_group, priority, status, attempt, attempts_used, max_attempts, step,
                            chain_len, chain, spec, payload, job_partition, lease_ms, run_timeout_ms, enqueued_at_us,
                            run_at_ms, due_at_ms, step_started_at_ms, admitted_at_ms, idempotency_key, traceparent,
-                           tracestate)
+                           tracestate, request_hash)
          SELECT u.job_id, u.tenant, u.task_group, u.priority, u.status, 1, 0, u.max_attempts, 0, u.chain_len, u.chain,
                 u.spec, u.payload, u.job_partition, u.lease_ms, u.run_timeout_ms, u.enqueued_at_us, u.run_at_ms,
-                u.due_at_ms, u.step_started_at_ms, u.admitted_at_ms, u.idempotency_key, u.traceparent, u.tracestate
+                u.due_at_ms, u.step_started_at_ms, u.admitted_at_ms, u.idempotency_key, u.traceparent, u.tracestate,
+                u.request_hash
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::smallint[], $5::smallint[], $6::integer[],
                      $7::integer[], $8::bytea[], $9::bytea[], $10::bytea[], $11::integer[], $12::bigint[],
                      $13::bigint[], $14::bigint[], $15::bigint[], $16::bigint[], $17::bigint[], $18::bigint[],
-                     $19::text[], $20::text[], $21::text[])
+                     $19::text[], $20::text[], $21::text[], $22::bytea[])
               AS u(job_id, tenant, task_group, priority, status, max_attempts, chain_len, chain, spec, payload,
                    job_partition, lease_ms, run_timeout_ms, enqueued_at_us, run_at_ms, due_at_ms,
-                   step_started_at_ms, admitted_at_ms, idempotency_key, traceparent, tracestate)
+                   step_started_at_ms, admitted_at_ms, idempotency_key, traceparent, tracestate, request_hash)
          ON CONFLICT (job_id) DO NOTHING
          RETURNING job_id",
     )
@@ -239,6 +273,7 @@ pub async fn insert_jobs(connection: &mut PgConnection, jobs: &[JobRow]) -> Resu
     .bind(idempotency_keys)
     .bind(traceparents)
     .bind(tracestates)
+    .bind(request_hashes)
     .fetch_all(connection)
     .await?;
     Ok(inserted.into_iter().collect())

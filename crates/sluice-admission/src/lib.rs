@@ -7,6 +7,8 @@ pub mod chain;
 pub mod consumers;
 pub mod core;
 pub mod effects;
+#[cfg(test)]
+mod fuzz;
 pub mod jobs;
 pub mod json_request;
 pub mod service;
@@ -17,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
+use sluice_common::readiness::Readiness;
 use sluice_common::service::{all_topics, open_database, Supervisor};
 use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
 use sluice_proto::v1::limits_client::LimitsClient;
@@ -46,7 +49,7 @@ pub enum AdmissionServiceError {
 }
 
 pub async fn migrate(config: &SluiceConfig) -> Result<(), AdmissionServiceError> {
-    sluice_common::service::migrate_only(config, SCHEMA, &[&MIGRATOR]).await?;
+    sluice_common::service::migrate_only(config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &MIGRATOR]).await?;
     Ok(())
 }
 
@@ -68,14 +71,16 @@ pub async fn run(
     shutdown: Shutdown,
     faults: Faults,
 ) -> Result<(), AdmissionServiceError> {
-    let pool = open_database(&config, SCHEMA, &[&MIGRATOR]).await?;
+    let pool = open_database(&config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &MIGRATOR]).await?;
     kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
-    let publisher = Publisher::new(&config.kafka)?;
+    let readiness = Readiness::new();
+    let publisher = Publisher::for_service(&config.kafka, readiness.clone(), faults.clone())?;
     let core = Arc::new(AdmissionCore::new(
         config.clone(),
         pool.clone(),
         publisher.clone(),
         faults,
+        readiness.clone(),
     ));
     let grant_progress = Arc::new(ConsumerProgress::default());
 
@@ -93,6 +98,7 @@ pub async fn run(
     {
         let config = config.clone();
         let shutdown = shutdown.clone();
+        let readiness = readiness.clone();
         let factory = Arc::new(consumers::RequestConsumer {
             core: core.clone(),
             topic: Arc::from(requested_topic.as_str()),
@@ -105,6 +111,7 @@ pub async fn run(
                     topic: requested_topic,
                     channel_capacity: 10_000,
                     track_end: false,
+                    readiness: readiness.clone(),
                 },
                 factory,
                 Arc::new(ConsumerProgress::default()),
@@ -116,7 +123,11 @@ pub async fn run(
     {
         let config = config.clone();
         let shutdown = shutdown.clone();
-        let factory = Arc::new(consumers::GrantConsumer { core: core.clone() });
+        let readiness = readiness.clone();
+        let factory = Arc::new(consumers::GrantConsumer {
+            core: core.clone(),
+            topic: Arc::from(config.topic(&config.topics.grants)),
+        });
         let progress = grant_progress.clone();
         supervisor.spawn("grant consumer", async move {
             kafka::run_partitioned_consumer(
@@ -126,6 +137,7 @@ pub async fn run(
                     topic: config.topic(&config.topics.grants),
                     channel_capacity: 10_000,
                     track_end: true,
+                    readiness: readiness.clone(),
                 },
                 factory,
                 progress,
@@ -136,7 +148,19 @@ pub async fn run(
     }
     supervisor.spawn("sweeper", sweeper::run(core.clone(), grant_progress, shutdown.clone()));
     supervisor.spawn("grpc server", grpc::serve(listener, routes, shutdown.clone()));
-    health.set_serving(true).await;
+    supervisor.spawn(
+        "topic watch",
+        kafka::watch_topics(
+            config.kafka.clone(),
+            all_topics(&config),
+            readiness.clone(),
+            shutdown.clone(),
+        ),
+    );
+    supervisor.spawn(
+        "readiness",
+        sluice_common::service::report_readiness(readiness, health.clone(), shutdown.clone()),
+    );
     tracing::info!("admission started");
     let outcome = supervisor.wait().await;
     health.set_serving(false).await;

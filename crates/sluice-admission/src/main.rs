@@ -15,7 +15,7 @@ async fn main() -> anyhow::Result<()> {
         ServiceCommand::Migrate => sluice_admission::migrate(&config).await?,
         ServiceCommand::Run => {
             let shutdown = Shutdown::new();
-            shutdown.trigger_on_signals();
+            shutdown.trigger_on_signals(config.process.drain_timeout.0);
             telemetry::spawn_metrics_endpoint(&config.telemetry, &telemetry_guard, shutdown.clone()).await?;
             let listener = grpc::bind(&config.admission.listen).await?;
             sluice_admission::run(config, listener, shutdown, Faults::none()).await?;

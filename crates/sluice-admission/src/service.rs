@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use sluice_common::validate::{check_name, FieldError};
+use sluice_common::validate::{check_name, check_text, FieldError, MAX_ID_BYTES, MAX_TEXT_BYTES};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
@@ -10,7 +10,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::chain;
-use crate::core::{AdmissionCore, Incoming};
+use crate::core::{AdmissionCore, AdmissionError, Incoming, OnConflict};
 use crate::jobs::JobRow;
 use crate::transitions::{AttemptEnd, Status as JobStatus};
 
@@ -37,7 +37,7 @@ fn attempts_of(field: &str, jobs: Vec<pb::JobAttempt>) -> Result<Vec<(String, u3
     jobs.into_iter()
         .enumerate()
         .map(|(index, job)| {
-            check_name(&format!("{field}[{index}].job_id"), &job.job_id, 200)?;
+            check_name(&format!("{field}[{index}].job_id"), &job.job_id, MAX_ID_BYTES)?;
             if job.attempt == 0 {
                 return Err(FieldError::new(format!("{field}[{index}].attempt"), "attempts start at 1").into());
             }
@@ -262,9 +262,9 @@ impl pb::admission_server::Admission for AdmissionApi {
         let incoming = self.incoming(None, job, &trace)?;
         let mut outcomes = self
             .core
-            .enqueue(vec![incoming], Default::default())
+            .enqueue(std::slice::from_ref(&incoming), OnConflict::Refuse)
             .await
-            .map_err(|error| error.to_status())?;
+            .map_err(|error| conflict_status(error, None))?;
         let outcome = outcomes
             .pop()
             .ok_or_else(|| Status::internal("enqueue returned nothing"))?;
@@ -289,9 +289,9 @@ impl pb::admission_server::Admission for AdmissionApi {
             .collect::<Result<Vec<_>, Status>>()?;
         let outcomes = self
             .core
-            .enqueue(incoming, Default::default())
+            .enqueue(&incoming, OnConflict::Refuse)
             .await
-            .map_err(|error| error.to_status())?;
+            .map_err(|error| conflict_status(error, Some("jobs")))?;
         Ok(Response::new(pb::EnqueueBatchResponse {
             results: outcomes
                 .into_iter()
@@ -306,7 +306,7 @@ impl pb::admission_server::Admission for AdmissionApi {
 
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::GetJobResponse>, Status> {
         let job_id = request.into_inner().job_id;
-        check_name("job_id", &job_id, 200)?;
+        check_name("job_id", &job_id, MAX_ID_BYTES)?;
         let row = self.core.get_job(&job_id).await.map_err(|error| error.to_status())?;
         let Some(row) = row else {
             return Err(Status::not_found(format!("job {job_id} not found")));
@@ -321,7 +321,8 @@ impl pb::admission_server::Admission for AdmissionApi {
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
         let message = request.into_inner();
-        check_name("job_id", &message.job_id, 200)?;
+        check_name("job_id", &message.job_id, MAX_ID_BYTES)?;
+        check_text("reason", &message.reason, MAX_TEXT_BYTES)?;
         let reason = if message.reason.is_empty() {
             "cancelled by request".to_string()
         } else {
@@ -340,7 +341,7 @@ impl pb::admission_server::Admission for AdmissionApi {
 
     async fn claim(&self, request: Request<pb::ClaimRequest>) -> Result<Response<pb::ClaimResponse>, Status> {
         let message = request.into_inner();
-        check_name("worker_id", &message.worker_id, 200)?;
+        check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
         let results = self
             .core
@@ -355,7 +356,7 @@ impl pb::admission_server::Admission for AdmissionApi {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let message = request.into_inner();
-        check_name("worker_id", &message.worker_id, 200)?;
+        check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
         let results = self
             .core
@@ -369,25 +370,34 @@ impl pb::admission_server::Admission for AdmissionApi {
         // The worker's span, when it sent one: the completion hangs below it.
         let caller_trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let message = request.into_inner();
-        check_name("worker_id", &message.worker_id, 200)?;
+        check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         check_batch("completions", &message.completions)?;
         let mut completions = Vec::with_capacity(message.completions.len());
         for (index, completion) in message.completions.into_iter().enumerate() {
             let field = format!("completions[{index}]");
-            check_name(&format!("{field}.job_id"), &completion.job_id, 200)?;
+            check_name(&format!("{field}.job_id"), &completion.job_id, MAX_ID_BYTES)?;
+            if completion.attempt == 0 {
+                return Err(FieldError::new(format!("{field}.attempt"), "attempts start at 1").into());
+            }
             let end = match completion.outcome {
                 Some(pb::completion::Outcome::Success(_)) => AttemptEnd::Succeeded,
-                Some(pb::completion::Outcome::Failure(failure)) => AttemptEnd::Failed {
-                    error: failure.error,
-                    non_retryable: failure.non_retryable,
-                },
-                Some(pb::completion::Outcome::HandBack(hand_back)) => AttemptEnd::HandedBack {
-                    reason: if hand_back.reason.is_empty() {
-                        "handed back".to_string()
-                    } else {
-                        hand_back.reason
-                    },
-                },
+                Some(pb::completion::Outcome::Failure(failure)) => {
+                    check_text(&format!("{field}.failure.error"), &failure.error, MAX_TEXT_BYTES)?;
+                    AttemptEnd::Failed {
+                        error: failure.error,
+                        non_retryable: failure.non_retryable,
+                    }
+                }
+                Some(pb::completion::Outcome::HandBack(hand_back)) => {
+                    check_text(&format!("{field}.hand_back.reason"), &hand_back.reason, MAX_TEXT_BYTES)?;
+                    AttemptEnd::HandedBack {
+                        reason: if hand_back.reason.is_empty() {
+                            "handed back".to_string()
+                        } else {
+                            hand_back.reason
+                        },
+                    }
+                }
                 None => {
                     return Err(FieldError::new(format!("{field}.outcome"), "set success, failure or hand_back").into())
                 }
@@ -400,6 +410,21 @@ impl pb::admission_server::Admission for AdmissionApi {
             .await
             .map_err(|error| error.to_status())?;
         Ok(Response::new(pb::CompleteResponse { results }))
+    }
+}
+
+/// A conflict names the job (and, in a batch, its index); other errors map
+/// as `AdmissionError::to_status` says.
+fn conflict_status(error: AdmissionError, batch_field: Option<&str>) -> Status {
+    match (&error, batch_field) {
+        (AdmissionError::Conflict { index, job_id }, Some(field)) => Status::already_exists(format!(
+            "{field}[{index}].job_id: job {job_id:?} already exists with a different request; nothing of the batch \
+             was saved"
+        )),
+        (AdmissionError::Conflict { job_id, .. }, None) => Status::already_exists(format!(
+            "job_id: job {job_id:?} already exists with a different request"
+        )),
+        _ => error.to_status(),
     }
 }
 

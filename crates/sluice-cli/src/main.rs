@@ -324,7 +324,7 @@ async fn health(checks: Vec<(&'static str, String)>, service: &str) -> HealthRep
 
 async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -> anyhow::Result<()> {
     let shutdown = Shutdown::new();
-    shutdown.trigger_on_signals();
+    shutdown.trigger_on_signals(config.process.drain_timeout.0);
     let metrics = telemetry::spawn_metrics_endpoint(&config.telemetry, telemetry, shutdown.clone()).await?;
     let admission = grpc::bind(&config.admission.listen).await?;
     let limit_grant = grpc::bind(&config.limit_grant.listen).await?;

@@ -90,6 +90,17 @@ pub struct SluiceConfig {
     pub rate_window: OwnerServiceConfig,
     pub refresh_dispatcher: RefreshDispatcherConfig,
     pub task_groups: BTreeMap<String, TaskGroupConfig>,
+    pub process: ProcessConfig,
+}
+
+/// How a service process stops.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessConfig {
+    /// After SIGTERM, how long the drain (in-flight batches, offset commits,
+    /// producer flush, leaving the consumer groups) may take before the
+    /// process exits anyway with status 1.
+    pub drain_timeout: HumanDuration,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -112,7 +123,21 @@ pub struct KafkaConfig {
     pub fetch_wait_max_ms: u32,
     pub linger_ms: u32,
     pub session_timeout_ms: u32,
+    /// The largest message the brokers accept (a topic's `max.message.bytes`).
+    /// Every message Sluice writes stays under it: internal batches are cut
+    /// to it, an admitted job is its payload plus a bounded envelope (so
+    /// `admission.max_payload_bytes` must leave room), a dead letter too
+    /// large for it is sent with its payload cut.
     pub max_message_bytes: usize,
+    /// Bytes of fetched messages buffered per assigned partition (and the
+    /// most one batch holds) before fetching waits; librdkafka's own
+    /// prefetch queue is bounded to the same size.
+    pub consumer_buffer_bytes: usize,
+    /// How often each service checks that its topics exist (a broker that
+    /// lost its log, a topic deleted by hand); missing topics are created
+    /// again when `create_topics` is true, and readiness is NOT_SERVING while
+    /// one is missing.
+    pub topic_check_interval: HumanDuration,
     pub sasl_username: String,
     pub sasl_password: Secret,
     #[serde(default)]
@@ -287,6 +312,17 @@ pub enum CapScope {
 }
 
 impl SluiceConfig {
+    /// The most bytes an admitted job's message adds to its payload: the
+    /// `AdmittedJob` fields (job id, tenant, task group, numbers), its key
+    /// (`<job id>/<attempt>`), the trace-context and content-type headers,
+    /// and the record's own overhead.
+    pub fn admitted_envelope_bytes(&self) -> usize {
+        let ids = 2 * (crate::validate::MAX_ID_BYTES + 16);
+        let task_group = crate::validate::MAX_ID_BYTES;
+        let headers = crate::telemetry::MAX_TRACESTATE_BYTES + 256;
+        ids + task_group + self.admission.max_key_bytes + headers + 512
+    }
+
     /// Defaults, then `file` if given, then the environment.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
         Self::load_with(file, &[])
@@ -358,6 +394,46 @@ impl SluiceConfig {
         if self.kafka.max_message_bytes < 10_000 {
             return Err(invalid("kafka.max_message_bytes", "must be at least 10000"));
         }
+        if self.kafka.consumer_buffer_bytes < self.kafka.max_message_bytes {
+            return Err(invalid(
+                "kafka.consumer_buffer_bytes",
+                format!(
+                    "must be at least kafka.max_message_bytes ({}): one message must fit",
+                    self.kafka.max_message_bytes
+                ),
+            ));
+        }
+        if self.kafka.topic_check_interval.0 < Duration::from_secs(1) {
+            return Err(invalid("kafka.topic_check_interval", "must be at least 1s"));
+        }
+        if self.process.drain_timeout.0.is_zero() {
+            return Err(invalid("process.drain_timeout", "must be greater than 0"));
+        }
+        let envelope = self.admitted_envelope_bytes();
+        if self.admission.max_payload_bytes.saturating_add(envelope) > self.kafka.max_message_bytes {
+            return Err(invalid(
+                "admission.max_payload_bytes",
+                format!(
+                    "{} bytes plus the admitted message's envelope (up to {envelope} bytes with \
+                     admission.max_key_bytes {}) does not fit in kafka.max_message_bytes ({}): an \
+                     accepted job could never be handed to workers; lower it to at most {} or raise \
+                     kafka.max_message_bytes (and the topics' max.message.bytes)",
+                    self.admission.max_payload_bytes,
+                    self.admission.max_key_bytes,
+                    self.kafka.max_message_bytes,
+                    self.kafka.max_message_bytes.saturating_sub(envelope)
+                ),
+            ));
+        }
+        if self.admission.max_key_bytes > crate::validate::MAX_KEY_BYTES {
+            return Err(invalid(
+                "admission.max_key_bytes",
+                format!(
+                    "must be at most {} (keys are indexed in PostgreSQL)",
+                    crate::validate::MAX_KEY_BYTES
+                ),
+            ));
+        }
         if !(0.0..=1.0).contains(&self.telemetry.sampling_ratio) {
             return Err(invalid("telemetry.sampling_ratio", "must be between 0 and 1"));
         }
@@ -412,11 +488,14 @@ impl SluiceConfig {
                         "must not be empty",
                     ));
                 }
-                if cap.max == 0 {
+                if cap.max == 0 || cap.max > crate::validate::MAX_CONCURRENCY {
                     return Err(invalid(
                         format!("task_groups.{name}.caps[{index}].max"),
-                        "must be at least 1",
+                        format!("must be from 1 to {}", crate::validate::MAX_CONCURRENCY),
                     ));
+                }
+                if let Err(error) = crate::validate::check_name("key", &cap.key, self.admission.max_key_bytes) {
+                    return Err(invalid(format!("task_groups.{name}.caps[{index}].key"), error.message));
                 }
             }
         }
@@ -482,6 +561,32 @@ mod tests {
     fn invalid_values_name_the_field() {
         let error = SluiceConfig::load_with(None, &[("telemetry.sampling_ratio", "2")]).unwrap_err();
         assert!(error.to_string().contains("telemetry.sampling_ratio"), "{error}");
+    }
+
+    #[test]
+    fn a_payload_limit_that_leaves_no_room_for_the_envelope_is_refused() {
+        let defaults = SluiceConfig::load_with(None, &[]).unwrap();
+        assert!(
+            defaults.admission.max_payload_bytes + defaults.admitted_envelope_bytes()
+                <= defaults.kafka.max_message_bytes,
+            "the defaults fit"
+        );
+        // The old defaults: a 1 MiB payload against 900,000-byte messages.
+        let error = SluiceConfig::load_with(
+            None,
+            &[
+                ("admission.max_payload_bytes", "1048576"),
+                ("kafka.max_message_bytes", "900000"),
+            ],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("admission.max_payload_bytes"), "{error}");
+        assert!(error.contains("kafka.max_message_bytes (900000)"), "{error}");
+        // Exactly the room there is is fine.
+        let room = defaults.kafka.max_message_bytes - defaults.admitted_envelope_bytes();
+        let room = room.to_string();
+        assert!(SluiceConfig::load_with(None, &[("admission.max_payload_bytes", room.as_str())]).is_ok());
     }
 
     #[test]

@@ -19,6 +19,21 @@ pub enum FaultPoint {
     AdmissionAfterPublishBeforeOffsetStore,
     /// Admission drops the release commands it would send (a lost release).
     AdmissionDropRelease,
+    /// PostgreSQL refuses an owner's batch commit as it refuses bad data
+    /// (an error that comes back every time): the batch is applied in parts
+    /// and what still fails is set aside.
+    OwnerCommitRefused,
+    /// PostgreSQL refuses admission's save of job requests the same way.
+    AdmissionSaveRefused,
+    /// The Kafka producer turns fatal (as an idempotent producer does when
+    /// the broker lost its state): every send fails until it is rebuilt.
+    ProducerFatal,
+}
+
+/// The error an armed `OwnerCommitRefused` or `AdmissionSaveRefused` gives:
+/// one PostgreSQL gives for data it can never store.
+pub fn refused_by_storage() -> sqlx::Error {
+    sqlx::Error::Encode("refused by a fault hook (as PostgreSQL refuses bad data)".into())
 }
 
 #[derive(Debug)]

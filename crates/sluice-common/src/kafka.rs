@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use futures::FutureExt;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
@@ -152,38 +153,144 @@ impl Outbox {
 }
 
 /// A producer that returns only when every message is acknowledged.
+///
+/// Idempotent (no duplicates or reordering on retries). When the idempotent
+/// producer turns fatal — a broker that lost its state answers with an
+/// unknown producer id or sequence — it is rebuilt, and readiness is
+/// NOT_SERVING until it is; the messages that failed are the caller's to
+/// send again (their failures classify as transient).
 #[derive(Clone)]
 pub struct Publisher {
-    producer: FutureProducer,
+    inner: Arc<PublisherInner>,
     pub max_message_bytes: usize,
+}
+
+struct PublisherInner {
+    kafka: KafkaConfig,
+    producer: std::sync::RwLock<(u64, FutureProducer)>,
+    readiness: crate::readiness::Readiness,
+    faults: crate::faults::Faults,
+    /// The generation a `ProducerFatal` fault hook made fatal (tests).
+    fatal_by_fault: std::sync::atomic::AtomicU64,
+}
+
+const PRODUCER_CONDITION: &str = "kafka producer";
+
+fn create_producer(kafka: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
+    let mut client = client_config(kafka);
+    client
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", kafka.linger_ms.to_string())
+        .set("batch.size", "1000000")
+        // librdkafka's own check of a request's size: every message Sluice
+        // builds stays under `max_message_bytes`; the margin is the batch's
+        // framing.
+        .set("message.max.bytes", (kafka.max_message_bytes + 65_536).to_string())
+        .set("queue.buffering.max.messages", "1000000")
+        .set("message.timeout.ms", "30000");
+    apply_producer_properties(&mut client, kafka);
+    client.create()
 }
 
 impl Publisher {
     pub fn new(kafka: &KafkaConfig) -> Result<Self, KafkaPlumbingError> {
-        let mut client = client_config(kafka);
-        client
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("linger.ms", kafka.linger_ms.to_string())
-            .set("batch.size", "1000000")
-            .set("message.max.bytes", (kafka.max_message_bytes + 100_000).to_string())
-            .set("queue.buffering.max.messages", "1000000")
-            .set("message.timeout.ms", "30000");
-        apply_producer_properties(&mut client, kafka);
-        let producer: FutureProducer = client.create()?;
+        Self::with_readiness(kafka, crate::readiness::Readiness::new())
+    }
+
+    /// A publisher that reports a producer being rebuilt to `readiness`.
+    pub fn with_readiness(
+        kafka: &KafkaConfig,
+        readiness: crate::readiness::Readiness,
+    ) -> Result<Self, KafkaPlumbingError> {
+        Self::for_service(kafka, readiness, crate::faults::Faults::none())
+    }
+
+    /// A service's publisher: rebuilds reported to `readiness`; `faults`
+    /// can make it fatal (`FaultPoint::ProducerFatal`).
+    pub fn for_service(
+        kafka: &KafkaConfig,
+        readiness: crate::readiness::Readiness,
+        faults: crate::faults::Faults,
+    ) -> Result<Self, KafkaPlumbingError> {
+        let producer = create_producer(kafka)?;
         Ok(Publisher {
-            producer,
+            inner: Arc::new(PublisherInner {
+                kafka: kafka.clone(),
+                producer: std::sync::RwLock::new((0, producer)),
+                readiness,
+                faults,
+                fatal_by_fault: std::sync::atomic::AtomicU64::new(u64::MAX),
+            }),
             max_message_bytes: kafka.max_message_bytes,
         })
     }
 
-    /// Publish every message and wait for all acknowledgements.
-    pub async fn send_all(&self, messages: Vec<OutMsg>) -> Result<(), KafkaPlumbingError> {
-        if messages.is_empty() {
-            return Ok(());
+    fn current(&self) -> (u64, FutureProducer) {
+        let current = self
+            .inner
+            .producer
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        (current.0, current.1.clone())
+    }
+
+    /// Replace a fatal producer (once per generation).
+    fn rebuild_if_fatal(&self, generation: u64, producer: &FutureProducer) {
+        let fatal = producer.client().fatal_error().or_else(|| {
+            (self.inner.fatal_by_fault.load(std::sync::atomic::Ordering::Relaxed) == generation)
+                .then(|| (RDKafkaErrorCode::Fatal, "made fatal by a fault hook".to_string()))
+        });
+        let Some((code, reason)) = fatal else {
+            return;
+        };
+        let mut current = self
+            .inner
+            .producer
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if current.0 != generation {
+            return;
+        }
+        tracing::error!(%code, %reason, "the Kafka producer hit a fatal error; rebuilding it");
+        self.inner.readiness.set(
+            PRODUCER_CONDITION,
+            format!("rebuilding after a fatal error: {code}: {reason}"),
+        );
+        match create_producer(&self.inner.kafka) {
+            Ok(fresh) => {
+                let old = std::mem::replace(&mut *current, (generation + 1, fresh));
+                drop(current);
+                // Destroying the old client waits for its threads: off the runtime.
+                tokio::task::spawn_blocking(move || drop(old));
+                self.inner.readiness.clear(PRODUCER_CONDITION);
+                tracing::info!("the Kafka producer was rebuilt");
+            }
+            Err(error) => {
+                tracing::error!(%error, "rebuilding the Kafka producer failed; retrying on the next send");
+            }
+        }
+    }
+
+    /// Publish every message; the outcome of each, in order. Waits for
+    /// every acknowledgement (or failure).
+    pub async fn send_each(&self, messages: &[OutMsg]) -> Vec<Result<(), KafkaError>> {
+        let (generation, producer) = self.current();
+        if self.inner.faults.hit(crate::faults::FaultPoint::ProducerFatal) {
+            self.inner
+                .fatal_by_fault
+                .store(generation, std::sync::atomic::Ordering::Relaxed);
+        }
+        if self.inner.fatal_by_fault.load(std::sync::atomic::Ordering::Relaxed) == generation && !messages.is_empty() {
+            // A fatal producer fails every send, as librdkafka's does.
+            self.rebuild_if_fatal(generation, &producer);
+            return messages
+                .iter()
+                .map(|_| Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fatal)))
+                .collect();
         }
         let mut deliveries = Vec::with_capacity(messages.len());
-        for message in &messages {
+        for message in messages {
             let mut headers = OwnedHeaders::new_with_capacity(message.headers.len());
             for (name, value) in &message.headers {
                 headers = headers.insert(Header {
@@ -201,9 +308,9 @@ impl Publisher {
                 record = record.partition(partition);
             }
             loop {
-                match self.producer.send_result(record) {
+                match producer.send_result(record) {
                     Ok(delivery) => {
-                        deliveries.push((message.topic.clone(), message.partition, delivery));
+                        deliveries.push(Ok(delivery));
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), returned)) => {
@@ -211,35 +318,54 @@ impl Publisher {
                         tokio::time::sleep(Duration::from_millis(5)).await;
                     }
                     Err((error, _)) => {
-                        return Err(KafkaPlumbingError::Delivery {
-                            topic: message.topic.to_string(),
-                            partition: message.partition.unwrap_or(-1),
-                            source: error,
-                        })
+                        deliveries.push(Err(error));
+                        break;
                     }
                 }
             }
         }
-        let mut produced: std::collections::HashMap<Arc<str>, u64> = std::collections::HashMap::new();
-        for (topic, partition, delivery) in deliveries {
-            *produced.entry(topic.clone()).or_default() += 1;
-            let outcome = delivery.await.map_err(|_cancelled| KafkaPlumbingError::Delivery {
-                topic: topic.to_string(),
-                partition: partition.unwrap_or(-1),
-                source: KafkaError::Canceled,
-            })?;
-            if let Err(report) = outcome {
-                return Err(KafkaPlumbingError::Delivery {
-                    topic: topic.to_string(),
-                    partition: partition.unwrap_or(-1),
-                    source: report.0,
-                });
+        let mut results = Vec::with_capacity(deliveries.len());
+        let mut produced: HashMap<Arc<str>, u64> = HashMap::new();
+        for (delivery, message) in deliveries.into_iter().zip(messages) {
+            let outcome = match delivery {
+                Ok(future) => match future.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((error, _))) => Err(error),
+                    Err(_cancelled) => Err(KafkaError::Canceled),
+                },
+                Err(error) => Err(error),
+            };
+            if outcome.is_ok() {
+                *produced.entry(message.topic.clone()).or_default() += 1;
             }
+            results.push(outcome);
+        }
+        if results.iter().any(Result::is_err) {
+            self.rebuild_if_fatal(generation, &producer);
         }
         for (topic, count) in produced {
             crate::metrics::metrics()
                 .produced
                 .add(count, &[opentelemetry::KeyValue::new("topic", topic.to_string())]);
+        }
+        results
+    }
+
+    /// Publish every message and wait for all acknowledgements; the first
+    /// failure, if any.
+    pub async fn send_all(&self, messages: Vec<OutMsg>) -> Result<(), KafkaPlumbingError> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        let results = self.send_each(&messages).await;
+        for (result, message) in results.into_iter().zip(&messages) {
+            if let Err(source) = result {
+                return Err(KafkaPlumbingError::Delivery {
+                    topic: message.topic.to_string(),
+                    partition: message.partition.unwrap_or(-1),
+                    source,
+                });
+            }
         }
         Ok(())
     }
@@ -251,10 +377,93 @@ impl Publisher {
 
     /// Wait for queued messages (graceful shutdown).
     pub fn flush(&self, timeout: Duration) {
-        if let Err(error) = self.producer.flush(timeout) {
+        let (_, producer) = self.current();
+        if let Err(error) = producer.flush(timeout) {
             tracing::warn!(%error, "producer flush at shutdown did not finish");
         }
     }
+}
+
+/// The entries of a batch message (`LimitCommandBatch`, `GrantEventBatch`,
+/// ...: field 1 is the repeated entry), each as its encoded bytes, without
+/// decoding them: one bad entry does not hide the others. Other fields are
+/// skipped as protobuf says; a payload that is not protobuf is an error.
+pub fn batch_entries(payload: &[u8]) -> Result<Vec<&[u8]>, String> {
+    fn varint(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
+        let mut value = 0u64;
+        for shift in (0..70).step_by(7) {
+            let Some(byte) = bytes.get(*at) else {
+                return Err("truncated varint".to_string());
+            };
+            *at += 1;
+            if shift == 63 && *byte > 1 {
+                return Err("varint overflows 64 bits".to_string());
+            }
+            value |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        Err("varint longer than 10 bytes".to_string())
+    }
+    let mut entries = Vec::new();
+    let mut at = 0;
+    while at < payload.len() {
+        let key = varint(payload, &mut at)?;
+        let field = key >> 3;
+        if field == 0 {
+            return Err("field number 0".to_string());
+        }
+        match key & 7 {
+            0 => {
+                varint(payload, &mut at)?;
+            }
+            1 => {
+                at = at
+                    .checked_add(8)
+                    .filter(|end| *end <= payload.len())
+                    .ok_or("truncated")?
+            }
+            5 => {
+                at = at
+                    .checked_add(4)
+                    .filter(|end| *end <= payload.len())
+                    .ok_or("truncated")?
+            }
+            2 => {
+                let length = usize::try_from(varint(payload, &mut at)?).map_err(|_| "length too large")?;
+                let end = at
+                    .checked_add(length)
+                    .filter(|end| *end <= payload.len())
+                    .ok_or("length past the end")?;
+                if field == 1 {
+                    entries.push(&payload[at..end]);
+                }
+                at = end;
+            }
+            other => return Err(format!("unsupported wire type {other}")),
+        }
+    }
+    Ok(entries)
+}
+
+/// A batch message holding only `entry` (field 1).
+pub fn single_entry_batch(entry: &[u8]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(entry.len() + 11);
+    message.push(0x0a);
+    let mut length = u64::try_from(entry.len()).unwrap_or(u64::MAX);
+    loop {
+        // The low seven bits, with the continuation bit when more follow.
+        let byte = u8::try_from(length & 0x7f).unwrap_or(0);
+        length >>= 7;
+        if length == 0 {
+            message.push(byte);
+            break;
+        }
+        message.push(byte | 0x80);
+    }
+    message.extend_from_slice(entry);
+    message
 }
 
 // ---------------------------------------------------------------------------
@@ -346,6 +555,58 @@ pub async fn ensure_topics(
     Ok(counts)
 }
 
+/// Keep checking, every `kafka.topic_check_interval`, that `specs` exist. A
+/// broker that lost its log (an in-memory broker restarted, a topic deleted
+/// by hand) would otherwise leave producers failing and consumers waiting
+/// for ever: a missing topic is logged, created again when
+/// `kafka.create_topics` is true, and readiness is NOT_SERVING until every
+/// topic is back. Runs until `shutdown`.
+pub async fn watch_topics(
+    kafka: KafkaConfig,
+    specs: Vec<TopicSpec>,
+    readiness: crate::readiness::Readiness,
+    shutdown: Shutdown,
+) -> Result<(), KafkaPlumbingError> {
+    const CONDITION: &str = "kafka topics";
+    let admin: Arc<AdminClient<DefaultClientContext>> = Arc::new(client_config(&kafka).create()?);
+    let mut timer = tokio::time::interval(kafka.topic_check_interval.0);
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    timer.tick().await;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = timer.tick() => {}
+        }
+        let counts = match fetch_partition_counts(&admin, &specs).await {
+            Ok(counts) => counts,
+            Err(error) => {
+                tracing::debug!(%error, "checking topics failed (the broker may be away)");
+                continue;
+            }
+        };
+        let missing: Vec<TopicSpec> = specs
+            .iter()
+            .filter(|spec| !counts.contains_key(&spec.name))
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            readiness.clear(CONDITION);
+            continue;
+        }
+        let names: Vec<&str> = missing.iter().map(|spec| spec.name.as_str()).collect();
+        readiness.set(CONDITION, format!("missing: {}", names.join(", ")));
+        if !kafka.create_topics {
+            tracing::error!(topics = ?names, "topics are missing and kafka.create_topics is false: create them");
+            continue;
+        }
+        tracing::warn!(topics = ?names, "topics are missing (did the broker lose its log?); creating them again");
+        match ensure_topics(&kafka, &missing, true).await {
+            Ok(_) => readiness.clear(CONDITION),
+            Err(error) => tracing::warn!(%error, "creating the missing topics failed; retrying"),
+        }
+    }
+}
+
 async fn fetch_partition_counts(
     admin: &Arc<AdminClient<DefaultClientContext>>,
     specs: &[TopicSpec],
@@ -380,6 +641,17 @@ pub struct InMsg {
 }
 
 impl InMsg {
+    /// Bytes the message holds (payload, key, headers).
+    pub fn size(&self) -> usize {
+        self.payload.as_ref().map_or(0, Vec::len)
+            + self.key.as_ref().map_or(0, Vec::len)
+            + self
+                .headers
+                .iter()
+                .map(|(name, value)| name.len() + value.len())
+                .sum::<usize>()
+    }
+
     pub fn header(&self, name: &str) -> Option<&[u8]> {
         self.headers
             .iter()
@@ -417,11 +689,15 @@ pub struct OffsetStore {
     consumer: std::sync::Weak<StreamConsumer<RebalanceContext>>,
     topic: Arc<str>,
     partition: i32,
+    /// The last offset stored (next to read), -1 before the first store: where
+    /// a restarted task resumes.
+    stored: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl OffsetStore {
     /// Every message below `next_offset` is durable and published.
     pub fn store(&self, next_offset: i64) {
+        self.stored.fetch_max(next_offset, std::sync::atomic::Ordering::Relaxed);
         let Some(consumer) = self.consumer.upgrade() else {
             return;
         };
@@ -438,16 +714,96 @@ impl OffsetStore {
             tracing::debug!(topic = %self.topic, partition = self.partition, %error, "offset store refused");
         }
     }
+
+    /// The partition's (low, high) watermarks from the broker: the first
+    /// offset still in the log and the offset after the last. `None` when
+    /// the broker does not answer within `timeout`.
+    pub async fn watermarks(&self, timeout: Duration) -> Option<(i64, i64)> {
+        let consumer = self.consumer.upgrade()?;
+        let topic = self.topic.clone();
+        let partition = self.partition;
+        let fetched = tokio::task::spawn_blocking(move || consumer.fetch_watermarks(&topic, partition, timeout)).await;
+        match fetched {
+            Ok(Ok(watermarks)) => Some(watermarks),
+            Ok(Err(error)) => {
+                tracing::warn!(topic = %self.topic, partition, %error, "reading the partition's watermarks failed");
+                None
+            }
+            Err(_join) => None,
+        }
+    }
+}
+
+/// The messages of one assigned partition, in offset order. Bounded by bytes
+/// (`kafka.consumer_buffer_bytes`): the consumer waits to hand over more
+/// until the task has taken enough out.
+pub struct PartitionMessages {
+    receiver: mpsc::Receiver<(InMsg, tokio::sync::OwnedSemaphorePermit)>,
+    budget: Arc<tokio::sync::Semaphore>,
+    capacity: usize,
+}
+
+impl PartitionMessages {
+    /// Bytes handed over and not yet taken out.
+    pub fn buffered_bytes(&self) -> usize {
+        self.capacity.saturating_sub(self.budget.available_permits())
+    }
+
+    /// Messages handed over and not yet taken out.
+    pub fn len(&self) -> usize {
+        self.receiver.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.receiver.is_empty()
+    }
+
+    /// The next message; `None` once the consumer let go of the partition.
+    pub async fn recv(&mut self) -> Option<InMsg> {
+        self.receiver.recv().await.map(|(message, _bytes)| message)
+    }
+
+    /// A message if one is waiting.
+    pub fn try_recv(&mut self) -> Option<InMsg> {
+        self.receiver.try_recv().ok().map(|(message, _bytes)| message)
+    }
+}
+
+/// Wait for one message, then take what is waiting, up to `max_count`
+/// messages and the input's `max_batch_bytes` (at least one message). `None`
+/// when `stop` is cancelled or the partition is gone.
+pub async fn next_batch(input: &mut PartitionInput, max_count: usize) -> Option<Vec<InMsg>> {
+    let max_bytes = input.max_batch_bytes;
+    let first = tokio::select! {
+        biased;
+        _ = input.stop.cancelled() => return None,
+        received = input.messages.recv() => received?,
+    };
+    let mut bytes = first.size();
+    let mut batch = Vec::with_capacity(max_count.min(1024));
+    batch.push(first);
+    while batch.len() < max_count && bytes < max_bytes {
+        match input.messages.try_recv() {
+            Some(message) => {
+                bytes += message.size();
+                batch.push(message);
+            }
+            None => break,
+        }
+    }
+    Some(batch)
 }
 
 /// What a partition task gets.
 pub struct PartitionInput {
     pub topic: Arc<str>,
     pub partition: i32,
-    pub messages: mpsc::Receiver<InMsg>,
+    pub messages: PartitionMessages,
     /// Cancelled when the partition is revoked or the service stops.
     pub stop: CancellationToken,
     pub offsets: OffsetStore,
+    /// The most payload bytes a batch should hold (`kafka.consumer_buffer_bytes`).
+    pub max_batch_bytes: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -455,7 +811,8 @@ pub enum PartitionTaskError {
     /// Stop the whole service instance, as a killed process would (fault hooks).
     #[error("crash injected")]
     Crashed,
-    /// This partition cannot go on (bad internal input, fenced); others continue.
+    /// This partition's task cannot go on; the consumer restarts it from its
+    /// last stored offset after a backoff, and readiness says so meanwhile.
     #[error("partition {partition} stopped: {reason}")]
     Stopped { partition: i32, reason: String },
 }
@@ -597,11 +954,16 @@ pub struct ConsumerOptions {
     pub channel_capacity: usize,
     /// Report partition ends (`ConsumerProgress`); costs nothing when idle.
     pub track_end: bool,
+    /// Where a failed partition task is reported (NOT_SERVING until it runs again).
+    pub readiness: crate::readiness::Readiness,
 }
 
 /// Consume `topic` in `group`, one task per assigned partition, until
-/// shutdown or a crash. A partition task that stops with an error is restarted
-/// only by a new assignment; a crash stops everything.
+/// shutdown or a crash. A crash (fault hooks) stops everything. A partition
+/// task that fails — it returned an error, or it panicked — is restarted
+/// after a backoff (1 s, doubling to 30 s) from its last stored offset, and
+/// readiness is NOT_SERVING until the restarted task has run for as long as
+/// the backoff: no partition stays stopped.
 ///
 /// A member whose group session is lost (it could not heartbeat in time)
 /// normally rejoins by itself. If no assignment comes back within twice the
@@ -635,6 +997,21 @@ enum MemberEnd {
     MembershipLost,
 }
 
+const RESTART_FIRST: Duration = Duration::from_secs(1);
+const RESTART_MAX: Duration = Duration::from_secs(30);
+
+/// A partition whose task failed: when to start it again, and from where.
+struct Restart {
+    at: tokio::time::Instant,
+    backoff: Duration,
+    resume_from: Option<i64>,
+}
+
+/// The readiness condition of a failed partition task.
+fn task_condition(topic: &str, partition: i32) -> String {
+    format!("{topic} partition {partition}")
+}
+
 async fn consume_as_member(
     kafka: &KafkaConfig,
     options: &ConsumerOptions,
@@ -652,6 +1029,7 @@ async fn consume_as_member(
         progress: progress.clone(),
         lost_since: lost_since.clone(),
     };
+    let buffer_bytes = kafka.consumer_buffer_bytes.max(1);
     let mut client = client_config(kafka);
     client
         .set("group.id", &options.group)
@@ -673,6 +1051,8 @@ async fn consume_as_member(
             (kafka.session_timeout_ms / 5).max(100).to_string(),
         )
         .set("fetch.wait.max.ms", kafka.fetch_wait_max_ms.to_string())
+        // librdkafka's prefetch queue, bounded like ours.
+        .set("queued.max.messages.kbytes", (buffer_bytes / 1024).max(1).to_string())
         .set("enable.partition.eof", if options.track_end { "true" } else { "false" })
         .set("statistics.interval.ms", "15000");
     for (key, value) in &kafka.properties {
@@ -682,32 +1062,62 @@ async fn consume_as_member(
     consumer.subscribe(&[&options.topic])?;
 
     struct Running {
-        sender: mpsc::Sender<InMsg>,
+        sender: mpsc::Sender<(InMsg, tokio::sync::OwnedSemaphorePermit)>,
+        budget: Arc<tokio::sync::Semaphore>,
         stop: CancellationToken,
-        /// Whether the task's first message was logged (where it resumed).
-        resumed: bool,
+        /// The first offset handed to the task (where it resumed).
+        first_offset: Option<i64>,
+        stored: Arc<std::sync::atomic::AtomicI64>,
+        started_at: tokio::time::Instant,
+    }
+    impl Running {
+        /// Where a successor must resume: the last stored offset, else the
+        /// first offset this task was given.
+        fn resume_point(&self) -> Option<i64> {
+            let stored = self.stored.load(std::sync::atomic::Ordering::Relaxed);
+            if stored >= 0 {
+                Some(stored)
+            } else {
+                self.first_offset
+            }
+        }
     }
     let mut running: HashMap<i32, Running> = HashMap::new();
+    let mut restarts: HashMap<i32, Restart> = HashMap::new();
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<(i32, Result<(), PartitionTaskError>)>();
 
     let start_task = |partition: i32, running: &mut HashMap<i32, Running>| {
-        let (sender, receiver) = mpsc::channel(options.channel_capacity);
+        let (sender, receiver) = mpsc::channel(options.channel_capacity.max(1));
         let stop = shutdown.token().child_token();
+        let stored = Arc::new(std::sync::atomic::AtomicI64::new(-1));
+        let budget = Arc::new(tokio::sync::Semaphore::new(buffer_bytes));
         let input = PartitionInput {
             topic: topic.clone(),
             partition,
-            messages: receiver,
+            messages: PartitionMessages {
+                receiver,
+                budget: budget.clone(),
+                capacity: buffer_bytes,
+            },
             stop: stop.clone(),
             offsets: OffsetStore {
                 consumer: Arc::downgrade(&consumer),
                 topic: topic.clone(),
                 partition,
+                stored: stored.clone(),
             },
+            max_batch_bytes: buffer_bytes,
         };
         let task = factory.start(input);
         let finished_sender = finished_sender.clone();
         tokio::spawn(async move {
-            let outcome = task.await;
+            let outcome = match std::panic::AssertUnwindSafe(task).catch_unwind().await {
+                Ok(outcome) => outcome,
+                Err(panic) => Err(PartitionTaskError::Stopped {
+                    partition,
+                    reason: format!("panicked: {}", crate::fault::panic_message(panic.as_ref())),
+                }),
+            };
             let _ = finished_sender.send((partition, outcome));
         });
         tracing::debug!(topic = %topic, partition, "partition task started");
@@ -715,8 +1125,11 @@ async fn consume_as_member(
             partition,
             Running {
                 sender,
+                budget,
                 stop,
-                resumed: false,
+                first_offset: None,
+                stored,
+                started_at: tokio::time::Instant::now(),
             },
         );
     };
@@ -734,17 +1147,49 @@ async fn consume_as_member(
                         shutdown.crash();
                         break MemberEnd::Stopped;
                     }
-                    Err(error @ PartitionTaskError::Stopped { .. }) => {
-                        // Keep the dead entry: the partition stays stopped (and
-                        // the instance not ready) until a new assignment.
-                        tracing::error!(topic = %topic, partition, %error, "partition task stopped; alert: its input is not being processed");
+                    Err(PartitionTaskError::Stopped { reason, .. }) => {
+                        let Some(entry) = running.remove(&partition) else {
+                            continue;
+                        };
+                        entry.stop.cancel();
+                        let backoff = restarts
+                            .get(&partition)
+                            .map_or(RESTART_FIRST, |previous| (previous.backoff * 2).clamp(RESTART_FIRST, RESTART_MAX));
+                        let resume_from = entry.resume_point();
+                        tracing::error!(
+                            topic = %topic,
+                            partition,
+                            %reason,
+                            ?resume_from,
+                            ?backoff,
+                            "partition task failed; restarting it from its last stored offset"
+                        );
+                        options.readiness.set(
+                            task_condition(&topic, partition),
+                            format!("task failed ({reason}); restarting"),
+                        );
+                        restarts.insert(
+                            partition,
+                            Restart {
+                                at: tokio::time::Instant::now() + backoff,
+                                backoff,
+                                resume_from,
+                            },
+                        );
                     }
                     Ok(()) => {
-                        // Revoked, or fenced by a newer owner. If the partition
-                        // is still assigned here, the next reconcile takes it
-                        // over again.
-                        if running.get(&partition).is_some_and(|entry| entry.sender.is_closed()) {
-                            running.remove(&partition);
+                        // Revoked (the next reconcile forgets it), or fenced by
+                        // a newer owner: if the partition is still assigned
+                        // here, the next reconcile takes it over again, from
+                        // what this task had stored.
+                        if let Some(entry) = running.remove(&partition) {
+                            if !entry.stop.is_cancelled() {
+                                restarts.entry(partition).or_insert(Restart {
+                                    at: tokio::time::Instant::now(),
+                                    backoff: Duration::ZERO,
+                                    resume_from: entry.resume_point(),
+                                });
+                            }
                         }
                     }
                 }
@@ -769,11 +1214,39 @@ async fn consume_as_member(
                     }
                     keep
                 });
-                for partition in current {
-                    if !running.contains_key(&partition) {
-                        start_task(partition, &mut running);
+                restarts.retain(|partition, _| {
+                    let keep = current.contains(partition);
+                    if !keep {
+                        options.readiness.clear(&task_condition(&topic, *partition));
                     }
+                    keep
+                });
+                let now = tokio::time::Instant::now();
+                for partition in current {
+                    if running.contains_key(&partition) {
+                        continue;
+                    }
+                    match restarts.get_mut(&partition) {
+                        Some(restart) if restart.at > now => continue,
+                        Some(restart) => {
+                            if let Some(offset) = restart.resume_from.take() {
+                                seek(&consumer, &topic, partition, offset).await;
+                            }
+                        }
+                        None => {}
+                    }
+                    start_task(partition, &mut running);
                 }
+                // A restarted task that has run as long as its backoff is healthy again.
+                restarts.retain(|partition, restart| {
+                    let healthy = running
+                        .get(partition)
+                        .is_some_and(|entry| entry.started_at + restart.backoff <= now && restart.at <= entry.started_at);
+                    if healthy {
+                        options.readiness.clear(&task_condition(&topic, *partition));
+                    }
+                    !healthy
+                });
             }
             received = consumer.recv() => {
                 match received {
@@ -791,17 +1264,38 @@ async fn consume_as_member(
                             crate::metrics::metrics().consumed.add(consumed_since_report, &topic_attribute);
                             consumed_since_report = 0;
                         }
+                        if let Some(restart) = restarts
+                            .get_mut(&partition)
+                            .filter(|restart| restart.at > tokio::time::Instant::now())
+                        {
+                            // Its task is waiting to restart; it re-reads from
+                            // its last stored offset (or this one) then.
+                            restart.resume_from.get_or_insert(message.offset());
+                            continue;
+                        }
                         if !running.contains_key(&partition) {
                             start_task(partition, &mut running);
                         }
                         let detached = InMsg::from_borrowed(&message);
                         drop(message);
                         if let Some(entry) = running.get_mut(&partition) {
-                            if !entry.resumed {
-                                entry.resumed = true;
+                            if entry.first_offset.is_none() {
+                                entry.first_offset = Some(detached.offset);
                                 tracing::info!(topic = %topic, partition, offset = detached.offset, "partition resumed");
                             }
-                            if entry.sender.send(detached).await.is_err() {
+                            let cost = u32::try_from(detached.size().clamp(1, buffer_bytes)).unwrap_or(u32::MAX);
+                            let permit = tokio::select! {
+                                _ = shutdown.cancelled() => break MemberEnd::Stopped,
+                                permit = entry.budget.clone().acquire_many_owned(cost) => permit,
+                            };
+                            let Ok(permit) = permit else {
+                                continue;
+                            };
+                            let sent = tokio::select! {
+                                _ = shutdown.cancelled() => break MemberEnd::Stopped,
+                                sent = entry.sender.send((detached, permit)) => sent,
+                            };
+                            if sent.is_err() {
                                 tracing::debug!(topic = %topic, partition, "partition task gone; message left for the next owner");
                             }
                         }
@@ -822,6 +1316,9 @@ async fn consume_as_member(
     for entry in running.values() {
         entry.stop.cancel();
     }
+    for partition in restarts.keys() {
+        options.readiness.clear(&task_condition(&topic, *partition));
+    }
     if matches!(outcome, MemberEnd::Stopped) && !shutdown.is_crashed() {
         // Give partition tasks a moment to store their last offsets, then
         // commit them before leaving the group.
@@ -832,18 +1329,40 @@ async fn consume_as_member(
     }
     consumer.unsubscribe();
     // Closing waits for the group to acknowledge the leave: do it off the
-    // async runtime. Offset stores hold the consumer weakly, so this is the
-    // last strong reference.
-    let closed = tokio::task::spawn_blocking(move || drop(consumer)).await;
-    if let Err(error) = closed {
-        // Cancelled when the runtime itself is shutting down.
-        if error.is_panic() {
-            tracing::warn!(topic = %topic, %error, "closing the consumer panicked");
-        } else {
-            tracing::debug!(topic = %topic, %error, "closing the consumer was cut short");
+    // async runtime, and not for ever (a broker that is gone never answers).
+    // Offset stores hold the consumer weakly, so this is the last strong
+    // reference.
+    let closed = tokio::time::timeout(CLOSE_TIMEOUT, tokio::task::spawn_blocking(move || drop(consumer))).await;
+    match closed {
+        Ok(Ok(())) => {}
+        Ok(Err(error)) if error.is_panic() => tracing::warn!(topic = %topic, %error, "closing the consumer panicked"),
+        Ok(Err(error)) => tracing::debug!(topic = %topic, %error, "closing the consumer was cut short"),
+        Err(_) => {
+            tracing::warn!(topic = %topic, "closing the consumer did not finish within {CLOSE_TIMEOUT:?}; going on")
         }
     }
     Ok(outcome)
+}
+
+/// How long leaving a consumer group may take at shutdown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Point the consumer's position for `partition` at `offset` (a restarted
+/// task re-reads what its failed predecessor had not stored).
+async fn seek(consumer: &Arc<StreamConsumer<RebalanceContext>>, topic: &Arc<str>, partition: i32, offset: i64) {
+    let consumer = consumer.clone();
+    let name = topic.clone();
+    let sought = tokio::task::spawn_blocking(move || {
+        consumer.seek(&name, partition, Offset::Offset(offset), Duration::from_secs(5))
+    })
+    .await;
+    match sought {
+        Ok(Ok(())) => tracing::info!(topic = %topic, partition, offset, "re-reading from the last stored offset"),
+        Ok(Err(error)) => {
+            tracing::warn!(topic = %topic, partition, offset, %error, "seek failed; the next owner re-reads from the committed offset")
+        }
+        Err(_join) => {}
+    }
 }
 
 /// Read a header as UTF-8 text.

@@ -5,13 +5,16 @@
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod fault;
 pub mod faults;
 pub mod forward;
 pub mod grpc;
+pub mod hostile;
 pub mod kafka;
 pub mod metrics;
 pub mod owner;
 pub mod partition;
+pub mod readiness;
 pub mod service;
 pub mod shutdown;
 pub mod storage;

@@ -86,6 +86,8 @@ pub struct SluiceMetrics {
     pub rate_deferrals: Counter<u64>,
     pub refresh_outcomes: Counter<u64>,
     pub dead_letters: Counter<u64>,
+    pub quarantined: Counter<u64>,
+    pub transient_faults: Counter<u64>,
     pub consumed: Counter<u64>,
     pub produced: Counter<u64>,
     pub commit_seconds: Histogram<f64>,
@@ -144,6 +146,17 @@ impl SluiceMetrics {
             dead_letters: meter
                 .u64_counter("sluice_dead_letters")
                 .with_description("Producer messages sent to the dead-letter topic")
+                .build(),
+            quarantined: meter
+                .u64_counter("sluice_quarantined")
+                .with_description(
+                    "Internal input set aside because it fails every time (undecodable, invalid, refused by \
+                     PostgreSQL), by service; the entries are in the service's quarantine table",
+                )
+                .build(),
+            transient_faults: meter
+                .u64_counter("sluice_transient_faults")
+                .with_description("Faults that pass (database, broker) met and retried with backoff, by service")
                 .build(),
             consumed: meter
                 .u64_counter("sluice_kafka_consumed_messages")
@@ -314,32 +327,50 @@ fn register_observers(meter: &Meter) {
         .build();
 }
 
+/// At most this many scrape connections at once; more are closed at once.
+pub const MAX_SCRAPE_CONNECTIONS: usize = 32;
+/// How long a client may take to send its request, and to read the answer.
+pub const SCRAPE_IO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Serve the Prometheus text format on `GET /metrics` until `shutdown`.
+///
+/// Bounded: at most `MAX_SCRAPE_CONNECTIONS` connections at once (others
+/// are closed as they arrive), a request head of at most 4 KiB read within
+/// `SCRAPE_IO_TIMEOUT`, and the answer written within it too, so idle or
+/// slow connections can never stop the endpoint.
 pub async fn serve_prometheus(
     listener: TcpListener,
     registry: prometheus::Registry,
     shutdown: Shutdown,
 ) -> Result<(), std::io::Error> {
     tracing::info!(address = ?listener.local_addr().ok(), "metrics endpoint listening");
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_SCRAPE_CONNECTIONS));
     loop {
-        let (mut stream, _) = tokio::select! {
+        let accepted = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
-            accepted = listener.accept() => accepted?,
+            accepted = listener.accept() => accepted,
+        };
+        let mut stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of file descriptors and the like: pass; never end the loop.
+                tracing::warn!(%error, "accepting a metrics connection failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::debug!("too many metrics connections; closing a new one");
+            drop(stream);
+            continue;
         };
         let registry = registry.clone();
         tokio::spawn(async move {
-            let mut request = vec![0u8; 4096];
-            let mut read = 0;
-            while read < request.len() {
-                match stream.read(&mut request[read..]).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(count) => read += count,
-                }
-                if request[..read].windows(4).any(|window| window == b"\r\n\r\n") {
-                    break;
-                }
-            }
-            let head = String::from_utf8_lossy(&request[..read]);
+            let _slot = slot;
+            let head = match tokio::time::timeout(SCRAPE_IO_TIMEOUT, read_request_head(&mut stream)).await {
+                Ok(Some(head)) => head,
+                Ok(None) | Err(_) => return,
+            };
             let path = head.split_whitespace().nth(1).unwrap_or("");
             let (status, body) = if path == "/metrics" || path.starts_with("/metrics?") {
                 let encoder = prometheus::TextEncoder::new();
@@ -354,10 +385,29 @@ pub async fn serve_prometheus(
                 "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
             );
-            let _ = stream.write_all(response.as_bytes()).await;
-            let _ = stream.shutdown().await;
+            let _ = tokio::time::timeout(SCRAPE_IO_TIMEOUT, async {
+                let _ = stream.write_all(response.as_bytes()).await;
+                let _ = stream.shutdown().await;
+            })
+            .await;
         });
     }
+}
+
+/// The request line and headers (up to the blank line), at most 4 KiB.
+async fn read_request_head(stream: &mut tokio::net::TcpStream) -> Option<String> {
+    let mut request = vec![0u8; 4096];
+    let mut read = 0;
+    while read < request.len() {
+        match stream.read(&mut request[read..]).await {
+            Ok(0) | Err(_) => return None,
+            Ok(count) => read += count,
+        }
+        if request[..read].windows(4).any(|window| window == b"\r\n\r\n") {
+            return Some(String::from_utf8_lossy(&request[..read]).into_owned());
+        }
+    }
+    None
 }
 
 #[cfg(test)]

@@ -15,22 +15,35 @@
 //!    owner's commit is refused), publishes the effects, stores the offsets.
 //!
 //! The last applied input offset is saved with every commit, so a new owner
-//! skips input whose effects are already saved.
+//! skips input whose effects are already saved. A partition whose log ends
+//! below that offset was lost by the broker (restarted without storage, the
+//! topic re-created): the owner says so and adopts the new log.
+//!
+//! No input stops a partition (`crate::fault`): an entry the state refuses is
+//! set aside in the `quarantine` table with its bytes and the reason; a batch
+//! whose commit fails every time (or whose decision panics) is applied again
+//! one message, then one entry, at a time, and the entry that still fails is
+//! set aside the same way. Faults that pass (the database or the broker away)
+//! are retried with backoff, and readiness is NOT_SERVING while they last.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use sqlx::{Connection, PgConnection, PgPool};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use crate::clock::AnchoredClock;
+use crate::fault::{classify_kafka, classify_sql, clean_text, panic_message};
 use crate::faults::{FaultPoint, Faults};
-use crate::kafka::{InMsg, Outbox, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher};
-use crate::storage::is_transient_sql;
+use crate::kafka::{
+    batch_entries, single_entry_batch, InMsg, OutMsg, Outbox, PartitionInput, PartitionTaskError, PartitionTaskFactory,
+    Publisher,
+};
+use crate::readiness::Readiness;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -45,13 +58,12 @@ pub struct OwnerContext {
 /// Replies to local (gRPC) requests, sent once the batch is durable.
 pub type Reply = Box<dyn FnOnce() + Send>;
 
-/// Input that cannot be processed: the partition stops and alerts rather
-/// than skip it (internal messages are never dropped silently).
-#[derive(Debug, thiserror::Error)]
-#[error("partition {partition} offset {offset}: {reason}")]
-pub struct InputError {
-    pub partition: i32,
+/// An entry of the input that can never be applied (undecodable, invalid,
+/// not this partition's): set aside with its bytes and the reason.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rejected {
     pub offset: i64,
+    pub entry: Vec<u8>,
     pub reason: String,
 }
 
@@ -67,6 +79,12 @@ pub trait OwnedState: Send + 'static {
 
     /// Advance to `now_ms` (timers), then apply `messages` and `locals` in
     /// order, recording writes, effects and replies.
+    ///
+    /// An entry that can never be applied changes nothing: it goes to
+    /// `rejected` with its bytes and the reason, and the other entries are
+    /// applied. Implementations check an entry completely before they change
+    /// any state for it (`apply_entries` helps).
+    #[allow(clippy::too_many_arguments)]
     fn apply(
         &mut self,
         now_ms: i64,
@@ -75,7 +93,8 @@ pub trait OwnedState: Send + 'static {
         writes: &mut Self::Writes,
         outbox: &mut Outbox,
         replies: &mut Vec<Reply>,
-    ) -> Result<(), InputError>;
+        rejected: &mut Vec<Rejected>,
+    );
 
     /// Every effect the saved state implies, for a new owner to re-send.
     fn resend_all(&self, now_ms: i64, outbox: &mut Outbox);
@@ -86,6 +105,42 @@ pub trait OwnedState: Send + 'static {
     /// The partition's keys, for per-key metrics (bounded by configuration).
     fn key_stats(&self) -> Vec<crate::metrics::KeyStat> {
         Vec::new()
+    }
+}
+
+/// Apply each entry of a batch message (`LimitCommandBatch`, ...: field 1
+/// is the entry) with `apply`. An entry that does not decode, or that `apply`
+/// refuses (it must refuse before changing anything), is rejected with its
+/// own bytes; the others are applied. `what` names the entry in reasons.
+pub fn apply_entries<M: prost::Message + Default>(
+    message: &InMsg,
+    what: &str,
+    rejected: &mut Vec<Rejected>,
+    mut apply: impl FnMut(M) -> Result<(), String>,
+) {
+    let payload = message.payload.as_deref().unwrap_or_default();
+    let entries = match batch_entries(payload) {
+        Ok(entries) => entries,
+        Err(error) => {
+            rejected.push(Rejected {
+                offset: message.offset,
+                entry: payload.to_vec(),
+                reason: format!("undecodable {what} batch: {error}"),
+            });
+            return;
+        }
+    };
+    for entry in entries {
+        let outcome = M::decode(entry)
+            .map_err(|error| format!("undecodable {what}: {error}"))
+            .and_then(&mut apply);
+        if let Err(reason) = outcome {
+            rejected.push(Rejected {
+                offset: message.offset,
+                entry: entry.to_vec(),
+                reason,
+            });
+        }
     }
 }
 
@@ -165,17 +220,71 @@ pub async fn lookup_owner(pool: &PgPool, partition: i32) -> Result<Option<(Strin
         .await
 }
 
+/// Set input aside: its bytes and the reason, in the service's `quarantine`
+/// table (inside the caller's transaction).
+pub async fn insert_quarantined(
+    connection: &mut PgConnection,
+    topic: &str,
+    partition: i32,
+    rejected: &[Rejected],
+) -> Result<(), sqlx::Error> {
+    if rejected.is_empty() {
+        return Ok(());
+    }
+    let offsets: Vec<i64> = rejected.iter().map(|entry| entry.offset).collect();
+    let entries: Vec<&[u8]> = rejected.iter().map(|entry| entry.entry.as_slice()).collect();
+    let reasons: Vec<String> = rejected
+        .iter()
+        .map(|entry| clean_text(&entry.reason, crate::validate::MAX_TEXT_BYTES))
+        .collect();
+    sqlx::query(
+        "INSERT INTO quarantine (topic, partition, input_offset, entry, reason)
+         SELECT $1, $2, u.input_offset, u.entry, u.reason
+         FROM UNNEST($3::bigint[], $4::bytea[], $5::text[]) AS u(input_offset, entry, reason)",
+    )
+    .bind(clean_text(topic, 1024))
+    .bind(partition)
+    .bind(offsets)
+    .bind(entries)
+    .bind(reasons)
+    .execute(connection)
+    .await?;
+    Ok(())
+}
+
+/// Log and count input that was set aside (once it is durable).
+pub fn report_quarantined(service: &'static str, topic: &str, partition: i32, rejected: &[Rejected]) {
+    for entry in rejected {
+        tracing::error!(
+            service,
+            topic,
+            partition,
+            offset = entry.offset,
+            bytes = entry.entry.len(),
+            reason = %clean_text(&entry.reason, 2048),
+            "input set aside in the quarantine table: it can never be applied"
+        );
+    }
+    if !rejected.is_empty() {
+        crate::metrics::metrics().quarantined.add(
+            u64::try_from(rejected.len()).unwrap_or(u64::MAX),
+            &[opentelemetry::KeyValue::new("service", service)],
+        );
+    }
+}
+
 /// Where a local request can reach the partition task that owns it.
 pub struct OwnedPartitionHandle<L> {
     sender: mpsc::Sender<L>,
 }
 
-/// Partitions this instance owns and is ready to serve, and readiness.
+/// Partitions this instance owns and is ready to serve. Readiness is the
+/// instance's: a partition that is loading, or retrying a fault that passes,
+/// is a condition on it.
 pub struct OwnerRegistry<L> {
+    service: &'static str,
     partitions: RwLock<HashMap<i32, OwnedPartitionHandle<L>>>,
-    loading: Mutex<HashMap<i32, u32>>,
-    stopped: Mutex<HashMap<i32, String>>,
-    ready_sender: watch::Sender<bool>,
+    readiness: Readiness,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -187,13 +296,11 @@ pub enum LocalCallError {
 }
 
 impl<L: Send + 'static> OwnerRegistry<L> {
-    pub fn new() -> Arc<Self> {
-        let (ready_sender, _) = watch::channel(true);
+    pub fn new(service: &'static str, readiness: Readiness) -> Arc<Self> {
         Arc::new(OwnerRegistry {
+            service,
             partitions: RwLock::new(HashMap::new()),
-            loading: Mutex::new(HashMap::new()),
-            stopped: Mutex::new(HashMap::new()),
-            ready_sender,
+            readiness,
         })
     }
 
@@ -230,55 +337,20 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         owned
     }
 
-    /// False while any owned partition is rebuilding, or has stopped.
-    pub fn is_ready(&self) -> bool {
-        let loading = self.loading.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let stopped = self.stopped.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        loading.is_empty() && stopped.is_empty()
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
     }
 
-    pub fn watch_ready(&self) -> watch::Receiver<bool> {
-        self.ready_sender.subscribe()
+    fn condition(&self, partition: i32) -> String {
+        format!("{} partition {partition}", self.service)
     }
 
-    pub fn stopped_partitions(&self) -> Vec<(i32, String)> {
-        let stopped = self.stopped.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        stopped
-            .iter()
-            .map(|(partition, reason)| (*partition, reason.clone()))
-            .collect()
+    fn set_condition(&self, partition: i32, reason: impl Into<String>) {
+        self.readiness.set(self.condition(partition), reason);
     }
 
-    fn publish_ready(&self) {
-        let ready = self.is_ready();
-        self.ready_sender.send_if_modified(|current| {
-            let changed = *current != ready;
-            *current = ready;
-            changed
-        });
-    }
-
-    fn begin_loading(&self, partition: i32) {
-        {
-            let mut loading = self.loading.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            *loading.entry(partition).or_default() += 1;
-            let mut stopped = self.stopped.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            stopped.remove(&partition);
-        }
-        self.publish_ready();
-    }
-
-    fn end_loading(&self, partition: i32) {
-        {
-            let mut loading = self.loading.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            if let Some(count) = loading.get_mut(&partition) {
-                *count -= 1;
-                if *count == 0 {
-                    loading.remove(&partition);
-                }
-            }
-        }
-        self.publish_ready();
+    fn clear_condition(&self, partition: i32) {
+        self.readiness.clear(&self.condition(partition));
     }
 
     fn register(&self, partition: i32, sender: mpsc::Sender<L>) {
@@ -294,14 +366,6 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         {
             partitions.remove(&partition);
         }
-    }
-
-    fn mark_stopped(&self, partition: i32, reason: String) {
-        {
-            let mut stopped = self.stopped.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            stopped.insert(partition, reason);
-        }
-        self.publish_ready();
     }
 }
 
@@ -373,26 +437,50 @@ const RETRY_FIRST: Duration = Duration::from_millis(100);
 /// How often an owned partition publishes its keys for per-key metrics.
 const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(5);
+/// How long reading a partition's watermarks may take.
+const WATERMARKS_TIMEOUT: Duration = Duration::from_secs(5);
 
 enum Step<T> {
     Done(T),
     Stop,
 }
 
+/// How one batch ended.
+enum BatchEnd {
+    Done,
+    /// Fenced, or the partition was given up.
+    Stop,
+    /// It fails every time: its decision panicked, or PostgreSQL refuses its
+    /// commit for what it holds. The state was reloaded; nothing of it is saved.
+    Permanent(String),
+}
+
+/// A backoff that doubles from `RETRY_FIRST` to `RETRY_MAX`.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff(RETRY_FIRST)
+    }
+
+    async fn wait(&mut self) {
+        tokio::time::sleep(self.0).await;
+        self.0 = (self.0 * 2).min(RETRY_MAX);
+    }
+}
+
 impl<S: OwnedStore> PartitionTask<S> {
     async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
         let partition = input.partition;
-        self.registry.begin_loading(partition);
-        let taken_over = self.take_over(&input).await;
-        self.registry.end_loading(partition);
-        let (context, mut state, mut applied_offset) = match taken_over {
-            Ok(Step::Done(loaded)) => loaded,
-            Ok(Step::Stop) => return Ok(()),
-            Err(error) => {
-                self.registry.mark_stopped(partition, error.to_string());
-                return Err(error);
+        self.registry.set_condition(partition, "loading");
+        let (context, mut state, mut applied_offset) = match self.take_over(&input).await {
+            Step::Done(loaded) => loaded,
+            Step::Stop => {
+                self.registry.clear_condition(partition);
+                return Ok(());
             }
         };
+        self.registry.clear_condition(partition);
 
         let (local_sender, mut local_receiver) = mpsc::channel(1024);
         self.registry.register(partition, local_sender.clone());
@@ -404,6 +492,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             "partition owned"
         );
 
+        let mut last_received: Option<i64> = None;
         let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
         let outcome = loop {
             let mut messages: Vec<InMsg> = Vec::new();
@@ -425,16 +514,38 @@ impl<S: OwnedStore> PartitionTask<S> {
                 Some(local) = local_receiver.recv() => locals.push(local),
                 _ = sleep => {}
             }
-            while messages.len() + locals.len() < self.settings.max_batch {
+            let mut bytes: usize = messages.iter().map(InMsg::size).sum();
+            while messages.len() + locals.len() < self.settings.max_batch && bytes < input.max_batch_bytes {
                 match input.messages.try_recv() {
-                    Ok(message) => messages.push(message),
-                    Err(_) => break,
+                    Some(message) => {
+                        bytes += message.size();
+                        messages.push(message);
+                    }
+                    None => break,
                 }
             }
             while locals.len() < self.settings.max_batch {
                 match local_receiver.try_recv() {
                     Ok(local) => locals.push(local),
                     Err(_) => break,
+                }
+            }
+            // The consumer only goes back when its position was reset (the
+            // log it read is gone): see whether the log was lost.
+            let mut went_back = false;
+            for message in &messages {
+                if last_received.is_some_and(|last| message.offset <= last) {
+                    went_back = true;
+                }
+                last_received = Some(message.offset);
+            }
+            if went_back {
+                match self
+                    .adopt_if_log_lost(&context, &mut state, &mut applied_offset, &input)
+                    .await
+                {
+                    Step::Done(()) => {}
+                    Step::Stop => break Ok(()),
                 }
             }
             let last_offset = messages.last().map(|message| message.offset);
@@ -458,9 +569,7 @@ impl<S: OwnedStore> PartitionTask<S> {
         };
         crate::metrics::metrics().publish_keys(self.settings.service, partition, None);
         self.registry.unregister(partition, &local_sender);
-        if let Err(PartitionTaskError::Stopped { reason, .. }) = &outcome {
-            self.registry.mark_stopped(partition, reason.clone());
-        }
+        self.registry.clear_condition(partition);
         tracing::info!(
             service = self.settings.service,
             partition,
@@ -470,25 +579,31 @@ impl<S: OwnedStore> PartitionTask<S> {
         outcome
     }
 
-    /// Bump the epoch, load, re-send. Retries transient database errors.
-    async fn take_over(
-        &self,
-        input: &PartitionInput,
-    ) -> Result<Step<(OwnerContext, S::State, i64)>, PartitionTaskError> {
+    /// Bump the epoch, load, adopt a new log if the old one is gone, re-send.
+    /// Retries every error with backoff: a partition is never left unowned
+    /// because loading failed once (readiness says so meanwhile).
+    async fn take_over(&self, input: &PartitionInput) -> Step<(OwnerContext, S::State, i64)> {
         let partition = input.partition;
-        let mut delay = RETRY_FIRST;
+        let mut backoff = Backoff::new();
         loop {
             if input.stop.is_cancelled() {
-                return Ok(Step::Stop);
+                return Step::Stop;
             }
             match self.try_take_over(partition).await {
-                Ok((context, state, applied_offset)) => {
+                Ok((context, mut state, mut applied_offset)) => {
+                    match self
+                        .adopt_if_log_lost(&context, &mut state, &mut applied_offset, input)
+                        .await
+                    {
+                        Step::Done(()) => {}
+                        Step::Stop => return Step::Stop,
+                    }
                     let mut outbox = Outbox::new();
                     state.resend_all(context.clock.now_ms(), &mut outbox);
                     let resent = outbox.len();
                     match self.publish_until_done(outbox, input).await {
                         Step::Done(()) => {}
-                        Step::Stop => return Ok(Step::Stop),
+                        Step::Stop => return Step::Stop,
                     }
                     tracing::info!(
                         service = self.settings.service,
@@ -496,18 +611,17 @@ impl<S: OwnedStore> PartitionTask<S> {
                         resent,
                         "re-sent saved effects after takeover"
                     );
-                    return Ok(Step::Done((context, state, applied_offset)));
-                }
-                Err(error) if is_transient_sql(&error) => {
-                    tracing::warn!(service = self.settings.service, partition, %error, "takeover failed, retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(RETRY_MAX);
+                    return Step::Done((context, state, applied_offset));
                 }
                 Err(error) => {
-                    return Err(PartitionTaskError::Stopped {
-                        partition,
-                        reason: format!("takeover failed: {error}"),
-                    })
+                    if classify_sql(&error).is_transient() {
+                        tracing::warn!(service = self.settings.service, partition, %error, "takeover failed, retrying");
+                    } else {
+                        tracing::error!(service = self.settings.service, partition, %error, "takeover failed and will fail again until the cause is fixed; retrying");
+                    }
+                    self.registry
+                        .set_condition(partition, format!("loading failed ({error}); retrying"));
+                    backoff.wait().await;
                 }
             }
         }
@@ -537,7 +651,74 @@ impl<S: OwnedStore> PartitionTask<S> {
         Ok((context, state, applied_offset))
     }
 
-    /// One batch: decide, commit (fenced), publish, reply.
+    /// A partition whose log now ends at or below the offset this partition
+    /// had applied was lost by the broker (an in-memory broker restarted, the
+    /// topic deleted and created again): every new message would be skipped
+    /// as already applied. Say so, adopt the new log (applied offset just
+    /// below its first offset, saved fenced) and re-send from state.
+    ///
+    /// A broker whose high watermark is too low (tansu reports its last
+    /// batch's base offset + 1) makes this replay the end of the old log,
+    /// which commands' idempotence makes harmless.
+    async fn adopt_if_log_lost(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        applied_offset: &mut i64,
+        input: &PartitionInput,
+    ) -> Step<()> {
+        if *applied_offset < 0 {
+            return Step::Done(());
+        }
+        let Some((low, high)) = input.offsets.watermarks(WATERMARKS_TIMEOUT).await else {
+            return Step::Done(());
+        };
+        if high > *applied_offset {
+            return Step::Done(());
+        }
+        let adopted = low.max(0) - 1;
+        tracing::warn!(
+            service = self.settings.service,
+            topic = %input.topic,
+            partition = context.partition,
+            applied_offset = *applied_offset,
+            log_start = low,
+            log_end = high,
+            "the partition's log ends at or below the offset this owner had applied: the broker lost the log \
+             (restarted without storage, or the topic was created again); adopting the new log and re-sending \
+             from state"
+        );
+        let mut backoff = Backoff::new();
+        loop {
+            if input.stop.is_cancelled() {
+                return Step::Stop;
+            }
+            let saved = sqlx::query(
+                "UPDATE owners SET applied_offset = $3, updated_at = now() WHERE partition = $1 AND epoch = $2",
+            )
+            .bind(context.partition)
+            .bind(context.epoch)
+            .bind(adopted)
+            .execute(&self.pool)
+            .await;
+            match saved {
+                Ok(result) if result.rows_affected() == 1 => break,
+                Ok(_) => return Step::Stop,
+                Err(error) => {
+                    tracing::warn!(service = self.settings.service, partition = context.partition, %error, "saving the adopted log's offset failed, retrying");
+                    backoff.wait().await;
+                }
+            }
+        }
+        *applied_offset = adopted;
+        let mut outbox = Outbox::new();
+        state.resend_all(context.clock.now_ms(), &mut outbox);
+        self.publish_until_done(outbox, input).await
+    }
+
+    /// One batch: decide, commit (fenced), publish, reply. A batch that fails
+    /// every time is applied again in parts, and what still fails is set
+    /// aside (`isolate`).
     async fn process_batch(
         &self,
         context: &OwnerContext,
@@ -547,34 +728,157 @@ impl<S: OwnedStore> PartitionTask<S> {
         locals: Vec<<S::State as OwnedState>::Local>,
         input: &PartitionInput,
     ) -> Result<Step<()>, PartitionTaskError> {
+        let new_offset = messages.last().map(|message| message.offset);
+        match self
+            .run_batch(context, state, applied_offset, messages, locals, new_offset, input)
+            .await?
+        {
+            BatchEnd::Done => Ok(Step::Done(())),
+            BatchEnd::Stop => Ok(Step::Stop),
+            BatchEnd::Permanent(reason) => {
+                self.isolate(context, state, applied_offset, messages, input, reason)
+                    .await
+            }
+        }
+    }
+
+    /// Apply a failed batch's messages one at a time; a message that still
+    /// fails alone is applied one entry at a time, and an entry that fails
+    /// alone is set aside. The local requests of the failed batch were
+    /// answered with an error (their callers retry).
+    async fn isolate(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        applied_offset: &mut i64,
+        messages: &[InMsg],
+        input: &PartitionInput,
+        reason: String,
+    ) -> Result<Step<()>, PartitionTaskError> {
+        tracing::warn!(
+            service = self.settings.service,
+            partition = context.partition,
+            messages = messages.len(),
+            %reason,
+            "a batch fails every time it is applied; applying it in parts to set aside what fails"
+        );
+        for message in messages {
+            let single = std::slice::from_ref(message);
+            let reason = match self
+                .run_batch(
+                    context,
+                    state,
+                    applied_offset,
+                    single,
+                    Vec::new(),
+                    Some(message.offset),
+                    input,
+                )
+                .await?
+            {
+                BatchEnd::Done => continue,
+                BatchEnd::Stop => return Ok(Step::Stop),
+                BatchEnd::Permanent(reason) => reason,
+            };
+            let payload = message.payload.as_deref().unwrap_or_default();
+            let entries: Vec<&[u8]> = batch_entries(payload).unwrap_or_default();
+            if entries.len() <= 1 {
+                let whole = Rejected {
+                    offset: message.offset,
+                    entry: payload.to_vec(),
+                    reason,
+                };
+                match self
+                    .quarantine(context, applied_offset, vec![whole], Some(message.offset), input)
+                    .await
+                {
+                    Step::Done(()) => continue,
+                    Step::Stop => return Ok(Step::Stop),
+                }
+            }
+            let count = entries.len();
+            for (index, entry) in entries.into_iter().enumerate() {
+                // Only the last entry saves the message's offset: a crash in
+                // between re-applies the message, and commands are idempotent.
+                let new_offset = (index + 1 == count).then_some(message.offset);
+                let part = InMsg {
+                    payload: Some(single_entry_batch(entry)),
+                    ..message.clone()
+                };
+                match self
+                    .run_batch(context, state, applied_offset, &[part], Vec::new(), new_offset, input)
+                    .await?
+                {
+                    BatchEnd::Done => {}
+                    BatchEnd::Stop => return Ok(Step::Stop),
+                    BatchEnd::Permanent(reason) => {
+                        let rejected = Rejected {
+                            offset: message.offset,
+                            entry: entry.to_vec(),
+                            reason,
+                        };
+                        if let Step::Stop = self
+                            .quarantine(context, applied_offset, vec![rejected], new_offset, input)
+                            .await
+                        {
+                            return Ok(Step::Stop);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Step::Done(()))
+    }
+
+    /// Decide, commit, publish and reply for `messages` and `locals`, saving
+    /// `new_offset` as applied. Faults that pass are retried here.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_batch(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        applied_offset: &mut i64,
+        messages: &[InMsg],
+        locals: Vec<<S::State as OwnedState>::Local>,
+        new_offset: Option<i64>,
+        input: &PartitionInput,
+    ) -> Result<BatchEnd, PartitionTaskError> {
         let partition = context.partition;
         let mut locals = Some(locals);
-        let mut delay = RETRY_FIRST;
+        let mut backoff = Backoff::new();
         loop {
             let mut writes = <S::State as OwnedState>::Writes::default();
             let mut outbox = Outbox::new();
             let mut replies: Vec<Reply> = Vec::new();
+            let mut rejected: Vec<Rejected> = Vec::new();
             let now_ms = context.clock.now_ms();
-            state
-                .apply(
+            let batch_locals = locals.take().unwrap_or_default();
+            let decided = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                state.apply(
                     now_ms,
                     messages,
-                    locals.take().unwrap_or_default(),
+                    batch_locals,
                     &mut writes,
                     &mut outbox,
                     &mut replies,
-                )
-                .map_err(|error| PartitionTaskError::Stopped {
-                    partition,
-                    reason: error.to_string(),
-                })?;
-            let new_offset = messages.last().map(|message| message.offset);
-            if writes.is_empty() && outbox.is_empty() && replies.is_empty() {
-                return Ok(Step::Done(()));
+                    &mut rejected,
+                );
+            }));
+            if let Err(panic) = decided {
+                let reason = format!("panicked while applying: {}", panic_message(panic.as_ref()));
+                tracing::error!(service = self.settings.service, partition, %reason, "applying a batch panicked; reloading the partition");
+                drop(replies);
+                return Ok(match self.reload_until_done(context, state, input).await {
+                    Step::Done(_) => BatchEnd::Permanent(reason),
+                    Step::Stop => BatchEnd::Stop,
+                });
             }
-            let started = std::time::Instant::now();
-            if !writes.is_empty() {
-                match self.commit(context, writes, new_offset).await {
+            if writes.is_empty() && outbox.is_empty() && replies.is_empty() && rejected.is_empty() {
+                return Ok(BatchEnd::Done);
+            }
+            if !writes.is_empty() || !rejected.is_empty() {
+                let started = std::time::Instant::now();
+                match self.commit(context, writes, &rejected, &input.topic, new_offset).await {
                     Ok(()) => {
                         crate::metrics::metrics().commit_seconds.record(
                             started.elapsed().as_secs_f64(),
@@ -583,6 +887,8 @@ impl<S: OwnedStore> PartitionTask<S> {
                         if let Some(offset) = new_offset {
                             *applied_offset = offset;
                         }
+                        self.registry.clear_condition(partition);
+                        report_quarantined(self.settings.service, &input.topic, partition, &rejected);
                     }
                     Err(CommitError::Fenced { current, ours, .. }) => {
                         tracing::warn!(
@@ -592,34 +898,41 @@ impl<S: OwnedStore> PartitionTask<S> {
                             current,
                             "fenced by a newer owner; giving the partition up"
                         );
-                        return Ok(Step::Stop);
+                        return Ok(BatchEnd::Stop);
                     }
                     Err(CommitError::Sql(error)) => {
                         // The in-memory state holds this batch's uncommitted
-                        // decisions: rebuild it from PostgreSQL and decide again.
-                        // Local requests of the failed batch get an error.
-                        tracing::warn!(service = self.settings.service, partition, %error, "batch commit failed; reloading");
+                        // decisions: rebuild it from PostgreSQL, then decide
+                        // again (a fault that passes) or in parts (one that
+                        // does not). Local requests of the batch get an error.
                         drop(replies);
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(RETRY_MAX);
-                        if input.stop.is_cancelled() {
-                            return Ok(Step::Stop);
+                        let transient = classify_sql(&error).is_transient();
+                        if transient {
+                            tracing::warn!(service = self.settings.service, partition, %error, "batch commit failed; retrying");
+                            self.note_transient(partition, format!("database: {error}"));
+                            backoff.wait().await;
+                        } else {
+                            tracing::error!(service = self.settings.service, partition, %error, "PostgreSQL refuses the batch's commit");
                         }
-                        match self.reload(context).await {
-                            Ok(Some((reloaded, reloaded_offset))) => {
-                                *state = reloaded;
-                                if reloaded_offset >= new_offset.unwrap_or(i64::MIN) {
-                                    // The commit had gone through after all.
-                                    *applied_offset = reloaded_offset;
-                                    let mut outbox = Outbox::new();
-                                    state.resend_all(context.clock.now_ms(), &mut outbox);
-                                    return Ok(self.publish_until_done(outbox, input).await);
-                                }
-                            }
-                            Ok(None) => return Ok(Step::Stop),
-                            Err(error) => {
-                                tracing::warn!(service = self.settings.service, partition, %error, "reload failed");
-                            }
+                        let (reloaded_offset, recommitted) = match self.reload_until_done(context, state, input).await {
+                            Step::Done(reloaded_offset) => (
+                                reloaded_offset,
+                                new_offset.is_some_and(|offset| reloaded_offset >= offset),
+                            ),
+                            Step::Stop => return Ok(BatchEnd::Stop),
+                        };
+                        if recommitted {
+                            // The commit had gone through after all.
+                            *applied_offset = reloaded_offset;
+                            let mut outbox = Outbox::new();
+                            state.resend_all(context.clock.now_ms(), &mut outbox);
+                            return Ok(match self.publish_until_done(outbox, input).await {
+                                Step::Done(()) => BatchEnd::Done,
+                                Step::Stop => BatchEnd::Stop,
+                            });
+                        }
+                        if !transient {
+                            return Ok(BatchEnd::Permanent(format!("PostgreSQL refused the commit: {error}")));
                         }
                         continue;
                     }
@@ -631,7 +944,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             let published_from = std::time::Instant::now();
             match self.publish_until_done(outbox, input).await {
                 Step::Done(()) => {}
-                Step::Stop => return Ok(Step::Stop),
+                Step::Stop => return Ok(BatchEnd::Stop),
             }
             crate::metrics::metrics().publish_seconds.record(
                 published_from.elapsed().as_secs_f64(),
@@ -643,7 +956,56 @@ impl<S: OwnedStore> PartitionTask<S> {
             for reply in replies {
                 reply();
             }
-            return Ok(Step::Done(()));
+            return Ok(BatchEnd::Done);
+        }
+    }
+
+    fn note_transient(&self, partition: i32, reason: String) {
+        self.registry.set_condition(partition, reason);
+        crate::metrics::metrics()
+            .transient_faults
+            .add(1, &[opentelemetry::KeyValue::new("service", self.settings.service)]);
+    }
+
+    /// Set `rejected` aside (fenced, saving `new_offset` as applied).
+    async fn quarantine(
+        &self,
+        context: &OwnerContext,
+        applied_offset: &mut i64,
+        rejected: Vec<Rejected>,
+        new_offset: Option<i64>,
+        input: &PartitionInput,
+    ) -> Step<()> {
+        let mut backoff = Backoff::new();
+        loop {
+            if input.stop.is_cancelled() {
+                return Step::Stop;
+            }
+            let committed = self
+                .commit(
+                    context,
+                    <S::State as OwnedState>::Writes::default(),
+                    &rejected,
+                    &input.topic,
+                    new_offset,
+                )
+                .await;
+            match committed {
+                Ok(()) => {
+                    if let Some(offset) = new_offset {
+                        *applied_offset = offset;
+                    }
+                    self.registry.clear_condition(context.partition);
+                    report_quarantined(self.settings.service, &input.topic, context.partition, &rejected);
+                    return Step::Done(());
+                }
+                Err(CommitError::Fenced { .. }) => return Step::Stop,
+                Err(CommitError::Sql(error)) => {
+                    tracing::warn!(service = self.settings.service, partition = context.partition, %error, "setting input aside failed; retrying");
+                    self.note_transient(context.partition, format!("database: {error}"));
+                    backoff.wait().await;
+                }
+            }
         }
     }
 
@@ -651,11 +1013,19 @@ impl<S: OwnedStore> PartitionTask<S> {
         &self,
         context: &OwnerContext,
         writes: <S::State as OwnedState>::Writes,
+        rejected: &[Rejected],
+        topic: &str,
         new_offset: Option<i64>,
     ) -> Result<(), CommitError> {
         let mut transaction = self.pool.begin().await?;
         check_epoch(&mut transaction, context.partition, context.epoch).await?;
-        self.store.persist(&mut transaction, context, writes).await?;
+        if !writes.is_empty() && self.faults.hit(FaultPoint::OwnerCommitRefused) {
+            return Err(CommitError::Sql(crate::faults::refused_by_storage()));
+        }
+        if !writes.is_empty() {
+            self.store.persist(&mut transaction, context, writes).await?;
+        }
+        insert_quarantined(&mut transaction, topic, context.partition, rejected).await?;
         if let Some(offset) = new_offset {
             sqlx::query("UPDATE owners SET applied_offset = GREATEST(applied_offset, $2), updated_at = now() WHERE partition = $1")
                 .bind(context.partition)
@@ -665,6 +1035,35 @@ impl<S: OwnedStore> PartitionTask<S> {
         }
         transaction.commit().await?;
         Ok(())
+    }
+
+    /// Replace `state` with what is saved (without bumping the epoch),
+    /// retrying until it works. Returns the saved applied offset; `Stop`
+    /// when fenced or stopping.
+    async fn reload_until_done(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        input: &PartitionInput,
+    ) -> Step<i64> {
+        let mut backoff = Backoff::new();
+        loop {
+            if input.stop.is_cancelled() {
+                return Step::Stop;
+            }
+            match self.reload(context).await {
+                Ok(Some((reloaded, applied_offset))) => {
+                    *state = reloaded;
+                    return Step::Done(applied_offset);
+                }
+                Ok(None) => return Step::Stop,
+                Err(error) => {
+                    tracing::warn!(service = self.settings.service, partition = context.partition, %error, "reload failed; retrying");
+                    self.note_transient(context.partition, format!("reloading: {error}"));
+                    backoff.wait().await;
+                }
+            }
+        }
     }
 
     /// Reload the state without bumping the epoch. `None` when fenced.
@@ -688,26 +1087,188 @@ impl<S: OwnedStore> PartitionTask<S> {
         Ok(Some((state, applied_offset)))
     }
 
-    /// Publish, retrying until it works or the partition is given up (the
-    /// next owner re-sends from the saved state).
+    /// Publish, retrying what fails for a reason that passes until it works
+    /// or the partition is given up (the next owner re-sends from the saved
+    /// state). A message the broker refuses for what it is (too large) can
+    /// never be sent: it is set aside in the quarantine table with the reason,
+    /// so nothing is dropped silently.
     async fn publish_until_done(&self, outbox: Outbox, input: &PartitionInput) -> Step<()> {
         if outbox.is_empty() {
             return Step::Done(());
         }
-        let messages = outbox.into_messages();
-        let mut delay = RETRY_FIRST;
+        let mut pending = outbox.into_messages();
+        let mut backoff = Backoff::new();
+        let condition = format!(
+            "{} publishing from partition {}",
+            self.settings.service, input.partition
+        );
         loop {
-            match self.publisher.send_all(messages.clone()).await {
-                Ok(()) => return Step::Done(()),
-                Err(error) => {
-                    tracing::warn!(service = self.settings.service, partition = input.partition, %error, "publish failed, retrying");
-                    if input.stop.is_cancelled() {
-                        return Step::Stop;
+            let results = self.publisher.send_each(&pending).await;
+            let mut failed: Vec<OutMsg> = Vec::new();
+            let mut refused: Vec<(OutMsg, String)> = Vec::new();
+            let mut last_error = None;
+            for (result, message) in results.into_iter().zip(pending) {
+                match result {
+                    Ok(()) => {}
+                    Err(error) if classify_kafka(&error).is_transient() => {
+                        last_error = Some(error.to_string());
+                        failed.push(message);
                     }
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(RETRY_MAX);
+                    Err(error) => refused.push((message, error.to_string())),
+                }
+            }
+            if !refused.is_empty() {
+                self.quarantine_refused(input, refused).await;
+            }
+            if failed.is_empty() {
+                self.registry.readiness().clear(&condition);
+                return Step::Done(());
+            }
+            let error = last_error.unwrap_or_default();
+            tracing::warn!(service = self.settings.service, partition = input.partition, %error, messages = failed.len(), "publish failed, retrying");
+            self.registry
+                .readiness()
+                .set(condition.clone(), format!("publishing failed: {error}"));
+            if input.stop.is_cancelled() {
+                self.registry.readiness().clear(&condition);
+                return Step::Stop;
+            }
+            backoff.wait().await;
+            pending = failed;
+        }
+    }
+
+    /// Outgoing messages the broker refuses for what they are: saved with
+    /// the reason (not fenced: it is a record, not a decision).
+    async fn quarantine_refused(&self, input: &PartitionInput, refused: Vec<(OutMsg, String)>) {
+        for (message, error) in refused {
+            let rejected = Rejected {
+                offset: -1,
+                entry: message.payload,
+                reason: format!("the broker refused this message for {} ({error})", message.topic),
+            };
+            let mut backoff = Backoff::new();
+            loop {
+                let saved = async {
+                    let mut connection = self.pool.acquire().await?;
+                    insert_quarantined(
+                        &mut connection,
+                        &message.topic,
+                        input.partition,
+                        std::slice::from_ref(&rejected),
+                    )
+                    .await
+                }
+                .await;
+                match saved {
+                    Ok(()) => {
+                        report_quarantined(
+                            self.settings.service,
+                            &message.topic,
+                            input.partition,
+                            std::slice::from_ref(&rejected),
+                        );
+                        break;
+                    }
+                    Err(error) if input.stop.is_cancelled() => {
+                        tracing::error!(service = self.settings.service, %error, reason = %rejected.reason, "could not set a refused message aside before stopping");
+                        break;
+                    }
+                    Err(error) => {
+                        tracing::warn!(service = self.settings.service, %error, "setting a refused message aside failed; retrying");
+                        backoff.wait().await;
+                    }
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prost::Message as _;
+    use sluice_proto::v1 as pb;
+
+    fn message_of(payload: Vec<u8>) -> InMsg {
+        InMsg {
+            partition: 0,
+            offset: 7,
+            key: None,
+            payload: Some(payload),
+            headers: Vec::new(),
+            timestamp_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_bad_entry_is_rejected_alone_and_the_others_are_applied() {
+        let topic: Arc<str> = Arc::from("t");
+        let mut outbox = Outbox::new();
+        for step in 0..3 {
+            let event = pb::GrantEvent {
+                ticket: Some(pb::TicketId {
+                    job_id: format!("job-{step}"),
+                    attempt: 1,
+                    step,
+                }),
+                ..Default::default()
+            };
+            outbox.push_entry(&topic, 0, &event, 100_000);
+        }
+        let mut payload = outbox.into_messages().remove(0).payload;
+        // A fourth entry that is not a GrantEvent (field 2 with wire type 7).
+        payload.extend_from_slice(&single_entry_batch(&[0x17, 0x01]));
+        let mut applied = Vec::new();
+        let mut rejected = Vec::new();
+        apply_entries(
+            &message_of(payload),
+            "grant event",
+            &mut rejected,
+            |event: pb::GrantEvent| {
+                let ticket = event.ticket.unwrap_or_default();
+                if ticket.step == 1 {
+                    return Err("step 1 is refused".to_string());
+                }
+                applied.push(ticket.job_id);
+                Ok(())
+            },
+        );
+        assert_eq!(applied, vec!["job-0", "job-2"]);
+        assert_eq!(rejected.len(), 2);
+        assert_eq!(rejected[0].reason, "step 1 is refused");
+        let refused = pb::GrantEvent::decode(rejected[0].entry.as_slice()).unwrap();
+        assert_eq!(refused.ticket.unwrap().job_id, "job-1");
+        assert!(
+            rejected[1].reason.starts_with("undecodable grant event"),
+            "{rejected:?}"
+        );
+        assert!(rejected.iter().all(|entry| entry.offset == 7));
+    }
+
+    #[test]
+    fn a_payload_that_is_not_a_batch_is_rejected_whole() {
+        let mut rejected = Vec::new();
+        apply_entries(
+            &message_of(vec![0xff, 0xff, 0xff]),
+            "limit command",
+            &mut rejected,
+            |_: pb::LimitCommand| Ok(()),
+        );
+        assert_eq!(rejected.len(), 1);
+        assert_eq!(rejected[0].entry, vec![0xff, 0xff, 0xff]);
+        assert!(rejected[0].reason.starts_with("undecodable limit command batch"));
+    }
+
+    #[test]
+    fn batch_entries_split_and_rejoin() {
+        let entries: Vec<Vec<u8>> = vec![vec![1, 2, 3], vec![], vec![9; 300]];
+        let mut payload = Vec::new();
+        for entry in &entries {
+            payload.extend(single_entry_batch(entry));
+        }
+        let split = batch_entries(&payload).unwrap();
+        assert_eq!(split, entries.iter().map(Vec::as_slice).collect::<Vec<_>>());
+        assert!(batch_entries(&[0x0a, 0x05, 1]).is_err(), "a length past the end");
     }
 }

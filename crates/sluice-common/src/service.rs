@@ -168,14 +168,16 @@ impl Supervisor {
     }
 }
 
-/// Health follows the owner runtime: not serving while a partition rebuilds.
-pub async fn report_readiness<L: Send + 'static>(
-    registry: std::sync::Arc<crate::owner::OwnerRegistry<L>>,
+/// gRPC health follows the instance's readiness: NOT_SERVING while a
+/// partition rebuilds, a fault that passes is being retried, a producer is
+/// rebuilt or a topic is missing.
+pub async fn report_readiness(
+    readiness: crate::readiness::Readiness,
     health: crate::grpc::Health,
     shutdown: Shutdown,
 ) -> Result<(), std::convert::Infallible> {
-    let mut ready = registry.watch_ready();
-    health.set_serving(registry.is_ready()).await;
+    let mut ready = readiness.watch();
+    health.set_serving(readiness.is_ready()).await;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => {
@@ -264,9 +266,10 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
 
     let pool = open_database(&config, spec.schema, &[&crate::owner::MIGRATOR, spec.migrator]).await?;
     crate::kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
-    let publisher = Publisher::new(&config.kafka)?;
+    let readiness = crate::readiness::Readiness::new();
+    let publisher = Publisher::for_service(&config.kafka, readiness.clone(), faults.clone())?;
     let endpoint = advertised_endpoint(&spec.advertised_endpoint, &listener);
-    let registry = OwnerRegistry::new();
+    let registry = OwnerRegistry::new(spec.service, readiness.clone());
     let runtime = OwnerRuntime::new(
         Arc::new(store),
         pool.clone(),
@@ -299,6 +302,7 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
             topic: config.topic(&spec.input_topic),
             channel_capacity: 10_000,
             track_end: false,
+            readiness: readiness.clone(),
         };
         supervisor.spawn(spec.consumer_task, async move {
             crate::kafka::run_partitioned_consumer(
@@ -311,7 +315,16 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
             .await
         });
     }
-    supervisor.spawn("readiness", report_readiness(registry, health, shutdown.clone()));
+    supervisor.spawn(
+        "topic watch",
+        crate::kafka::watch_topics(
+            config.kafka.clone(),
+            all_topics(&config),
+            readiness.clone(),
+            shutdown.clone(),
+        ),
+    );
+    supervisor.spawn("readiness", report_readiness(readiness, health, shutdown.clone()));
     supervisor.spawn("grpc server", crate::grpc::serve(listener, routes, shutdown.clone()));
     tracing::info!(service = spec.service, %endpoint, "service started");
     let outcome = supervisor.wait().await;

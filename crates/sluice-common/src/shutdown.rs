@@ -53,16 +53,29 @@ impl Shutdown {
         self.token.cancelled().await;
     }
 
-    /// Trigger on SIGTERM or SIGINT; exit the process on a second signal.
-    pub fn trigger_on_signals(&self) {
+    /// Trigger on SIGTERM or SIGINT; exit the process on a second signal, or
+    /// with status 1 when the drain takes longer than `drain_timeout` (a
+    /// broker or database that never answers must not keep a pod
+    /// terminating for ever).
+    pub fn trigger_on_signals(&self, drain_timeout: std::time::Duration) {
         let shutdown = self.clone();
         tokio::spawn(async move {
             wait_for_signal().await;
-            tracing::info!("shutdown signal received, draining (send again to exit now)");
+            tracing::info!(
+                ?drain_timeout,
+                "shutdown signal received, draining (send again to exit now)"
+            );
             shutdown.trigger();
-            wait_for_signal().await;
-            tracing::warn!("second shutdown signal, exiting now");
-            std::process::exit(130);
+            tokio::select! {
+                _ = wait_for_signal() => {
+                    tracing::warn!("second shutdown signal, exiting now");
+                    std::process::exit(130);
+                }
+                _ = tokio::time::sleep(drain_timeout) => {
+                    tracing::error!(?drain_timeout, "the drain did not finish within process.drain_timeout; exiting");
+                    std::process::exit(1);
+                }
+            }
         });
     }
 }

@@ -383,16 +383,136 @@ pub fn set_remote_parent(span: &tracing::Span, remote: &TraceContext) {
     let _ = span.set_parent(extract(remote));
 }
 
-/// Trace context from Kafka headers (`traceparent`, `tracestate`).
-pub fn trace_context_from_headers(headers: &[(String, Vec<u8>)]) -> TraceContext {
-    TraceContext {
-        traceparent: crate::kafka::header_text(headers, "traceparent")
-            .unwrap_or_default()
-            .to_string(),
-        tracestate: crate::kafka::header_text(headers, "tracestate")
-            .unwrap_or_default()
-            .to_string(),
+/// The longest `tracestate` kept (W3C: at most 512 characters).
+pub const MAX_TRACESTATE_BYTES: usize = 512;
+
+/// A W3C `traceparent`: `00-<32 hex trace id>-<16 hex parent id>-<2 hex
+/// flags>`, lowercase, ids not all zero (a later version may append fields
+/// after a `-`; version `ff` is invalid).
+pub fn is_valid_traceparent(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    if bytes.len() < 55 || (bytes.len() > 55 && bytes[55] != b'-') {
+        return false;
     }
+    let hex = |range: std::ops::Range<usize>| {
+        bytes[range]
+            .iter()
+            .all(|byte| byte.is_ascii_digit() || (b'a'..=b'f').contains(byte))
+    };
+    let not_zero = |range: std::ops::Range<usize>| bytes[range].iter().any(|byte| *byte != b'0');
+    hex(0..2)
+        && &bytes[0..2] != b"ff"
+        && (bytes.len() == 55 || &bytes[0..2] != b"00")
+        && bytes[2] == b'-'
+        && hex(3..35)
+        && not_zero(3..35)
+        && bytes[35] == b'-'
+        && hex(36..52)
+        && not_zero(36..52)
+        && bytes[52] == b'-'
+        && hex(53..55)
+}
+
+/// A W3C `tracestate`: printable ASCII, at most 512 bytes.
+pub fn is_valid_tracestate(value: &str) -> bool {
+    value.len() <= MAX_TRACESTATE_BYTES && value.bytes().all(|byte| (0x20..=0x7e).contains(&byte))
+}
+
+/// Trace context as W3C says to treat what arrives from outside: an invalid
+/// `traceparent` is ignored (the job starts a trace of its own) and takes its
+/// `tracestate` with it; an invalid `tracestate` alone is dropped. What this
+/// returns is safe to store and to put in headers.
+pub fn checked_trace_context(traceparent: &str, tracestate: &str) -> TraceContext {
+    if !is_valid_traceparent(traceparent) {
+        return TraceContext::default();
+    }
+    TraceContext {
+        traceparent: traceparent.to_string(),
+        tracestate: if is_valid_tracestate(tracestate) {
+            tracestate.to_string()
+        } else {
+            String::new()
+        },
+    }
+}
+
+/// A W3C trace context held per ticket, in 41 bytes and no allocation for
+/// the usual case: a version-00 `traceparent` as its 25 binary bytes (trace
+/// id, parent id, flags) and the `tracestate` (usually empty). A context of
+/// another version is not kept (the job's next span starts a new trace).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CompactTraceContext {
+    parent: Option<[u8; 25]>,
+    state: Box<str>,
+}
+
+impl CompactTraceContext {
+    pub fn from_context(context: &TraceContext) -> Self {
+        let parent = parse_traceparent_v00(&context.traceparent);
+        CompactTraceContext {
+            state: if parent.is_some() {
+                context.tracestate.as_str().into()
+            } else {
+                Box::from("")
+            },
+            parent,
+        }
+    }
+
+    /// The context as it travels (`traceparent`, `tracestate`).
+    pub fn to_context(&self) -> TraceContext {
+        TraceContext {
+            traceparent: self.traceparent(),
+            tracestate: self.state.to_string(),
+        }
+    }
+
+    pub fn traceparent(&self) -> String {
+        let Some(parent) = &self.parent else {
+            return String::new();
+        };
+        let mut text = String::with_capacity(55);
+        text.push_str("00-");
+        for (index, byte) in parent.iter().enumerate() {
+            if index == 16 || index == 24 {
+                text.push('-');
+            }
+            text.push_str(&format!("{byte:02x}"));
+        }
+        text
+    }
+
+    pub fn tracestate(&self) -> &str {
+        &self.state
+    }
+}
+
+fn parse_traceparent_v00(value: &str) -> Option<[u8; 25]> {
+    if value.len() != 55 || !value.starts_with("00-") || !is_valid_traceparent(value) {
+        return None;
+    }
+    let hex: String = value[3..].chars().filter(|c| *c != '-').collect();
+    let mut bytes = [0u8; 25];
+    for (index, byte) in bytes.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(index * 2..index * 2 + 2)?, 16).ok()?;
+    }
+    Some(bytes)
+}
+
+/// `checked_trace_context` of a context received inside a message.
+pub fn checked(context: &TraceContext) -> TraceContext {
+    if context.traceparent.is_empty() && context.tracestate.is_empty() {
+        return TraceContext::default();
+    }
+    checked_trace_context(&context.traceparent, &context.tracestate)
+}
+
+/// Trace context from Kafka headers (`traceparent`, `tracestate`), checked.
+pub fn trace_context_from_headers(headers: &[(String, Vec<u8>)]) -> TraceContext {
+    checked_trace_context(
+        crate::kafka::header_text(headers, "traceparent").unwrap_or_default(),
+        crate::kafka::header_text(headers, "tracestate").unwrap_or_default(),
+    )
 }
 
 /// Kafka headers carrying `context` (none when empty).
@@ -407,19 +527,15 @@ pub fn trace_headers(context: &TraceContext) -> Vec<(String, Vec<u8>)> {
     headers
 }
 
-/// Trace context from gRPC request metadata.
+/// Trace context from gRPC request metadata, checked.
 pub fn trace_context_from_metadata(metadata: &tonic::metadata::MetadataMap) -> TraceContext {
     let text = |name: &str| {
         metadata
             .get(name)
             .and_then(|value| value.to_str().ok())
             .unwrap_or_default()
-            .to_string()
     };
-    TraceContext {
-        traceparent: text("traceparent"),
-        tracestate: text("tracestate"),
-    }
+    checked_trace_context(text("traceparent"), text("tracestate"))
 }
 
 /// Put the current span's context into outgoing gRPC metadata.
@@ -434,5 +550,54 @@ pub fn inject_current_into_metadata(metadata: &mut tonic::metadata::MetadataMap)
         if !context.tracestate.is_empty() {
             metadata.insert("tracestate", value);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VALID: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn only_well_formed_trace_context_is_kept() {
+        assert!(is_valid_traceparent(VALID));
+        let kept = checked_trace_context(VALID, "vendor=a");
+        assert_eq!(kept.traceparent, VALID);
+        assert_eq!(kept.tracestate, "vendor=a");
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0\0",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01é",
+        ] {
+            assert!(!is_valid_traceparent(bad), "{bad:?}");
+            assert_eq!(
+                checked_trace_context(bad, "vendor=a"),
+                TraceContext::default(),
+                "{bad:?}"
+            );
+        }
+        // A later version may append fields.
+        assert!(is_valid_traceparent(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-the-future-brings"
+        ));
+        let compact = CompactTraceContext::from_context(&checked_trace_context(VALID, "vendor=a"));
+        assert_eq!(
+            compact.to_context(),
+            checked_trace_context(VALID, "vendor=a"),
+            "round trip"
+        );
+        assert_eq!(
+            CompactTraceContext::from_context(&TraceContext::default()).to_context(),
+            TraceContext::default()
+        );
+        // A bad tracestate alone is dropped.
+        assert_eq!(checked_trace_context(VALID, "a=\0").tracestate, "");
+        assert_eq!(checked_trace_context(VALID, &"x".repeat(513)).tracestate, "");
     }
 }

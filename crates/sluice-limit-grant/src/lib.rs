@@ -41,6 +41,7 @@ pub async fn run(
         refresh_due_partitions: config.kafka.partitions.refresh_due,
         max_message_bytes: config.kafka.max_message_bytes,
         ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),
+        input: sluice_common::validate::InputLimits::from_config(&config),
     };
     let spec = OwnerServiceSpec {
         service: SERVICE,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::key_partition;
-use sluice_common::validate::{check_name, FieldError};
+use sluice_common::validate::{check_name, check_text, check_u32, FieldError, MAX_CONCURRENCY, MAX_ID_BYTES};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::limits_client::LimitsClient;
 use sqlx::{PgPool, Row};
@@ -51,7 +51,10 @@ impl pb::limits_server::Limits for LimitsApi {
         let message = request.into_inner();
         let (tenant, key) = checked_key(message.key.as_ref(), self.max_key_bytes)?;
         let max = match message.change {
-            Some(pb::set_limit_request::Change::Max(max)) => Some(max),
+            Some(pb::set_limit_request::Change::Max(max)) => {
+                check_u32("max", max, 0, MAX_CONCURRENCY)?;
+                Some(max)
+            }
             Some(pb::set_limit_request::Change::Clear(true)) => None,
             _ => return Err(FieldError::new("change", "set `max` (0 pauses) or `clear: true`").into()),
         };
@@ -92,6 +95,9 @@ impl pb::limits_server::Limits for LimitsApi {
         } else {
             usize::try_from(message.first_waiters.min(1000)).unwrap_or(10)
         };
+        if let Some(ticket) = &message.ticket {
+            check_text("ticket.job_id", &ticket.job_id, MAX_ID_BYTES)?;
+        }
         let ticket = message.ticket.as_ref().map(TicketKey::from_proto);
         on_owner(
             &self.registry,
@@ -118,6 +124,8 @@ impl pb::limits_server::Limits for LimitsApi {
     async fn list_keys(&self, request: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
+        check_text("prefix", &message.prefix, self.max_key_bytes)?;
+        check_text("page_token", &message.page_token, self.max_key_bytes)?;
         let page_size = match message.page_size {
             0 => 100,
             size => size.min(1000),

@@ -6,10 +6,14 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use prost::Message;
 use sluice_common::kafka::{InMsg, Outbox};
-use sluice_common::owner::{InputError, OwnedState, Reply, WriteSet};
+use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet};
 use sluice_common::partition::{job_partition, key_partition};
+use sluice_common::telemetry::CompactTraceContext;
+use sluice_common::validate::{
+    check_floating_values, check_key_ref, check_text, check_ticket, check_u32, check_u64, FieldError, InputLimits,
+    MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_ID_BYTES,
+};
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
@@ -19,11 +23,14 @@ pub type KeyId = (String, String);
 pub use sluice_common::ticket::TicketKey;
 
 /// A ticket as stored: held, or waiting in its key's queue.
+///
+/// Lean, since a partition keeps one per waiting job: the key is shared with
+/// its key's state and the job id with the indexes, the trace context is
+/// binary (`CompactTraceContext`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct TicketRecord {
     pub ticket: TicketKey,
-    pub tenant: String,
-    pub key: String,
+    pub key_id: Arc<KeyId>,
     pub held: bool,
     pub priority: u32,
     pub enqueued_at_us: i64,
@@ -33,8 +40,17 @@ pub struct TicketRecord {
     pub waiting_since_ms: i64,
     pub position_at_enqueue: u32,
     pub granted_at_ms: Option<i64>,
-    pub traceparent: String,
-    pub tracestate: String,
+    pub trace: CompactTraceContext,
+}
+
+impl TicketRecord {
+    pub fn tenant(&self) -> &str {
+        &self.key_id.0
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key_id.1
+    }
 }
 
 /// The shared state of a floating key.
@@ -93,16 +109,54 @@ struct Waiting {
     confirmed_at_ms: i64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct KeyState {
+    /// (tenant, key), shared with the key's tickets.
+    id: Arc<KeyId>,
     record: KeyRecord,
     holders: HashMap<TicketKey, Holder>,
+    /// Waiters in grant order. A waiter is found by ticket through its
+    /// `TicketPlace` (priority and enqueue time make its `WaitOrder`).
     waiters: BTreeMap<WaitOrder, Waiting>,
-    /// Each waiter's place in `waiters`, to find it by ticket.
-    waiter_orders: HashMap<TicketKey, WaitOrder>,
+}
+
+/// Where a ticket (held or waiting) is: its key, and what orders it in the
+/// key's queue (fixed for the ticket's life).
+#[derive(Debug)]
+struct TicketPlace {
+    key_id: Arc<KeyId>,
+    priority: u32,
+    enqueued_at_us: i64,
+}
+
+impl TicketPlace {
+    fn of(record: &TicketRecord) -> Self {
+        TicketPlace {
+            key_id: record.key_id.clone(),
+            priority: record.priority,
+            enqueued_at_us: record.enqueued_at_us,
+        }
+    }
+
+    fn order(&self, ticket: &TicketKey) -> WaitOrder {
+        WaitOrder {
+            priority: self.priority,
+            enqueued_at_us: self.enqueued_at_us,
+            ticket: ticket.clone(),
+        }
+    }
 }
 
 impl KeyState {
+    fn new(id: Arc<KeyId>) -> Self {
+        KeyState {
+            id,
+            record: KeyRecord::default(),
+            holders: HashMap::new(),
+            waiters: BTreeMap::new(),
+        }
+    }
+
     /// The max a grant to `head` is checked against: the override, else the
     /// floating value, else the job's own max.
     fn max_for(&self, head: &TicketRecord) -> u32 {
@@ -116,14 +170,7 @@ impl KeyState {
     }
 
     fn insert_waiter(&mut self, waiting: Waiting) {
-        let order = WaitOrder::of(&waiting.record);
-        self.waiter_orders.insert(waiting.record.ticket.clone(), order.clone());
-        self.waiters.insert(order, waiting);
-    }
-
-    fn remove_waiter(&mut self, ticket: &TicketKey) -> Option<Waiting> {
-        let order = self.waiter_orders.remove(ticket)?;
-        self.waiters.remove(&order)
+        self.waiters.insert(WaitOrder::of(&waiting.record), waiting);
     }
 
     /// How many waiters would be ahead of `order`.
@@ -180,6 +227,8 @@ pub struct PartitionSettings {
     pub max_message_bytes: usize,
     /// Default grace for tickets nobody confirms (a sweep may carry its own).
     pub ticket_grace_ms: i64,
+    /// What commands are checked against (the edge's bounds).
+    pub input: InputLimits,
 }
 
 /// Requests from this instance's gRPC handlers.
@@ -214,8 +263,8 @@ pub struct LimitPartition {
     settings: PartitionSettings,
     epoch: i64,
     keys: HashMap<KeyId, KeyState>,
-    /// Which key each ticket (held or waiting) is on.
-    ticket_keys: HashMap<TicketKey, KeyId>,
+    /// Where each ticket (held or waiting) is.
+    ticket_keys: HashMap<TicketKey, TicketPlace>,
     sweeps: HashMap<String, PendingSweep>,
 }
 
@@ -241,12 +290,17 @@ impl LimitPartition {
     /// `now_ms` (a new owner gives every ticket one lease of grace).
     pub fn restore(&mut self, now_ms: i64, keys: Vec<(KeyId, KeyRecord)>, tickets: Vec<TicketRecord>) {
         for (key_id, record) in keys {
-            self.keys.entry(key_id).or_default().record = record;
+            self.key_state(&key_id).record = record;
         }
-        for record in tickets {
-            let key_id = (record.tenant.clone(), record.key.clone());
-            self.ticket_keys.insert(record.ticket.clone(), key_id.clone());
-            let state = self.keys.entry(key_id).or_default();
+        for mut record in tickets {
+            let state = self.key_state(&record.key_id);
+            // One shared id per key, whatever the loader built.
+            record.key_id = state.id.clone();
+            let shared = state.id.clone();
+            self.ticket_keys.insert(record.ticket.clone(), TicketPlace::of(&record));
+            let Some(state) = self.keys.get_mut(&*shared) else {
+                continue;
+            };
             if record.held {
                 state.holders.insert(
                     record.ticket.clone(),
@@ -262,6 +316,13 @@ impl LimitPartition {
                 });
             }
         }
+    }
+
+    /// The state of `key_id`, created empty on first use.
+    fn key_state(&mut self, key_id: &KeyId) -> &mut KeyState {
+        self.keys
+            .entry(key_id.clone())
+            .or_insert_with(|| KeyState::new(Arc::new(key_id.clone())))
     }
 
     pub fn holders_of(&self, tenant: &str, key: &str) -> usize {
@@ -285,7 +346,8 @@ impl LimitPartition {
         outbox: &mut Outbox,
         counts: &mut BatchCounts,
     ) -> Result<(), String> {
-        let trace = command.trace.unwrap_or_default();
+        self.check_command(&command)?;
+        let trace = sluice_common::telemetry::checked(&command.trace.unwrap_or_default());
         let Some(inner) = command.command else {
             return Err("limit command without a command".to_string());
         };
@@ -326,6 +388,79 @@ impl LimitPartition {
         }
     }
 
+    /// Everything a command must satisfy before it changes anything: the
+    /// bounds admission checks at the edge, so what admission accepts is
+    /// accepted here, and a command that fails them is set aside alone.
+    pub fn check_command(&self, command: &pb::LimitCommand) -> Result<(), String> {
+        let key = self.check_fields(command).map_err(|error| error.to_string())?;
+        match key {
+            Some(key) => self.checked_key(Some(key)).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// The fields of `command`; its key when it names one.
+    fn check_fields<'a>(&self, command: &'a pb::LimitCommand) -> Result<Option<&'a pb::KeyRef>, FieldError> {
+        use pb::limit_command::Command;
+        let input = self.settings.input;
+        let Some(inner) = &command.command else {
+            return Err(FieldError::new("command", "must be set"));
+        };
+        let key = match inner {
+            Command::Acquire(acquire) => {
+                check_ticket("acquire.ticket", acquire.ticket.as_ref())?;
+                check_u32("acquire.priority", acquire.priority, 0, 99)?;
+                match &acquire.limit {
+                    Some(pb::acquire_ticket::Limit::MaxConcurrency(max)) => {
+                        check_u32("acquire.max_concurrency", *max, 1, MAX_CONCURRENCY)?;
+                    }
+                    Some(pb::acquire_ticket::Limit::Floating(floating)) => {
+                        check_floating_values("acquire.floating", floating, input.max_floating_metadata_bytes)?;
+                    }
+                    None => return Err(FieldError::new("acquire.limit", "must be set")),
+                }
+                acquire.key.as_ref()
+            }
+            Command::Release(release) => {
+                check_ticket("release.ticket", release.ticket.as_ref())?;
+                release.key.as_ref()
+            }
+            Command::StandBehind(stand_behind) => {
+                check_text("stand_behind.sweep_id", &stand_behind.sweep_id, MAX_ID_BYTES)?;
+                check_u32(
+                    "stand_behind.part",
+                    stand_behind.part,
+                    0,
+                    stand_behind.parts.saturating_sub(1),
+                )?;
+                check_u64(
+                    "stand_behind.grace_ms",
+                    stand_behind.grace_ms,
+                    0,
+                    u64::try_from(MAX_BACKOFF_MS).unwrap_or(u64::MAX),
+                )?;
+                for (index, ticket) in stand_behind.tickets.iter().enumerate() {
+                    check_ticket(&format!("stand_behind.tickets[{index}]"), Some(ticket))?;
+                }
+                return Ok(None);
+            }
+            Command::SetOverride(set_override) => {
+                if let Some(max) = set_override.max {
+                    check_u32("set_override.max", max, 0, MAX_CONCURRENCY)?;
+                }
+                set_override.key.as_ref()
+            }
+            Command::SetFloatingMax(set_max) => {
+                check_u32("set_floating_max.max", set_max.max, 1, MAX_CONCURRENCY)?;
+                check_text("set_floating_max.task_id", &set_max.task_id, MAX_ID_BYTES)?;
+                set_max.key.as_ref()
+            }
+            Command::DeleteFloating(delete) => delete.key.as_ref(),
+        };
+        check_key_ref("key", key, input.max_key_bytes)?;
+        Ok(key)
+    }
+
     /// The key of a command, refused unless it hashes to this partition.
     fn checked_key(&self, key: Option<&pb::KeyRef>) -> Result<KeyId, String> {
         let Some(key) = key else {
@@ -353,9 +488,9 @@ impl LimitPartition {
     ) -> Result<(), String> {
         let key_id = self.checked_key(acquire.key.as_ref())?;
         let ticket = TicketKey::from_proto(&acquire.ticket.unwrap_or_default());
-        if let Some(existing_key) = self.ticket_keys.get(&ticket) {
+        if let Some(place) = self.ticket_keys.get(&ticket) {
             // A duplicate: re-send the grant if held; a waiter just waits.
-            if let Some(state) = self.keys.get_mut(existing_key) {
+            if let Some(state) = self.keys.get_mut(&*place.key_id) {
                 let holders = state.holders.len();
                 if let Some(holder) = state.holders.get_mut(&ticket) {
                     holder.confirmed_at_ms = holder.confirmed_at_ms.max(now_ms);
@@ -371,7 +506,7 @@ impl LimitPartition {
             Some(pb::acquire_ticket::Limit::Floating(spec)) => (spec.default_max, Some(spec)),
             None => return Err(format!("acquire for job {} has no limit", ticket.job_id)),
         };
-        let state = self.keys.entry(key_id.clone()).or_default();
+        let state = self.key_state(&key_id);
         if let Some(spec) = &floating_spec {
             if state.record.floating.is_none() {
                 // The first job creates the shared state; later jobs' values are ignored.
@@ -389,8 +524,7 @@ impl LimitPartition {
         }
         let record = TicketRecord {
             ticket: ticket.clone(),
-            tenant: key_id.0.clone(),
-            key: key_id.1.clone(),
+            key_id: state.id.clone(),
             held: false,
             priority: acquire.priority,
             enqueued_at_us: acquire.enqueued_at_us,
@@ -399,8 +533,7 @@ impl LimitPartition {
             waiting_since_ms: now_ms,
             position_at_enqueue: 0,
             granted_at_ms: None,
-            traceparent: trace.traceparent.clone(),
-            tracestate: trace.tracestate.clone(),
+            trace: CompactTraceContext::from_context(&trace),
         };
         let trace_for_refresh = trace;
         let ahead = state.ahead_of(&WaitOrder::of(&record));
@@ -409,11 +542,12 @@ impl LimitPartition {
             ..record
         };
         writes.upsert(record.clone());
+        let place = TicketPlace::of(&record);
         state.insert_waiter(Waiting {
             record,
             confirmed_at_ms: now_ms,
         });
-        self.ticket_keys.insert(ticket, key_id.clone());
+        self.ticket_keys.insert(ticket, place);
         self.pump(now_ms, &key_id, writes, outbox, counts);
         self.refresh_if_due(now_ms, &key_id, &trace_for_refresh, writes, outbox);
         Ok(())
@@ -431,7 +565,9 @@ impl LimitPartition {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
         };
-        let removed = state.holders.remove(ticket).is_some() || state.remove_waiter(ticket).is_some();
+        let order = self.ticket_keys.get(ticket).map(|place| place.order(ticket));
+        let removed =
+            state.holders.remove(ticket).is_some() || order.is_some_and(|order| state.waiters.remove(&order).is_some());
         if !removed {
             return;
         }
@@ -520,7 +656,7 @@ impl LimitPartition {
         outbox: &mut Outbox,
         counts: &mut BatchCounts,
     ) {
-        let state = self.keys.entry(key_id.clone()).or_default();
+        let state = self.key_state(key_id);
         state.record.override_max = max;
         let row = if state.record.is_empty() {
             None
@@ -581,7 +717,6 @@ impl LimitPartition {
             let Some(waiting) = state.waiters.remove(&order) else {
                 break;
             };
-            state.waiter_orders.remove(&order.ticket);
             let mut record = waiting.record;
             record.held = true;
             record.granted_at_ms = Some(now_ms);
@@ -616,24 +751,21 @@ impl LimitPartition {
         sluice_common::metrics::metrics().record_grant(
             "limit-grant",
             kind,
-            &record.tenant,
-            &record.key,
+            record.tenant(),
+            record.key(),
             granted_at_ms - record.waiting_since_ms,
         );
         let at = sluice_common::clock::system_time_at_ms;
         sluice_common::telemetry::record_span(
             "sluice-limit-grant",
             "limit-grant.grant",
-            &pb::TraceContext {
-                traceparent: record.traceparent.clone(),
-                tracestate: record.tracestate.clone(),
-            },
+            &record.trace.to_context(),
             at(granted_at_ms),
             at(granted_at_ms),
             vec![
                 opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
-                opentelemetry::KeyValue::new("sluice.tenant", record.tenant.clone()),
-                opentelemetry::KeyValue::new("sluice.key", record.key.clone()),
+                opentelemetry::KeyValue::new("sluice.tenant", record.tenant().to_string()),
+                opentelemetry::KeyValue::new("sluice.key", record.key().to_string()),
                 opentelemetry::KeyValue::new("sluice.limit_kind", kind),
                 opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
                 opentelemetry::KeyValue::new("sluice.max", max),
@@ -641,14 +773,11 @@ impl LimitPartition {
             ],
         );
         let event = pb::GrantEvent {
-            trace: Some(pb::TraceContext {
-                traceparent: record.traceparent.clone(),
-                tracestate: record.tracestate.clone(),
-            }),
+            trace: Some(record.trace.to_context()),
             ticket: Some(record.ticket.to_proto()),
             key: Some(pb::KeyRef {
-                tenant: record.tenant.clone(),
-                key: record.key.clone(),
+                tenant: record.tenant().to_string(),
+                key: record.key().to_string(),
             }),
             kind: if record.floating {
                 pb::LimitKind::Floating as i32
@@ -685,18 +814,16 @@ impl LimitPartition {
         let snapshot = stand_behind.snapshot_at_ms;
         for ticket in &stand_behind.tickets {
             let ticket = TicketKey::from_proto(ticket);
-            let Some(key_id) = self.ticket_keys.get(&ticket) else {
+            let Some(place) = self.ticket_keys.get(&ticket) else {
                 continue;
             };
-            let Some(state) = self.keys.get_mut(key_id) else {
+            let Some(state) = self.keys.get_mut(&*place.key_id) else {
                 continue;
             };
             if let Some(holder) = state.holders.get_mut(&ticket) {
                 holder.confirmed_at_ms = holder.confirmed_at_ms.max(snapshot);
-            } else if let Some(order) = state.waiter_orders.get(&ticket) {
-                if let Some(waiting) = state.waiters.get_mut(order) {
-                    waiting.confirmed_at_ms = waiting.confirmed_at_ms.max(snapshot);
-                }
+            } else if let Some(waiting) = state.waiters.get_mut(&place.order(&ticket)) {
+                waiting.confirmed_at_ms = waiting.confirmed_at_ms.max(snapshot);
             }
         }
         let parts = stand_behind.parts.max(1);
@@ -922,28 +1049,17 @@ impl OwnedState for LimitPartition {
         writes: &mut LimitWrites,
         outbox: &mut Outbox,
         replies: &mut Vec<Reply>,
-    ) -> Result<(), InputError> {
+        rejected: &mut Vec<Rejected>,
+    ) {
         let mut counts = BatchCounts::default();
         for message in messages {
-            let payload = message.payload.as_deref().unwrap_or_default();
-            let batch = pb::LimitCommandBatch::decode(payload).map_err(|error| InputError {
-                partition: message.partition,
-                offset: message.offset,
-                reason: format!("undecodable limit command batch: {error}"),
-            })?;
-            for command in batch.commands {
+            apply_entries(message, "limit command", rejected, |command: pb::LimitCommand| {
                 self.apply_command(now_ms, command, writes, outbox, &mut counts)
-                    .map_err(|reason| InputError {
-                        partition: message.partition,
-                        offset: message.offset,
-                        reason,
-                    })?;
-            }
+            });
         }
         for local in locals {
             self.apply_local(now_ms, local, writes, outbox, replies, &mut counts);
         }
-        Ok(())
     }
 
     fn resend_all(&self, _now_ms: i64, outbox: &mut Outbox) {
@@ -999,6 +1115,7 @@ impl OwnedState for LimitPartition {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prost::Message as _;
     use sluice_common::kafka::OutMsg;
 
     const PARTITIONS: i32 = 1;
@@ -1014,6 +1131,7 @@ mod tests {
                 refresh_due_partitions: 1,
                 max_message_bytes: 1_000_000,
                 ticket_grace_ms: 30_000,
+                input: InputLimits::default(),
             },
             1,
         )
@@ -1334,7 +1452,7 @@ mod tests {
         let (granted, writes) = run(&mut state, vec![sweep(40_000, vec!["b"])]);
         assert_eq!(granted, vec!["b"]);
         assert!(writes.deletes.contains(&TicketKey {
-            job_id: "a".to_string(),
+            job_id: Arc::from("a"),
             attempt: 1,
             step: 0
         }));
@@ -1352,6 +1470,7 @@ mod tests {
                 refresh_due_partitions: 1,
                 max_message_bytes: 1_000_000,
                 ticket_grace_ms: 30_000,
+                input: InputLimits::default(),
             },
             1,
         );
@@ -1444,7 +1563,13 @@ mod tests {
                             let max = usize::try_from(key_state.max_for(&head.record)).unwrap();
                             prop_assert!(key_state.holders.len() >= max, "head fits but waits");
                         }
-                        prop_assert_eq!(key_state.waiters.len(), key_state.waiter_orders.len());
+                        for waiting in key_state.waiters.values() {
+                            let place = state.ticket_keys.get(&waiting.record.ticket);
+                            prop_assert!(
+                                place.is_some_and(|place| place.order(&waiting.record.ticket) == WaitOrder::of(&waiting.record)),
+                                "every waiter is found by its ticket"
+                            );
+                        }
                     }
                 }
             }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use sluice_common::owner::{OwnedStore, OwnerContext};
+use sluice_common::telemetry::CompactTraceContext;
 use sqlx::{PgConnection, Row};
 
 use crate::state::{
@@ -24,6 +25,7 @@ pub struct Topology {
     pub refresh_due_partitions: i32,
     pub max_message_bytes: usize,
     pub ticket_grace_ms: i64,
+    pub input: sluice_common::validate::InputLimits,
 }
 
 pub struct LimitStore {
@@ -54,6 +56,7 @@ impl OwnedStore for LimitStore {
                 refresh_due_partitions: topology.refresh_due_partitions,
                 max_message_bytes: topology.max_message_bytes,
                 ticket_grace_ms: topology.ticket_grace_ms,
+                input: topology.input,
             },
             context.epoch,
         );
@@ -106,12 +109,11 @@ impl OwnedStore for LimitStore {
         for row in ticket_rows {
             tickets.push(TicketRecord {
                 ticket: TicketKey {
-                    job_id: row.try_get(0)?,
+                    job_id: std::sync::Arc::from(row.try_get::<String, _>(0)?.as_str()),
                     attempt: to_u32(row.try_get(1)?),
                     step: to_u32(row.try_get(2)?),
                 },
-                tenant: row.try_get(3)?,
-                key: row.try_get(4)?,
+                key_id: std::sync::Arc::new((row.try_get(3)?, row.try_get(4)?)),
                 held: row.try_get(5)?,
                 priority: u32::try_from(row.try_get::<i16, _>(6)?).unwrap_or_default(),
                 enqueued_at_us: row.try_get(7)?,
@@ -120,8 +122,10 @@ impl OwnedStore for LimitStore {
                 waiting_since_ms: row.try_get(10)?,
                 position_at_enqueue: to_u32(row.try_get(11)?),
                 granted_at_ms: row.try_get(12)?,
-                traceparent: row.try_get(13)?,
-                tracestate: row.try_get(14)?,
+                trace: CompactTraceContext::from_context(&sluice_proto::v1::TraceContext {
+                    traceparent: row.try_get(13)?,
+                    tracestate: row.try_get(14)?,
+                }),
             });
         }
         partition.restore(context.clock.now_ms(), keys, tickets);
@@ -139,7 +143,7 @@ impl OwnedStore for LimitStore {
             let mut attempts = Vec::with_capacity(writes.deletes.len());
             let mut steps = Vec::with_capacity(writes.deletes.len());
             for ticket in &writes.deletes {
-                job_ids.push(ticket.job_id.clone());
+                job_ids.push(ticket.job_id.to_string());
                 attempts.push(to_i32(ticket.attempt));
                 steps.push(to_i32(ticket.step));
             }
@@ -172,11 +176,11 @@ impl OwnedStore for LimitStore {
             let mut traceparents = Vec::with_capacity(count);
             let mut tracestates = Vec::with_capacity(count);
             for record in writes.upserts.into_values() {
-                job_ids.push(record.ticket.job_id);
+                job_ids.push(record.ticket.job_id.to_string());
                 attempts.push(to_i32(record.ticket.attempt));
                 steps.push(to_i32(record.ticket.step));
-                tenants.push(record.tenant);
-                keys.push(record.key);
+                tenants.push(record.tenant().to_string());
+                keys.push(record.key().to_string());
                 held.push(record.held);
                 priorities.push(i16::try_from(record.priority).unwrap_or(i16::MAX));
                 enqueued.push(record.enqueued_at_us);
@@ -185,8 +189,8 @@ impl OwnedStore for LimitStore {
                 waiting_since.push(record.waiting_since_ms);
                 positions.push(to_i32(record.position_at_enqueue));
                 granted_at.push(record.granted_at_ms);
-                traceparents.push(record.traceparent);
-                tracestates.push(record.tracestate);
+                traceparents.push(record.trace.traceparent());
+                tracestates.push(record.trace.tracestate().to_string());
             }
             sqlx::query(
                 "INSERT INTO tickets (job_id, attempt, step, partition, tenant, key, held, priority, enqueued_at_us,

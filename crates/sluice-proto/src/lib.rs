@@ -4,6 +4,8 @@
 
 #![allow(clippy::large_enum_variant, clippy::derive_partial_eq_without_eq)]
 
+pub mod codec;
+
 pub mod v1 {
     tonic::include_proto!("sluice.v1");
 }

@@ -41,6 +41,7 @@ pub async fn run(
         grants_partitions: config.kafka.partitions.grants,
         max_message_bytes: config.kafka.max_message_bytes,
         granted_retention_ms: config.rate_window.granted_retention.as_millis_i64(),
+        input: sluice_common::validate::InputLimits::from_config(&config),
     };
     let spec = OwnerServiceSpec {
         service: SERVICE,

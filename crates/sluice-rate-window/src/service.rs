@@ -6,7 +6,10 @@ use std::sync::Arc;
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::rate_key_partition;
-use sluice_common::validate::{check_name, FieldError};
+use sluice_common::validate::{
+    check_i64, check_name, check_rate_key, check_rate_window, check_text, check_unique_key, FieldError, MAX_RATE_LIMIT,
+    MAX_RATE_WINDOW_SECONDS,
+};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use sqlx::PgPool;
@@ -41,20 +44,8 @@ impl RateLimitsApi {
     }
 
     fn check_key(&self, field: &str, key: Option<&pb::RateKeyRef>) -> Result<pb::RateKeyRef, FieldError> {
-        let Some(key) = key else {
-            return Err(FieldError::new(field, "must be set"));
-        };
-        check_name(&format!("{field}.tenant"), &key.tenant, self.max_key_bytes)?;
-        match &key.kind {
-            Some(pb::rate_key_ref::Kind::Inline(inline)) => {
-                check_name(&format!("{field}.inline.name"), &inline.name, self.max_key_bytes)?;
-            }
-            Some(pb::rate_key_ref::Kind::ResourceKey(resource_key)) => {
-                check_name(&format!("{field}.resource_key"), resource_key, self.max_key_bytes)?;
-            }
-            None => return Err(FieldError::new(field, "set inline or resource_key")),
-        }
-        Ok(key.clone())
+        check_rate_key(field, key, self.max_key_bytes)?;
+        key.cloned().ok_or_else(|| FieldError::new(field, "must be set"))
     }
 
     fn check_resource(&self, resource: Option<&pb::RateLimitResource>) -> Result<pb::RateLimitResource, FieldError> {
@@ -63,12 +54,13 @@ impl RateLimitsApi {
         };
         check_name("resource.tenant", &resource.tenant, self.max_key_bytes)?;
         check_name("resource.resource_key", &resource.resource_key, self.max_key_bytes)?;
-        if resource.max_count <= 0 {
-            return Err(FieldError::new("resource.max_count", "must be greater than 0"));
-        }
-        if resource.window_seconds <= 0 {
-            return Err(FieldError::new("resource.window_seconds", "must be greater than 0"));
-        }
+        check_i64("resource.max_count", resource.max_count, 1, MAX_RATE_LIMIT)?;
+        check_i64(
+            "resource.window_seconds",
+            resource.window_seconds,
+            1,
+            MAX_RATE_WINDOW_SECONDS,
+        )?;
         Ok(resource.clone())
     }
 }
@@ -113,6 +105,7 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
     ) -> Result<Response<pb::ListRateLimitsResponse>, Status> {
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
+        check_text("page_token", &message.page_token, self.max_key_bytes)?;
         let page_size = match message.page_size {
             0 => 100,
             size => size.min(1000),
@@ -193,26 +186,22 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         let Some(spec) = message.limit.as_ref().and_then(|limit| limit.spec.as_ref()) else {
             return Err(FieldError::new("limit", "set inline or rate_limit_key").into());
         };
-        if message.cost < 0 {
-            return Err(FieldError::new("cost", "must not be negative").into());
-        }
+        check_i64("cost", message.cost, 0, MAX_RATE_LIMIT)?;
         let (key, limit, window_ms, cost) = match spec {
             pb::rate_limit::Spec::Inline(inline) => {
                 check_name("limit.inline.name", &inline.name, self.max_key_bytes)?;
-                if inline.limit <= 0 {
-                    return Err(FieldError::new("limit.inline.limit", "must be greater than 0").into());
-                }
-                if inline.duration_ms <= 0 {
-                    return Err(FieldError::new("limit.inline.duration_ms", "must be greater than 0").into());
-                }
+                check_unique_key("limit.inline.unique_key", &inline.unique_key, self.max_key_bytes)?;
                 let cost = match (message.cost, inline.cost) {
                     (0, 0) => 1,
                     (0, inline_cost) => inline_cost,
                     (cost, _) => cost,
                 };
-                if cost < 0 || cost > inline.limit {
+                check_rate_window("limit.inline", inline.limit, inline.duration_ms, 0)?;
+                let cost_field = if message.cost != 0 { "cost" } else { "limit.inline.cost" };
+                check_i64(cost_field, cost, 0, MAX_RATE_LIMIT)?;
+                if cost > inline.limit {
                     return Err(FieldError::new(
-                        "cost",
+                        cost_field,
                         format!("{cost} is above the limit {}; it could never be allowed", inline.limit),
                     )
                     .into());

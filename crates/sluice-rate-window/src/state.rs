@@ -7,10 +7,12 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use prost::Message;
 use sluice_common::kafka::{InMsg, Outbox};
-use sluice_common::owner::{InputError, OwnedState, Reply, WriteSet};
+use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet};
 use sluice_common::partition::{job_partition, rate_key_partition};
+use sluice_common::validate::{
+    check_i64, check_rate_key, check_rate_window, check_ticket, check_u32, FieldError, InputLimits,
+};
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
@@ -152,6 +154,8 @@ pub struct PartitionSettings {
     pub max_message_bytes: usize,
     /// How long a granted ticket is remembered for duplicates.
     pub granted_retention_ms: i64,
+    /// What commands are checked against (the edge's bounds).
+    pub input: InputLimits,
 }
 
 /// The answer to a local request: a value, or a status for the caller.
@@ -276,6 +280,67 @@ impl RatePartition {
             u64::try_from(record.window_ms).ok()?,
         )
         .ok()
+    }
+
+    /// Apply one rate command (after `check_command`).
+    pub fn apply_command(
+        &mut self,
+        now_ms: i64,
+        command: pb::RateCommand,
+        writes: &mut RateWrites,
+        outbox: &mut Outbox,
+    ) -> Result<(), String> {
+        self.check_command(&command)?;
+        let trace = sluice_common::telemetry::checked(&command.trace.unwrap_or_default());
+        match command.command {
+            Some(pb::rate_command::Command::Acquire(acquire)) => self.acquire(now_ms, acquire, trace, writes, outbox),
+            Some(pb::rate_command::Command::Cancel(cancel)) => {
+                self.cancel(now_ms, cancel, writes, outbox);
+                Ok(())
+            }
+            // Rate tickets are not held, so there is nothing to stand behind.
+            Some(pb::rate_command::Command::StandBehind(_)) => Ok(()),
+            None => Err("rate command without a command".to_string()),
+        }
+    }
+
+    /// Everything a command must satisfy before it changes anything: the
+    /// bounds admission checks at the edge, so what admission accepts is
+    /// accepted here, and a command that fails them is set aside alone.
+    pub fn check_command(&self, command: &pb::RateCommand) -> Result<(), String> {
+        let key = self.check_fields(command).map_err(|error| error.to_string())?;
+        match key {
+            Some(key) => self.check_partition(key),
+            None => Ok(()),
+        }
+    }
+
+    fn check_fields<'a>(&self, command: &'a pb::RateCommand) -> Result<Option<&'a pb::RateKeyRef>, FieldError> {
+        let max_key_bytes = self.settings.input.max_key_bytes;
+        match &command.command {
+            Some(pb::rate_command::Command::Acquire(acquire)) => {
+                check_rate_key("acquire.key", acquire.key.as_ref(), max_key_bytes)?;
+                check_ticket("acquire.ticket", acquire.ticket.as_ref())?;
+                check_u32("acquire.priority", acquire.priority, 0, 99)?;
+                let inline = matches!(
+                    acquire.key.as_ref().and_then(|key| key.kind.as_ref()),
+                    Some(pb::rate_key_ref::Kind::Inline(_))
+                );
+                if inline {
+                    check_rate_window("acquire", acquire.limit, acquire.window_ms, acquire.cost)?;
+                } else {
+                    check_i64("acquire.cost", acquire.cost, 0, sluice_common::validate::MAX_RATE_LIMIT)?;
+                }
+                Ok(acquire.key.as_ref())
+            }
+            Some(pb::rate_command::Command::Cancel(cancel)) => {
+                check_rate_key("cancel.key", cancel.key.as_ref(), max_key_bytes)?;
+                check_ticket("cancel.ticket", cancel.ticket.as_ref())?;
+                Ok(cancel.key.as_ref())
+            }
+            Some(pb::rate_command::Command::StandBehind(_)) => Ok(None),
+            None => Err(FieldError::new("command", "must be set")),
+        }
     }
 
     fn check_partition(&self, key: &pb::RateKeyRef) -> Result<(), String> {
@@ -862,41 +927,18 @@ impl OwnedState for RatePartition {
         writes: &mut RateWrites,
         outbox: &mut Outbox,
         replies: &mut Vec<Reply>,
-    ) -> Result<(), InputError> {
+        rejected: &mut Vec<Rejected>,
+    ) {
         self.run_timers(now_ms, writes, outbox);
         for message in messages {
-            let payload = message.payload.as_deref().unwrap_or_default();
-            let batch = pb::RateCommandBatch::decode(payload).map_err(|error| InputError {
-                partition: message.partition,
-                offset: message.offset,
-                reason: format!("undecodable rate command batch: {error}"),
-            })?;
-            for command in batch.commands {
-                let trace = command.trace.unwrap_or_default();
-                let outcome = match command.command {
-                    Some(pb::rate_command::Command::Acquire(acquire)) => {
-                        self.acquire(now_ms, acquire, trace, writes, outbox)
-                    }
-                    Some(pb::rate_command::Command::Cancel(cancel)) => {
-                        self.cancel(now_ms, cancel, writes, outbox);
-                        Ok(())
-                    }
-                    // Rate tickets are not held, so there is nothing to stand behind.
-                    Some(pb::rate_command::Command::StandBehind(_)) => Ok(()),
-                    None => Err("rate command without a command".to_string()),
-                };
-                outcome.map_err(|reason| InputError {
-                    partition: message.partition,
-                    offset: message.offset,
-                    reason,
-                })?;
-            }
+            apply_entries(message, "rate command", rejected, |command: pb::RateCommand| {
+                self.apply_command(now_ms, command, writes, outbox)
+            });
         }
         for local in locals {
             self.apply_local(now_ms, local, writes, outbox, replies);
         }
         self.forget_old_grants(now_ms, writes);
-        Ok(())
     }
 
     fn resend_all(&self, _now_ms: i64, outbox: &mut Outbox) {
@@ -936,6 +978,7 @@ impl OwnedState for RatePartition {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prost::Message as _;
 
     fn partition() -> RatePartition {
         RatePartition::new(PartitionSettings {
@@ -945,6 +988,7 @@ mod tests {
             grants_partitions: 1,
             max_message_bytes: 1_000_000,
             granted_retention_ms: 60_000,
+            input: InputLimits::default(),
         })
     }
 
@@ -1139,7 +1183,7 @@ mod tests {
             100,
             &key,
             Some(&TicketKey {
-                job_id: "c".to_string(),
+                job_id: Arc::from("c"),
                 attempt: 1,
                 step: 0,
             }),

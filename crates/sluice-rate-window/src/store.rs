@@ -22,6 +22,7 @@ pub struct Topology {
     pub grants_partitions: i32,
     pub max_message_bytes: usize,
     pub granted_retention_ms: i64,
+    pub input: sluice_common::validate::InputLimits,
 }
 
 pub struct RateStore {
@@ -69,6 +70,7 @@ impl OwnedStore for RateStore {
             grants_partitions: topology.grants_partitions,
             max_message_bytes: topology.max_message_bytes,
             granted_retention_ms: topology.granted_retention_ms,
+            input: topology.input,
         });
         let resources: Vec<(String, String, i64, i64)> = sqlx::query_as(
             "SELECT tenant, resource_key, max_count, window_seconds FROM resources WHERE partition = $1",
@@ -130,7 +132,7 @@ impl OwnedStore for RateStore {
         for row in ticket_rows {
             tickets.push(TicketRecord {
                 ticket: TicketKey {
-                    job_id: row.try_get(0)?,
+                    job_id: std::sync::Arc::from(row.try_get::<String, _>(0)?.as_str()),
                     attempt: to_u32(row.try_get(1)?),
                     step: to_u32(row.try_get(2)?),
                 },
@@ -261,7 +263,7 @@ impl OwnedStore for RateStore {
             let mut attempts = Vec::new();
             let mut steps = Vec::new();
             for ticket in &writes.ticket_deletes {
-                job_ids.push(ticket.job_id.clone());
+                job_ids.push(ticket.job_id.to_string());
                 attempts.push(to_i32(ticket.attempt));
                 steps.push(to_i32(ticket.step));
             }
@@ -292,7 +294,7 @@ impl OwnedStore for RateStore {
             let mut traceparents = Vec::with_capacity(count);
             let mut tracestates = Vec::with_capacity(count);
             for record in writes.ticket_upserts.into_values() {
-                job_ids.push(record.ticket.job_id);
+                job_ids.push(record.ticket.job_id.to_string());
                 attempts.push(to_i32(record.ticket.attempt));
                 steps.push(to_i32(record.ticket.step));
                 window_keys.push(record.window_key);

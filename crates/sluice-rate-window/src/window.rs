@@ -82,7 +82,7 @@ use std::collections::VecDeque;
 
 /// The largest window accepted, about a century. It keeps every time sum far
 /// from `i64` overflow for any realistic unix time.
-pub const MAX_WINDOW_MS: u64 = 100 * 365 * 24 * 60 * 60 * 1000;
+pub const MAX_WINDOW_MS: u64 = sluice_common::validate::MAX_RATE_WINDOW_MS;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WindowError {

@@ -58,6 +58,7 @@ pub async fn run(
         refresh_tasks_partitions: config.kafka.partitions.refresh_tasks,
         max_message_bytes: config.kafka.max_message_bytes,
         policy: policy(&config),
+        input: sluice_common::validate::InputLimits::from_config(&config),
     };
     let spec = OwnerServiceSpec {
         service: SERVICE,

@@ -15,7 +15,7 @@ async fn main() -> anyhow::Result<()> {
         ServiceCommand::Migrate => sluice_refresh_dispatcher::migrate(&config).await?,
         ServiceCommand::Run => {
             let shutdown = Shutdown::new();
-            shutdown.trigger_on_signals();
+            shutdown.trigger_on_signals(config.process.drain_timeout.0);
             telemetry::spawn_metrics_endpoint(&config.telemetry, &telemetry_guard, shutdown.clone()).await?;
             let listener = grpc::bind(&config.refresh_dispatcher.listen).await?;
             sluice_refresh_dispatcher::run(config, listener, shutdown, Faults::none()).await?;

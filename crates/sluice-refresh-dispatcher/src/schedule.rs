@@ -186,7 +186,7 @@ impl Schedule {
         }
         match result {
             RefreshResult::NewMax(value) => match u32::try_from(value) {
-                Ok(max) if max >= 1 => {
+                Ok(max) if (1..=sluice_common::validate::MAX_CONCURRENCY).contains(&max) => {
                     let task_id = in_flight.task_id.clone();
                     self.in_flight = None;
                     self.retry_count = 0;
@@ -206,7 +206,10 @@ impl Schedule {
                     now_ms,
                     value,
                     pb::RefreshOutcome::OutOfRange,
-                    format!("new max {value} is out of range: it must be at least 1 and fit in u32"),
+                    format!(
+                        "new max {value} is out of range: it must be from 1 to {}",
+                        sluice_common::validate::MAX_CONCURRENCY
+                    ),
                     policy,
                 ),
             },
@@ -447,7 +450,12 @@ mod tests {
     #[test]
     fn out_of_range_values_count_as_failures_with_the_reason() {
         let policy = RefreshPolicy::default();
-        for value in [0, -5, i64::from(u32::MAX) + 1] {
+        for value in [
+            0,
+            -5,
+            i64::from(sluice_common::validate::MAX_CONCURRENCY) + 1,
+            i64::from(u32::MAX) + 1,
+        ] {
             let mut schedule = Schedule::from_due(&due(0, 2));
             assert!(schedule.on_due(&due(0, 2)));
             schedule.issue("t".to_string(), 0, &policy);
@@ -463,8 +471,13 @@ mod tests {
         assert!(schedule.on_due(&due(0, 2)));
         schedule.issue("t".to_string(), 0, &policy);
         assert_eq!(
-            schedule.report("t", RefreshResult::NewMax(i64::from(u32::MAX)), 5, &policy),
-            ReportOutcome::Applied(u32::MAX)
+            schedule.report(
+                "t",
+                RefreshResult::NewMax(i64::from(sluice_common::validate::MAX_CONCURRENCY)),
+                5,
+                &policy
+            ),
+            ReportOutcome::Applied(sluice_common::validate::MAX_CONCURRENCY)
         );
     }
 

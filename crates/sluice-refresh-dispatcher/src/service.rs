@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::key_partition;
-use sluice_common::validate::{check_name, FieldError};
+use sluice_common::validate::{check_name, check_text, FieldError, MAX_ID_BYTES, MAX_TEXT_BYTES};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::refresh_client::RefreshClient;
 use sqlx::PgPool;
@@ -55,6 +55,10 @@ impl pb::refresh_server::Refresh for RefreshApi {
         let message = request.into_inner();
         if message.task_id.trim().is_empty() {
             return Err(FieldError::new("task_id", "must not be empty").into());
+        }
+        check_text("task_id", &message.task_id, MAX_ID_BYTES)?;
+        if let Some(pb::report_refresh_request::Result::Error(error)) = &message.result {
+            check_text("error", error, MAX_TEXT_BYTES)?;
         }
         let (key, partition) = self.check_key(message.key.as_ref())?;
         let result = match &message.result {

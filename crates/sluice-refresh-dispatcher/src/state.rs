@@ -9,8 +9,12 @@ use std::sync::Arc;
 
 use prost::Message;
 use sluice_common::kafka::{InMsg, OutMsg, Outbox};
-use sluice_common::owner::{InputError, OwnedState, Reply, WriteSet};
+use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet};
 use sluice_common::partition::key_partition;
+use sluice_common::validate::{
+    check_key_ref, check_metadata, check_u32, check_u64, FieldError, InputLimits, MAX_CONCURRENCY,
+    MAX_REFRESH_INTERVAL_MS,
+};
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
@@ -30,6 +34,8 @@ pub struct PartitionSettings {
     pub refresh_tasks_partitions: i32,
     pub max_message_bytes: usize,
     pub policy: RefreshPolicy,
+    /// What refresh-due events are checked against (the edge's bounds).
+    pub input: InputLimits,
 }
 
 /// Requests from this instance's gRPC handlers.
@@ -120,7 +126,12 @@ impl RefreshPartition {
         outbox: &mut Outbox,
         counts: &mut BatchCounts,
     ) -> Result<(), String> {
+        self.check_due(&due).map_err(|error| error.to_string())?;
         let key_id = self.checked_key(due.key.as_ref())?;
+        let due = pb::RefreshDue {
+            trace: due.trace.as_ref().map(sluice_common::telemetry::checked),
+            ..due
+        };
         let schedule = self
             .schedules
             .entry(key_id.clone())
@@ -131,6 +142,25 @@ impl RefreshPartition {
             self.issue(now_ms, &key_id, writes, outbox, counts);
         }
         Ok(())
+    }
+
+    /// Everything a refresh-due event must satisfy before it changes
+    /// anything (the bounds admission checks floating limits against).
+    pub fn check_due(&self, due: &pb::RefreshDue) -> Result<(), FieldError> {
+        check_key_ref("key", due.key.as_ref(), self.settings.input.max_key_bytes)?;
+        check_u32("current_max", due.current_max, 1, MAX_CONCURRENCY)?;
+        check_u32("default_max", due.default_max, 1, MAX_CONCURRENCY)?;
+        check_u64(
+            "refresh_interval_ms",
+            due.refresh_interval_ms,
+            1,
+            MAX_REFRESH_INTERVAL_MS,
+        )?;
+        check_metadata(
+            "metadata",
+            &due.metadata,
+            self.settings.input.max_floating_metadata_bytes,
+        )
     }
 
     /// The key of an input, refused unless it hashes to this partition.
@@ -471,29 +501,18 @@ impl OwnedState for RefreshPartition {
         writes: &mut RefreshWrites,
         outbox: &mut Outbox,
         replies: &mut Vec<Reply>,
-    ) -> Result<(), InputError> {
+        rejected: &mut Vec<Rejected>,
+    ) {
         let mut counts = BatchCounts::default();
         self.run_timers(now_ms, writes, outbox, &mut counts);
         for message in messages {
-            let payload = message.payload.as_deref().unwrap_or_default();
-            let batch = pb::RefreshDueBatch::decode(payload).map_err(|error| InputError {
-                partition: message.partition,
-                offset: message.offset,
-                reason: format!("undecodable refresh-due batch: {error}"),
-            })?;
-            for due in batch.events {
+            apply_entries(message, "refresh-due event", rejected, |due: pb::RefreshDue| {
                 self.apply_due(now_ms, due, writes, outbox, &mut counts)
-                    .map_err(|reason| InputError {
-                        partition: message.partition,
-                        offset: message.offset,
-                        reason,
-                    })?;
-            }
+            });
         }
         for local in locals {
             self.apply_local(now_ms, local, writes, outbox, replies, &mut counts);
         }
-        Ok(())
     }
 
     /// In-flight tasks (a worker may never have seen them) and the newest
@@ -527,6 +546,7 @@ mod tests {
             refresh_tasks_topic: Arc::from("tasks"),
             refresh_tasks_partitions: 1,
             max_message_bytes: 1_000_000,
+            input: InputLimits::default(),
             policy: RefreshPolicy {
                 initial_backoff_ms: 1_000,
                 max_backoff_ms: 60_000,
@@ -607,9 +627,17 @@ mod tests {
         let mut writes = RefreshWrites::default();
         let mut outbox = Outbox::new();
         let mut replies = Vec::new();
-        state
-            .apply(now_ms, &[message], locals, &mut writes, &mut outbox, &mut replies)
-            .unwrap();
+        let mut rejected = Vec::new();
+        state.apply(
+            now_ms,
+            &[message],
+            locals,
+            &mut writes,
+            &mut outbox,
+            &mut replies,
+            &mut rejected,
+        );
+        assert!(rejected.is_empty(), "{rejected:?}");
         effects(outbox, writes, replies)
     }
 
@@ -774,17 +802,29 @@ mod tests {
             headers: Vec::new(),
             timestamp_ms: None,
         };
-        let error = state
-            .apply(
-                0,
-                &[message],
-                Vec::new(),
-                &mut RefreshWrites::default(),
-                &mut Outbox::new(),
-                &mut Vec::new(),
-            )
-            .expect_err("refused");
-        assert_eq!(error.offset, 7);
-        assert!(error.reason.contains("hashes to partition"), "{}", error.reason);
+        let mut writes = RefreshWrites::default();
+        let mut rejected = Vec::new();
+        state.apply(
+            0,
+            &[message],
+            Vec::new(),
+            &mut writes,
+            &mut Outbox::new(),
+            &mut Vec::new(),
+            &mut rejected,
+        );
+        assert_eq!(rejected.len(), 1, "set aside, not applied");
+        assert_eq!(rejected[0].offset, 7);
+        assert!(
+            rejected[0].reason.contains("hashes to partition"),
+            "{}",
+            rejected[0].reason
+        );
+        assert_eq!(
+            pb::RefreshDue::decode(rejected[0].entry.as_slice()).unwrap(),
+            due(&other, 0, 1),
+            "the refused entry's own bytes"
+        );
+        assert!(writes.is_empty(), "nothing applied");
     }
 }

@@ -31,8 +31,95 @@ fn env_number(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// Resident memory of this process, in bytes.
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// Memory limit-grant keeps per waiting job: `waiters` acquires of one key
+/// limited to 1 (one holder, the rest waiting), each with a UUID job id and
+/// a W3C trace context, applied in batches as the owner runtime does. Returns
+/// the growth of resident memory per waiter (run first, in a fresh process).
+fn run_waiter_memory(waiters: u64) -> f64 {
+    use sluice_limit_grant::state::{BatchCounts, LimitPartition, LimitWrites, PartitionSettings};
+    let mut partition = LimitPartition::new(
+        PartitionSettings {
+            partition: 0,
+            limit_partitions: 1,
+            grants_topic: Arc::from("grants"),
+            grants_partitions: 1,
+            refresh_due_topic: Arc::from("refresh-due"),
+            refresh_due_partitions: 1,
+            max_message_bytes: 1_000_000,
+            ticket_grace_ms: 30_000,
+            input: sluice_common::validate::InputLimits::default(),
+        },
+        1,
+    );
+    let resident_before = resident_bytes();
+    let mut writes = LimitWrites::default();
+    let mut outbox = sluice_common::kafka::Outbox::new();
+    let mut counts = BatchCounts::default();
+    for index in 0..waiters {
+        let job_id = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &index.to_le_bytes()).to_string();
+        let command = pb::LimitCommand {
+            trace: Some(pb::TraceContext {
+                traceparent: format!("00-{:032x}-{:016x}-01", u128::from(index) + 1, index + 1),
+                tracestate: String::new(),
+            }),
+            sent_at_ms: 0,
+            command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
+                key: Some(pb::KeyRef {
+                    tenant: "bench".to_string(),
+                    key: "one-key".to_string(),
+                }),
+                ticket: Some(pb::TicketId {
+                    job_id,
+                    attempt: 1,
+                    step: 0,
+                }),
+                priority: 50,
+                enqueued_at_us: i64::try_from(index).unwrap_or(i64::MAX),
+                limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
+            })),
+        };
+        let _ = partition.apply_command(1_000, command, &mut writes, &mut outbox, &mut counts);
+        if index % 4_000 == 3_999 {
+            // What a commit and a publish let go of.
+            writes = LimitWrites::default();
+            outbox = sluice_common::kafka::Outbox::new();
+        }
+    }
+    drop(writes);
+    drop(outbox);
+    let resident = resident_bytes().saturating_sub(resident_before);
+    assert_eq!(
+        partition.waiting_on("bench", "one-key"),
+        usize::try_from(waiters - 1).unwrap_or(0)
+    );
+    to_f64(resident) / to_f64(waiters)
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let waiter_count = env_number("BENCH_WAITERS", 200_000);
+    eprintln!("bench: memory per waiting job in limit-grant ({waiter_count} waiters on one key)");
+    let bytes_per_waiter = run_waiter_memory(waiter_count);
+    eprintln!("bench: {bytes_per_waiter:.0} resident bytes per waiter");
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "waiters") {
+        println!(
+            "{}",
+            serde_json::json!({"bytes_per_waiter": bytes_per_waiter.round(), "waiters": waiter_count})
+        );
+        return Ok(());
+    }
+
     let jobs = env_number("BENCH_JOBS", 20_000);
     let keys = env_number("BENCH_KEYS", 1_000);
     let limit = u32::try_from(env_number("BENCH_LIMIT", 5))?;
@@ -92,6 +179,8 @@ async fn main() -> anyhow::Result<()> {
         "pg_writes_per_job": (pg_writes_per_job * 100.0).round() / 100.0,
         "try_acquire_per_s_in_process": in_process_decisions.round(),
         "try_acquire_per_s_grpc": grpc_decisions.round(),
+        "bytes_per_waiter": bytes_per_waiter.round(),
+        "waiters": waiter_count,
     });
     println!("{figures}");
     Ok(())

@@ -26,18 +26,22 @@ async fn malformed_requests_are_dead_lettered_with_the_reason_and_the_next_job_i
     producer
         .send_messages(vec![
             RawRequest {
+                partition: None,
                 payload: b"\xff\xfe not protobuf".to_vec(),
                 ..Default::default()
             },
             RawRequest {
+                partition: None,
                 payload: no_tenant.encode_to_vec(),
                 ..Default::default()
             },
             RawRequest {
+                partition: None,
                 payload: undeclared_group.encode_to_vec(),
                 ..Default::default()
             },
             RawRequest {
+                partition: None,
                 payload: valid.encode_to_vec(),
                 ..Default::default()
             },

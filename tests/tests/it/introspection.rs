@@ -94,17 +94,62 @@ async fn get_job_says_why_a_job_waits() -> anyhow::Result<()> {
         );
     }
     let first_id = holder.job_id.clone();
+    let first_index = ids
+        .iter()
+        .position(|id| *id == first_id)
+        .expect("the holder is one of ours");
 
-    // The same job id again changes nothing and answers with the job.
-    let mut again = concurrency_job("acme", "report-key", 1, 10, "again");
+    // The same request again changes nothing and answers with the job.
+    let mut again = concurrency_job("acme", "report-key", 1, 10, &format!("job-{first_index}"));
     again.job_id = Some(first_id.clone());
+    again.limits.push(pb::Limit {
+        kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+            key: "another-key".to_string(),
+            max_concurrency: 5,
+        })),
+    });
     let duplicate = admission
-        .enqueue(pb::EnqueueRequest { job: Some(again) })
+        .enqueue(pb::EnqueueRequest {
+            job: Some(again.clone()),
+        })
         .await?
         .into_inner();
     assert_eq!(duplicate.job_id, first_id);
+    assert!(duplicate.deduplicated, "the same request again is a duplicate");
     assert_eq!(duplicate.status, pb::JobStatus::Admitted as i32);
-    assert_eq!(stack.job_statuses().await?.values().sum::<i64>(), 3);
+    // The same job id with another request is refused, naming it.
+    let different = pb::JobRequest {
+        payload: b"another body".to_vec(),
+        ..again.clone()
+    };
+    let conflict = admission
+        .enqueue(pb::EnqueueRequest {
+            job: Some(different.clone()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(conflict.code(), tonic::Code::AlreadyExists, "{conflict:?}");
+    assert!(
+        conflict.message().starts_with(&format!(
+            "job_id: job {first_id:?} already exists with a different request"
+        )),
+        "{}",
+        conflict.message()
+    );
+    // In a batch, nothing of the batch is saved and the entry is named.
+    let error = admission
+        .enqueue_batch(pb::EnqueueBatchRequest {
+            jobs: vec![concurrency_job("acme", "batch-key", 1, 1, "fresh"), different],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), tonic::Code::AlreadyExists);
+    assert!(error.message().starts_with("jobs[1].job_id:"), "{}", error.message());
+    assert_eq!(
+        stack.job_statuses().await?.values().sum::<i64>(),
+        3,
+        "nothing else saved"
+    );
 
     // Bad input names the field.
     let mut bad = concurrency_job("acme", "report-key", 1, 10, "bad");

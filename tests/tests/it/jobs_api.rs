@@ -268,11 +268,13 @@ async fn bad_input_is_refused_naming_the_field_over_grpc_and_dead_lettered_over_
     let mut messages: Vec<RawRequest> = cases
         .iter()
         .map(|(request, _)| RawRequest {
+            partition: None,
             payload: request.encode_to_vec(),
             ..Default::default()
         })
         .collect();
     messages.push(RawRequest {
+        partition: None,
         payload: good().encode_to_vec(),
         ..Default::default()
     });

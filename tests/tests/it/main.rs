@@ -4,11 +4,15 @@
 // Test-only crate: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod broker_reset;
+mod consumer_buffer;
 mod crash;
 mod deadletter;
+mod edge;
 mod fencing;
 mod floating;
 mod flow;
+mod hostile;
 mod introspection;
 mod jobs_api;
 mod limits;

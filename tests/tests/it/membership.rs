@@ -15,55 +15,6 @@ use sluice_common::kafka::{
 use sluice_common::Shutdown;
 use sluice_e2e::*;
 
-/// A broker of this test's own, so freezing it disturbs no other test.
-struct PrivateBroker {
-    child: std::process::Child,
-    address: String,
-}
-
-impl PrivateBroker {
-    async fn start() -> anyhow::Result<Self> {
-        let port = {
-            let probe = std::net::TcpListener::bind("127.0.0.1:0")?;
-            probe.local_addr()?.port()
-        };
-        let url = format!("tcp://127.0.0.1:{port}");
-        let child = std::process::Command::new("tansu")
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
-            .args(["--storage-engine", "memory://tansu/"])
-            .env_remove("LISTENER_URL")
-            .env_remove("STORAGE_ENGINE")
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()?;
-        let address = format!("127.0.0.1:{port}");
-        let broker = PrivateBroker { child, address };
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(&broker.address).await.is_err() {
-            anyhow::ensure!(std::time::Instant::now() < deadline, "tansu did not start");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        Ok(broker)
-    }
-
-    fn signal(&self, signal: &str) -> anyhow::Result<()> {
-        let status = std::process::Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
-            .status()?;
-        anyhow::ensure!(status.success(), "kill {signal} failed");
-        Ok(())
-    }
-}
-
-impl Drop for PrivateBroker {
-    fn drop(&mut self) {
-        let _ = self.signal("-CONT");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Records every (partition, offset) it is given and stores the offsets.
 struct Recording {
     seen: Arc<Mutex<HashSet<(i32, i64)>>>,
@@ -142,6 +93,7 @@ async fn a_consumer_whose_group_session_was_lost_processes_everything_afterwards
                     topic: topic_name,
                     channel_capacity: 100,
                     track_end: false,
+                    readiness: sluice_common::readiness::Readiness::new(),
                 },
                 Arc::new(Recording { seen }),
                 Arc::new(ConsumerProgress::default()),

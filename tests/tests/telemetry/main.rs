@@ -75,14 +75,25 @@ async fn the_scrape_endpoint_has_per_key_utilisation_and_wait_times() -> anyhow:
         .collect();
     let producer = RequestProducer::new(&stack.config)?;
     producer.send(&requests).await?;
-    // One malformed request: dead-lettered and counted by reason.
-    producer
-        .send_messages(vec![RawRequest {
+    // One malformed request: dead-lettered and counted by reason. Then 100
+    // JSON requests, each with an unknown field of its own name: the metric's
+    // reason label stays in its fixed set (the field is in the dead letter's
+    // header, not in a label).
+    let mut malformed = vec![RawRequest {
+        partition: None,
+        key: None,
+        payload: b"not a job".to_vec(),
+        headers: Vec::new(),
+    }];
+    for index in 0..100 {
+        malformed.push(RawRequest {
+            partition: None,
             key: None,
-            payload: b"not a job".to_vec(),
-            headers: Vec::new(),
-        }])
-        .await?;
+            payload: format!(r#"{{"tenant": "acme", "task_group": "default", "junk_{index}_é": 1}}"#).into_bytes(),
+            headers: vec![("content-type".to_string(), b"application/json".to_vec())],
+        });
+    }
+    producer.send_messages(malformed).await?;
     // Scrape while the key is busy: per-key gauges come from live owners.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let busy_scrape = loop {
@@ -152,6 +163,25 @@ async fn the_scrape_endpoint_has_per_key_utilisation_and_wait_times() -> anyhow:
         .is_empty())
     })
     .await?;
+    eventually(Duration::from_secs(30), "the 100 junk requests counted", || async {
+        let text = scrape(address).await?;
+        Ok(series(&text, "sluice_dead_letters_total", &["reason=\"invalid\""])
+            .iter()
+            .any(|line| line.ends_with(" 100")))
+    })
+    .await?;
+    let text = scrape(address).await?;
+    let reasons: std::collections::BTreeSet<&str> = series(&text, "sluice_dead_letters_total", &[])
+        .iter()
+        .filter_map(|line| line.split("reason=\"").nth(1)?.split('"').next())
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .all(|reason| ["undecodable", "invalid", "conflict", "storage", "internal"].contains(reason)),
+        "dead-letter reasons are a fixed set: {reasons:?}"
+    );
+    assert!(!text.contains("junk_"), "no label carries producer input");
     assert!(!series(&text, "sluice_kafka_consumed_messages", &[]).is_empty());
     assert!(!series(
         &text,
@@ -164,6 +194,47 @@ async fn the_scrape_endpoint_has_per_key_utilisation_and_wait_times() -> anyhow:
 
     stop.trigger();
     stack.stop().await;
+    shutdown.trigger();
+    drop(guard);
+    Ok(())
+}
+
+/// Idle connections (more than the endpoint takes at once) cannot stop the
+/// scrape endpoint: they are closed, or time out, and scrapes are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_cannot_stop_the_scrape_endpoint() -> anyhow::Result<()> {
+    std::env::remove_var("OTEL_EXPORTER_OTLP_ENDPOINT");
+    let config = test_config("idlescrape", &[("telemetry.metrics_listen", "127.0.0.1:0")])?;
+    let guard = telemetry::init(&config.telemetry, "sluice-test")?;
+    let shutdown = Shutdown::new();
+    let address = telemetry::spawn_metrics_endpoint(&config.telemetry, &guard, shutdown.clone())
+        .await?
+        .expect("an address");
+    // Connections that send nothing, or half a request, and stay open.
+    let mut idle = Vec::new();
+    for index in 0..200 {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        if index % 2 == 0 {
+            stream.write_all(b"GET /metr").await?;
+        }
+        idle.push(stream);
+    }
+    eventually(
+        Duration::from_secs(30),
+        "a scrape answered beside 200 idle connections",
+        || async {
+            Ok(tokio::time::timeout(Duration::from_secs(2), scrape(address))
+                .await
+                .is_ok_and(|scraped| scraped.is_ok()))
+        },
+    )
+    .await?;
+    // An idle connection is closed by the endpoint, not held for ever.
+    let mut first = idle.swap_remove(0);
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(15), first.read_to_end(&mut rest)).await;
+    assert!(matches!(read, Ok(Ok(_))), "the idle connection was closed: {read:?}");
+    drop(idle);
     shutdown.trigger();
     drop(guard);
     Ok(())

@@ -183,8 +183,10 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     let stop = tokio_util::sync::CancellationToken::new();
     let worker_task = tokio::spawn(worker.run(stop.clone()));
 
-    // The blocker holds the concurrency key for 1 s and the only unit of the
-    // rate window for 3 s: the traced job waits on both, in that order.
+    // The blocker holds the concurrency key for 1 s, and a TryAcquire made
+    // just before the traced job is produced holds the only unit of its rate
+    // window for 3 s: the traced job waits on both, in that order, however
+    // long the blocker took to reach its worker.
     let job = |payload: &str| {
         let mut request = concurrency_job("acme", "traced", 1, 0, payload);
         request
@@ -193,8 +195,30 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
         request
     };
     let admission = stack.admission_client().await?;
-    enqueue_with_id(&admission, "blocker", job("blocker")).await?;
+    enqueue_with_id(
+        &admission,
+        "blocker",
+        concurrency_job("acme", "traced", 1, 0, "blocker"),
+    )
+    .await?;
     wait_status(&admission, "blocker", pb::JobStatus::Running, Duration::from_secs(30)).await?;
+    let taken = stack
+        .rates_client()
+        .await?
+        .try_acquire(pb::TryAcquireRequest {
+            tenant: "acme".to_string(),
+            limit: rate_job("acme", "traced-rate", 1, 3_000, "").limits[0]
+                .kind
+                .as_ref()
+                .and_then(|kind| match kind {
+                    pb::limit::Kind::Rate(rate) => Some(rate.clone()),
+                    _ => None,
+                }),
+            cost: 1,
+        })
+        .await?
+        .into_inner();
+    assert!(taken.allowed, "the rate window's only unit is taken: {taken:?}");
 
     // The producer's span is the root; its context rides in the Kafka headers.
     let now = std::time::SystemTime::now();
@@ -212,6 +236,7 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     traced.job_id = Some("traced".to_string());
     RequestProducer::new(&stack.config)?
         .send_messages(vec![RawRequest {
+            partition: None,
             key: Some(b"traced".to_vec()),
             payload: prost::Message::encode_to_vec(&traced),
             headers: telemetry::trace_headers(&producer),
@@ -219,7 +244,19 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
         .await?;
     wait_status(&admission, "traced", pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
 
-    // Everything of the job's trace reaches the receiver.
+    // Everything of the job's trace reaches the receiver. Spans arrive in the
+    // order they end, not the order of the job's path: the worker's handler
+    // span ends after its Complete call returns, so after admission's
+    // `admission.complete`. Wait for every span the checks below look at.
+    let expected = [
+        "producer.send",
+        "admission.enqueue",
+        "limit-grant.grant",
+        "rate-window.grant",
+        "admission.admit",
+        sluice_client::HANDLE_SPAN,
+        "admission.complete",
+    ];
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     let spans = loop {
         guard.flush();
@@ -231,7 +268,8 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
             .filter(|span| span.trace_id == trace_id)
             .cloned()
             .collect();
-        if spans.iter().any(|span| span.name == "admission.complete") {
+        let waits = spans.iter().filter(|span| span.name == "sluice.wait").count();
+        if waits >= 2 && expected.iter().all(|name| spans.iter().any(|span| span.name == *name)) {
             break spans;
         }
         assert!(std::time::Instant::now() < deadline, "trace incomplete: {spans:#?}");

@@ -18,6 +18,7 @@ use crate::support::LOW_CONNECTIONS;
 
 fn json_request(body: &str, content_type: &str) -> RawRequest {
     RawRequest {
+        partition: None,
         key: None,
         payload: body.as_bytes().to_vec(),
         headers: vec![("content-type".to_string(), content_type.as_bytes().to_vec())],
@@ -135,6 +136,7 @@ async fn json_requests_are_admitted_and_run_and_bad_ones_are_dead_lettered_with_
             // 5 and 6: the same invalid request as JSON and as protobuf.
             json_request(r#"{"tenant": "", "task_group": "default"}"#, "application/json"),
             RawRequest {
+                partition: None,
                 payload: same_invalid_request.encode_to_vec(),
                 ..Default::default()
             },

@@ -5,6 +5,7 @@
 // Test-only crate: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod broker_loss;
 mod cli;
 mod json_requests;
 mod python_worker;

@@ -31,6 +31,7 @@ mod handler;
 mod kafka;
 mod offsets;
 mod refresh;
+mod reported_text;
 mod runner;
 mod slots;
 mod status;

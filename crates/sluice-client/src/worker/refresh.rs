@@ -20,6 +20,7 @@ use crate::propagation::{request_with, TraceContext};
 use crate::worker::handler::RefreshHandler;
 use crate::worker::kafka::{store_position, Received};
 use crate::worker::offsets::{OffsetTracker, PartitionId};
+use crate::worker::reported_text::reported_text;
 use crate::worker::status::{Counters, StatusShared};
 
 pub(crate) struct RefreshSettings {
@@ -170,7 +171,7 @@ async fn handle_task(
             return place;
         }
         Ok(Err(_panic)) => pb::report_refresh_request::Result::Error("refresh handler panicked".to_string()),
-        Ok(Ok(Err(error))) => pb::report_refresh_request::Result::Error(error.0),
+        Ok(Ok(Err(error))) => pb::report_refresh_request::Result::Error(reported_text(&error.0)),
         Ok(Ok(Ok(new_max))) => pb::report_refresh_request::Result::NewMax(i64::from(new_max)),
     };
     let request = pb::ReportRefreshRequest {

@@ -23,6 +23,7 @@ use crate::propagation::{request_with, TraceContext};
 use crate::worker::handler::{Job, JobError, JobHandler, StopReason, StopSignal};
 use crate::worker::kafka::{PartitionCounts, Received};
 use crate::worker::offsets::PartitionId;
+use crate::worker::reported_text::reported_text;
 use crate::worker::status::{Counters, StatusShared};
 use crate::worker::HANDOFF_HOPS_HEADER;
 
@@ -439,15 +440,18 @@ impl AttemptOutcome {
         }
     }
 
+    /// What `Complete` reports. An error or a reason is sent as admission
+    /// takes it (at most 16 KiB, no NUL bytes): a handler's long stack trace
+    /// must not make the completion itself fail.
     fn completion(&self) -> Option<pb::completion::Outcome> {
         match self {
             AttemptOutcome::Succeeded => Some(pb::completion::Outcome::Success(pb::Success {})),
             AttemptOutcome::Failed { message, non_retryable } => Some(pb::completion::Outcome::Failure(pb::Failure {
-                error: message.clone(),
+                error: reported_text(message),
                 non_retryable: *non_retryable,
             })),
             AttemptOutcome::HandedBack { reason } => Some(pb::completion::Outcome::HandBack(pb::HandBack {
-                reason: reason.clone(),
+                reason: reported_text(reason),
             })),
             // Any outcome confirms a cancel; a failure that cannot retry says
             // what happened if the cancel were somehow not recorded.
@@ -844,6 +848,21 @@ mod tests {
 
     fn returned(result: Result<(), JobError>) -> Ended {
         Ended::Returned(Ok(result))
+    }
+
+    #[test]
+    fn an_error_is_reported_as_admission_takes_it() {
+        let long = format!("stack\0trace {}", "é".repeat(20_000));
+        let outcome = AttemptOutcome::Failed {
+            message: long,
+            non_retryable: false,
+        };
+        let Some(pb::completion::Outcome::Failure(failure)) = outcome.completion() else {
+            panic!("a failure");
+        };
+        assert!(failure.error.len() <= crate::worker::reported_text::MAX_REPORTED_TEXT_BYTES);
+        assert!(!failure.error.contains('\0'));
+        assert!(failure.error.starts_with("stack"));
     }
 
     #[test]

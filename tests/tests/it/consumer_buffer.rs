@@ -1,0 +1,157 @@
+//! A partition's buffer between the consumer and its task is bounded by
+//! bytes (`kafka.consumer_buffer_bytes`), not only by a count: a task that
+//! falls behind holds at most that many bytes of fetched messages, however
+//! large they are, and gets every message once it catches up.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use sluice_common::kafka::{
+    ensure_topics, run_partitioned_consumer, ConsumerOptions, ConsumerProgress, OutMsg, PartitionInput,
+    PartitionTaskError, PartitionTaskFactory, Publisher, TopicSpec,
+};
+use sluice_common::Shutdown;
+use sluice_e2e::*;
+
+/// A task that reads nothing until released, reporting how many bytes wait
+/// for it (and the most it ever saw); then reads everything.
+struct Stalled {
+    buffered: Arc<AtomicUsize>,
+    most_buffered: Arc<AtomicUsize>,
+    release: Arc<tokio::sync::Notify>,
+    seen: Arc<AtomicUsize>,
+}
+
+impl PartitionTaskFactory for Stalled {
+    fn start(&self, mut input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
+        let buffered = self.buffered.clone();
+        let most_buffered = self.most_buffered.clone();
+        let release = self.release.clone();
+        let seen = self.seen.clone();
+        async move {
+            let released = release.notified();
+            tokio::pin!(released);
+            loop {
+                // What waits for the task, counted by messages (each is
+                // MESSAGE bytes), not by the budget's own bookkeeping.
+                let now = input.messages.len() * MESSAGE;
+                buffered.store(now, Ordering::Relaxed);
+                most_buffered.fetch_max(now, Ordering::Relaxed);
+                tokio::select! {
+                    _ = &mut released => break,
+                    _ = input.stop.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(Duration::from_millis(10)) => {}
+                }
+            }
+            loop {
+                most_buffered.fetch_max(input.messages.len() * MESSAGE, Ordering::Relaxed);
+                let message = tokio::select! {
+                    _ = input.stop.cancelled() => return Ok(()),
+                    received = input.messages.recv() => match received {
+                        Some(message) => message,
+                        None => return Ok(()),
+                    },
+                };
+                seen.fetch_add(1, Ordering::Relaxed);
+                input.offsets.store(message.offset + 1);
+            }
+        }
+        .boxed()
+    }
+}
+
+const BUDGET: usize = 1_000_000;
+const MESSAGE: usize = 100_000;
+const MESSAGES: usize = 40;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_that_falls_behind_holds_at_most_the_buffer_bytes() -> anyhow::Result<()> {
+    init_logging();
+    let config = test_config(
+        "buffer",
+        &[
+            ("kafka.max_message_bytes", "200000"),
+            ("admission.max_payload_bytes", "100000"),
+            ("kafka.consumer_buffer_bytes", "1000000"),
+        ],
+    )?;
+    let topic = config.topic("buffer-input");
+    ensure_topics(
+        &config.kafka,
+        &[TopicSpec {
+            name: topic.clone(),
+            partitions: 1,
+            internal: false,
+        }],
+        true,
+    )
+    .await?;
+    let task = Stalled {
+        buffered: Arc::new(AtomicUsize::new(0)),
+        most_buffered: Arc::new(AtomicUsize::new(0)),
+        release: Arc::new(tokio::sync::Notify::new()),
+        seen: Arc::new(AtomicUsize::new(0)),
+    };
+    let (buffered, most_buffered, release, seen) = (
+        task.buffered.clone(),
+        task.most_buffered.clone(),
+        task.release.clone(),
+        task.seen.clone(),
+    );
+    let shutdown = Shutdown::new();
+    let consumer = tokio::spawn({
+        let kafka = config.kafka.clone();
+        let group = config.group("buffer-group");
+        let shutdown = shutdown.clone();
+        let topic = topic.clone();
+        async move {
+            run_partitioned_consumer(
+                &kafka,
+                ConsumerOptions {
+                    group,
+                    topic,
+                    channel_capacity: 10_000,
+                    track_end: false,
+                    readiness: sluice_common::readiness::Readiness::new(),
+                },
+                Arc::new(task),
+                Arc::new(ConsumerProgress::default()),
+                shutdown,
+            )
+            .await
+        }
+    });
+    let topic_name: Arc<str> = Arc::from(topic.as_str());
+    let messages = (0..MESSAGES)
+        .map(|index| OutMsg {
+            topic: topic_name.clone(),
+            partition: Some(0),
+            key: None,
+            payload: vec![u8::try_from(index % 256).unwrap(); MESSAGE],
+            headers: Vec::new(),
+        })
+        .collect();
+    Publisher::new(&config.kafka)?.send_all(messages).await?;
+    // 4 MB sent: the stalled task's buffer fills to its bound and no further.
+    eventually(Duration::from_secs(60), "the buffer full", || async {
+        Ok(buffered.load(Ordering::Relaxed) + MESSAGE > BUDGET)
+    })
+    .await?;
+    assert!(
+        most_buffered.load(Ordering::Relaxed) <= BUDGET,
+        "{} bytes buffered, over the {BUDGET}-byte bound",
+        most_buffered.load(Ordering::Relaxed)
+    );
+    release.notify_one();
+    eventually(Duration::from_secs(60), "every message, once caught up", || async {
+        Ok(seen.load(Ordering::Relaxed) == MESSAGES)
+    })
+    .await?;
+    assert!(most_buffered.load(Ordering::Relaxed) <= BUDGET);
+    shutdown.trigger();
+    let _ = tokio::time::timeout(Duration::from_secs(30), consumer).await;
+    Ok(())
+}

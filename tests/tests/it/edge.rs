@@ -1,0 +1,466 @@
+//! One validation, at the edge: every job request admission accepts is
+//! accepted downstream. A property test generates requests near every bound
+//! (names at the byte limit, multibyte and NUL text, integers at and past
+//! every type's range, absurd windows and intervals) and, for each one
+//! admission's validation accepts:
+//!
+//! - saves the job row admission would save, in admission's real table;
+//! - builds the acquire commands admission would send, and has each owner
+//!   check (`check_command`, `check_due`) and apply it, then persists what it
+//!   decided in the owner's real tables: limit-grant (tickets, keys and the
+//!   floating state), rate-window (windows, tickets) and refresh-dispatcher
+//!   (the refresh schedule from limit-grant's refresh-due event).
+//!
+//! Every statement runs in a transaction that is rolled back, on PostgreSQL.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use sluice_admission::chain;
+use sluice_admission::core::{AdmissionCore, Incoming};
+use sluice_common::clock::AnchoredClock;
+use sluice_common::kafka::{Outbox, Publisher};
+use sluice_common::owner::{OwnedState, OwnedStore, OwnerContext};
+use sluice_common::validate::InputLimits;
+use sluice_common::{Faults, SluiceConfig};
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+use sqlx::PgPool;
+
+fn name() -> impl Strategy<Value = String> {
+    prop_oneof![
+        16 => Just("acme".to_string()),
+        16 => "[a-z][a-z0-9-]{0,12}",
+        1 => Just(String::new()),
+        1 => Just("a\0b".to_string()),
+        1 => Just("tab\there".to_string()),
+        1 => Just("x".repeat(256)),
+        1 => Just("x".repeat(257)),
+        1 => Just("é".repeat(128)),
+        1 => Just("é".repeat(129)),
+        1 => Just("🦀".repeat(64)),
+        1 => Just("cap:x".to_string()),
+        1 => "\\PC{1,20}",
+    ]
+}
+
+fn max_value() -> impl Strategy<Value = u32> {
+    prop_oneof![
+        24 => 1u32..10,
+        1 => Just(0u32),
+        1 => Just(2_147_483_647u32),
+        1 => Just(2_147_483_648u32),
+        1 => Just(u32::MAX),
+        1 => any::<u32>(),
+    ]
+}
+
+fn wide() -> impl Strategy<Value = i64> {
+    prop_oneof![
+        24 => 1i64..100_000,
+        1 => Just(0i64),
+        1 => Just(-1i64),
+        1 => Just(i64::MAX),
+        1 => Just(i64::MIN),
+        1 => Just(3_153_600_000_000i64),
+        1 => Just(3_153_600_000_001i64),
+        1 => Just(1_000_000_000_000_000i64),
+        1 => Just(1_000_000_000_000_001i64),
+    ]
+}
+
+fn interval() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        16 => 1u64..100_000,
+        1 => Just(0u64),
+        1 => Just(3_153_600_000_000u64),
+        1 => Just(3_153_600_000_001u64),
+        1 => Just(u64::MAX),
+    ]
+}
+
+fn metadata() -> impl Strategy<Value = std::collections::HashMap<String, String>> {
+    prop::collection::hash_map(name(), name(), 0..3)
+}
+
+fn limit() -> impl Strategy<Value = pb::Limit> {
+    let concurrency = (name(), max_value())
+        .prop_map(|(key, max_concurrency)| pb::limit::Kind::Concurrency(pb::ConcurrencyLimit { key, max_concurrency }));
+    let floating =
+        (name(), max_value(), interval(), metadata()).prop_map(|(key, default_max, refresh_interval_ms, metadata)| {
+            pb::limit::Kind::Floating(pb::FloatingConcurrencyLimit {
+                key,
+                default_max,
+                refresh_interval_ms,
+                metadata,
+            })
+        });
+    let inline = (
+        name(),
+        prop_oneof![Just(String::new()), name()],
+        wide(),
+        wide(),
+        prop_oneof![Just(0i64), wide()],
+    )
+        .prop_map(|(name, unique_key, limit, duration_ms, cost)| {
+            pb::limit::Kind::Rate(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                    name,
+                    unique_key,
+                    limit,
+                    duration_ms,
+                    cost,
+                })),
+            })
+        });
+    let resource = name().prop_map(|key| {
+        pb::limit::Kind::Rate(pb::RateLimit {
+            spec: Some(pb::rate_limit::Spec::RateLimitKey(key)),
+        })
+    });
+    prop_oneof![concurrency, floating, inline, resource].prop_map(|kind| pb::Limit { kind: Some(kind) })
+}
+
+fn request() -> impl Strategy<Value = pb::JobRequest> {
+    (
+        prop::option::of(name()),
+        name(),
+        prop::option::of(prop_oneof![0u32..100, Just(100u32), Just(u32::MAX)]),
+        prop::option::of(prop_oneof![
+            Just(0i64),
+            Just(-1i64),
+            Just(1_800_000_000_000i64),
+            Just(i64::MAX),
+            Just(253_402_300_799_999i64),
+            Just(253_402_300_800_000i64)
+        ]),
+        prop_oneof![Just(String::new()), name()],
+        prop_oneof![
+            Just(String::new()),
+            Just("1h".to_string()),
+            Just("3650d".to_string()),
+            Just("3700d".to_string()),
+            Just("300000000000d".to_string())
+        ],
+        prop::collection::vec(limit(), 0..4),
+        prop_oneof![Just(String::new()), name()],
+        prop_oneof![
+            Just(String::new()),
+            Just("1s".to_string()),
+            Just("30d".to_string()),
+            Just("31d".to_string())
+        ],
+    )
+        .prop_map(
+            |(
+                job_id,
+                tenant,
+                priority,
+                run_at_ms,
+                idempotency_key,
+                idempotency_window,
+                limits,
+                fairness_key,
+                backoff,
+            )| {
+                pb::JobRequest {
+                    job_id,
+                    tenant,
+                    task_group: "default".to_string(),
+                    priority,
+                    payload: b"payload".to_vec(),
+                    run_at_ms,
+                    idempotency_window: if idempotency_key.is_empty() {
+                        String::new()
+                    } else {
+                        idempotency_window
+                    },
+                    idempotency_key,
+                    retry: Some(pb::RetryPolicy {
+                        max_attempts: 3,
+                        initial_backoff: backoff.clone(),
+                        max_backoff: backoff,
+                        backoff_multiplier: 0.0,
+                        on_lease_expiry: 0,
+                    }),
+                    limits,
+                    fairness_key,
+                }
+            },
+        )
+}
+
+/// The services' real tables, each in its own (throw-away) schema.
+struct Tables {
+    admission: PgPool,
+    limit_grant: PgPool,
+    rate_window: PgPool,
+    refresh: PgPool,
+}
+
+async fn tables(config: &SluiceConfig) -> anyhow::Result<Tables> {
+    use sluice_common::service::open_database;
+    let owner = &sluice_common::owner::MIGRATOR;
+    Ok(Tables {
+        admission: open_database(config, "admission", &[owner, &sluice_admission::MIGRATOR]).await?,
+        limit_grant: open_database(config, "limit_grant", &[owner, &sluice_limit_grant::store::MIGRATOR]).await?,
+        rate_window: open_database(config, "rate_window", &[owner, &sluice_rate_window::store::MIGRATOR]).await?,
+        refresh: open_database(
+            config,
+            "refresh_dispatcher",
+            &[owner, &sluice_refresh_dispatcher::store::MIGRATOR],
+        )
+        .await?,
+    })
+}
+
+fn entries<M: prost::Message + Default>(outbox: Outbox, topic: &str) -> Vec<(i32, M)> {
+    let mut found = Vec::new();
+    for message in outbox.into_messages() {
+        if &*message.topic != topic {
+            continue;
+        }
+        for entry in sluice_common::kafka::batch_entries(&message.payload).expect("a batch") {
+            found.push((message.partition.unwrap_or(-1), M::decode(entry).expect("an entry")));
+        }
+    }
+    found
+}
+
+/// Everything downstream of admission, for one accepted request. Errors say
+/// which service refused what.
+async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) -> Result<(), String> {
+    let config = &core.config;
+    let input = InputLimits::from_config(config);
+    let now_ms = 1_800_000_000_000;
+    let context = |partition| OwnerContext {
+        partition,
+        epoch: 1,
+        clock: AnchoredClock::starting_at(now_ms),
+    };
+    let row = core.new_row(incoming, now_ms);
+    let mut transaction = tables.admission.begin().await.map_err(|error| error.to_string())?;
+    sluice_admission::jobs::insert_jobs(&mut transaction, std::slice::from_ref(&row))
+        .await
+        .map_err(|error| format!("PostgreSQL refused admission's job row: {error}"))?;
+    drop(transaction);
+
+    for step_index in 0..row.state.chain.len() {
+        let mut job = row.clone();
+        job.state.step = u32::try_from(step_index).unwrap_or(u32::MAX);
+        let mut outbox = Outbox::new();
+        core.routes.push_acquire(&mut outbox, &job);
+        let step = &row.state.chain[step_index];
+        if step.is_ticketed() {
+            let commands: Vec<(i32, pb::LimitCommand)> = entries(outbox, &core.routes.limit_commands);
+            for (partition, command) in commands {
+                let topology = sluice_limit_grant::store::Topology {
+                    limit_partitions: config.kafka.partitions.limit_commands,
+                    grants_topic: Arc::from("grants"),
+                    grants_partitions: config.kafka.partitions.grants,
+                    refresh_due_topic: Arc::from("refresh-due"),
+                    refresh_due_partitions: config.kafka.partitions.refresh_due,
+                    max_message_bytes: config.kafka.max_message_bytes,
+                    ticket_grace_ms: 30_000,
+                    input,
+                };
+                let mut owner = sluice_limit_grant::state::LimitPartition::new(
+                    sluice_limit_grant::state::PartitionSettings {
+                        partition,
+                        limit_partitions: topology.limit_partitions,
+                        grants_topic: topology.grants_topic.clone(),
+                        grants_partitions: topology.grants_partitions,
+                        refresh_due_topic: topology.refresh_due_topic.clone(),
+                        refresh_due_partitions: topology.refresh_due_partitions,
+                        max_message_bytes: topology.max_message_bytes,
+                        ticket_grace_ms: 30_000,
+                        input,
+                    },
+                    1,
+                );
+                owner
+                    .check_command(&command)
+                    .map_err(|reason| format!("limit-grant refused the acquire: {reason}"))?;
+                let mut writes = sluice_limit_grant::state::LimitWrites::default();
+                let mut effects = Outbox::new();
+                let mut counts = sluice_limit_grant::state::BatchCounts::default();
+                owner
+                    .apply_command(now_ms, command, &mut writes, &mut effects, &mut counts)
+                    .map_err(|reason| format!("limit-grant refused to apply the acquire: {reason}"))?;
+                let store = sluice_limit_grant::store::LimitStore { topology };
+                let mut transaction = tables.limit_grant.begin().await.map_err(|error| error.to_string())?;
+                store
+                    .persist(&mut transaction, &context(partition), writes)
+                    .await
+                    .map_err(|error| format!("PostgreSQL refused limit-grant's rows: {error}"))?;
+                drop(transaction);
+                // A floating key's refresh-due event, as limit-grant sends it.
+                let mut resent = Outbox::new();
+                owner.resend_all(now_ms, &mut resent);
+                for (due_partition, due) in entries::<pb::RefreshDue>(resent, "refresh-due") {
+                    let settings = sluice_refresh_dispatcher::state::PartitionSettings {
+                        partition: due_partition,
+                        refresh_due_partitions: config.kafka.partitions.refresh_due,
+                        limit_commands_topic: Arc::from("limit-commands"),
+                        limit_partitions: config.kafka.partitions.limit_commands,
+                        refresh_tasks_topic: Arc::from("refresh-tasks"),
+                        refresh_tasks_partitions: config.kafka.partitions.refresh_tasks,
+                        max_message_bytes: config.kafka.max_message_bytes,
+                        policy: sluice_refresh_dispatcher::schedule::RefreshPolicy::default(),
+                        input,
+                    };
+                    let mut dispatcher = sluice_refresh_dispatcher::state::RefreshPartition::new(settings.clone(), 1);
+                    dispatcher
+                        .check_due(&due)
+                        .map_err(|error| format!("refresh-dispatcher refused the refresh-due event: {error}"))?;
+                    let mut writes = sluice_refresh_dispatcher::state::RefreshWrites::default();
+                    let mut counts = sluice_refresh_dispatcher::state::BatchCounts::default();
+                    dispatcher
+                        .apply_due(now_ms, due, &mut writes, &mut Outbox::new(), &mut counts)
+                        .map_err(|reason| format!("refresh-dispatcher refused to apply it: {reason}"))?;
+                    let store = sluice_refresh_dispatcher::store::RefreshStore { settings };
+                    let mut transaction = tables.refresh.begin().await.map_err(|error| error.to_string())?;
+                    store
+                        .persist(&mut transaction, &context(due_partition), writes)
+                        .await
+                        .map_err(|error| format!("PostgreSQL refused refresh-dispatcher's rows: {error}"))?;
+                    drop(transaction);
+                }
+            }
+        } else {
+            let commands: Vec<(i32, pb::RateCommand)> = entries(outbox, &core.routes.rate_commands);
+            for (partition, command) in commands {
+                let topology = sluice_rate_window::store::Topology {
+                    rate_partitions: config.kafka.partitions.rate_commands,
+                    grants_topic: Arc::from("grants"),
+                    grants_partitions: config.kafka.partitions.grants,
+                    max_message_bytes: config.kafka.max_message_bytes,
+                    granted_retention_ms: 300_000,
+                    input,
+                };
+                let mut owner =
+                    sluice_rate_window::state::RatePartition::new(sluice_rate_window::state::PartitionSettings {
+                        partition,
+                        rate_partitions: topology.rate_partitions,
+                        grants_topic: topology.grants_topic.clone(),
+                        grants_partitions: topology.grants_partitions,
+                        max_message_bytes: topology.max_message_bytes,
+                        granted_retention_ms: topology.granted_retention_ms,
+                        input,
+                    });
+                owner
+                    .check_command(&command)
+                    .map_err(|reason| format!("rate-window refused the acquire: {reason}"))?;
+                let mut writes = sluice_rate_window::state::RateWrites::default();
+                owner
+                    .apply_command(now_ms, command, &mut writes, &mut Outbox::new())
+                    .map_err(|reason| format!("rate-window refused to apply the acquire: {reason}"))?;
+                let store = sluice_rate_window::store::RateStore { topology };
+                let mut transaction = tables.rate_window.begin().await.map_err(|error| error.to_string())?;
+                store
+                    .persist(&mut transaction, &context(partition), writes)
+                    .await
+                    .map_err(|error| format!("PostgreSQL refused rate-window's rows: {error}"))?;
+                drop(transaction);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_request_admission_accepts_is_accepted_by_every_owner_and_by_postgresql() -> anyhow::Result<()> {
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let config = test_config("edgeprop", &[])?;
+    let (core, tables) = runtime.block_on(async {
+        let tables = tables(&config).await?;
+        let core = AdmissionCore::new(
+            Arc::new(config.clone()),
+            tables.admission.clone(),
+            Publisher::new(&config.kafka)?,
+            Faults::none(),
+            sluice_common::readiness::Readiness::new(),
+        );
+        anyhow::Ok((core, tables))
+    })?;
+    let accepted = std::sync::atomic::AtomicU64::new(0);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 400,
+        ..ProptestConfig::default()
+    });
+    let outcome = runner.run(&request(), |request| {
+        let Ok(valid) = chain::validate(&core.config, request.clone()) else {
+            return Ok(());
+        };
+        accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let incoming = Incoming {
+            job_id: request.job_id.clone().unwrap_or_else(|| "generated-id".to_string()),
+            valid,
+            trace: pb::TraceContext::default(),
+        };
+        let checked = runtime.block_on(downstream(&core, &tables, &incoming));
+        prop_assert!(checked.is_ok(), "{}: {request:?}", checked.err().unwrap_or_default());
+        Ok(())
+    });
+    runtime.block_on(cleanup(&config, &tables.admission));
+    outcome.map_err(|error| anyhow::anyhow!("{error}"))?;
+    let accepted = accepted.into_inner();
+    assert!(
+        accepted >= 40,
+        "the generator reaches accepted requests: {accepted} of 400"
+    );
+    Ok(())
+}
+
+/// The same job id again is judged against the request saved for it: within
+/// one batch, after a first occurrence that is itself a conflict, the same
+/// request as the saved one is a duplicate, not a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_job_id_is_judged_against_the_saved_request() -> anyhow::Result<()> {
+    use sluice_admission::core::OnConflict;
+    let config = test_config("repeat", &[])?;
+    let tables = tables(&config).await?;
+    // The jobs' acquires are published: their topics must exist.
+    sluice_common::kafka::ensure_topics(&config.kafka, &sluice_common::service::all_topics(&config), true).await?;
+    let core = AdmissionCore::new(
+        Arc::new(config.clone()),
+        tables.admission.clone(),
+        Publisher::new(&config.kafka)?,
+        Faults::none(),
+        sluice_common::readiness::Readiness::new(),
+    );
+    let incoming = |payload: &str| -> anyhow::Result<Incoming> {
+        let request = pb::JobRequest {
+            job_id: Some("same-id".to_string()),
+            ..concurrency_job("acme", "repeat-key", 1, 0, payload)
+        };
+        Ok(Incoming {
+            job_id: "same-id".to_string(),
+            valid: chain::validate(&core.config, request)?,
+            trace: pb::TraceContext::default(),
+        })
+    };
+    let saved = core.enqueue(&[incoming("first")?], OnConflict::Report).await?;
+    assert!(!saved[0].deduplicated && !saved[0].conflict);
+    let outcomes = core
+        .enqueue(
+            &[incoming("other")?, incoming("first")?, incoming("other")?],
+            OnConflict::Report,
+        )
+        .await?;
+    let seen: Vec<(bool, bool)> = outcomes
+        .iter()
+        .map(|outcome| (outcome.conflict, outcome.deduplicated))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![(true, false), (false, true), (true, false)],
+        "conflict, duplicate, conflict"
+    );
+    cleanup(&config, &tables.admission).await;
+    Ok(())
+}
