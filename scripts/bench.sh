@@ -15,5 +15,5 @@ SLUICE_BROKER_PORT="$PORT" SLUICE_STATE_DIR="$STATE" scripts/dev-env.sh broker
 trap 'kill "$(cat "$STATE/tansu.pid")" 2>/dev/null || true' EXIT
 cargo build --release --locked -p sluice-e2e --bin sluice-bench
 echo "==> benchmarking (figures on the last line)"
-SLUICE__KAFKA__BROKERS="127.0.0.1:$PORT" RUST_LOG="${RUST_LOG:-error}" \
+SLUICE__KAFKA__BROKERS="127.0.0.1:$PORT" RUST_LOG="${RUST_LOG:-error}" BENCH_BROKER_PID="$(cat "$STATE/tansu.pid")" \
   "${CARGO_TARGET_DIR:-target}/release/sluice-bench"

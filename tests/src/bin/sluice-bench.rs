@@ -3,7 +3,14 @@
 //! Prints its figures as one JSON object on the last line.
 //!
 //! Environment: BENCH_JOBS (20000), BENCH_KEYS (1000), BENCH_LIMIT (5),
-//! BENCH_FETCH_WAIT_MS (5), BENCH_LATENCY_JOBS (300).
+//! BENCH_FETCH_WAIT_MS (5), BENCH_LATENCY_JOBS (300), BENCH_HOT_JOBS (3000),
+//! BENCH_WIDE_JOBS (20000, over 100,000 keys), BENCH_BROKER_PID (the broker's
+//! process, for its CPU time; `scripts/bench.sh` sets it).
+//!
+//! CPU time per job is split by process: `sluice` is this process (the four
+//! services, and the bench's own producer and workers), `postgres` every
+//! PostgreSQL process, `broker` the broker. They are read from /proc over the
+//! 1,000-key run, as are PostgreSQL's rows written and WAL bytes.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -40,6 +47,67 @@ fn resident_bytes() -> u64 {
         .and_then(|field| field.parse().ok())
         .unwrap_or(0);
     pages * 4096
+}
+
+/// CPU time used so far, in microseconds, by the processes the bench
+/// splits its figures by.
+#[derive(Clone, Copy, Debug, Default)]
+struct CpuTimes {
+    sluice_us: f64,
+    postgres_us: f64,
+    broker_us: f64,
+}
+
+/// User plus system time of one process, in microseconds (0 if it is gone).
+fn process_cpu_us(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces; the fields after it are
+    // fixed: utime and stime are the 12th and 13th after the closing paren.
+    let Some((_, after_name)) = stat.rsplit_once(')') else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks: u64 = [11, 12]
+        .iter()
+        .filter_map(|index| fields.get(*index).and_then(|field| field.parse::<u64>().ok()))
+        .sum();
+    // Linux reports these in USER_HZ, 100 per second.
+    to_f64(ticks) * 10_000.0
+}
+
+fn cpu_times() -> CpuTimes {
+    let mut postgres_us = 0.0;
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(pid) = name
+                .to_str()
+                .filter(|pid| pid.bytes().all(|byte| byte.is_ascii_digit()))
+            else {
+                continue;
+            };
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if comm.trim() == "postgres" {
+                postgres_us += process_cpu_us(pid);
+            }
+        }
+    }
+    let broker_us = std::env::var("BENCH_BROKER_PID")
+        .map(|pid| process_cpu_us(pid.trim()))
+        .unwrap_or(0.0);
+    CpuTimes {
+        sluice_us: process_cpu_us("self"),
+        postgres_us,
+        broker_us,
+    }
+}
+
+/// PostgreSQL's WAL position, in bytes.
+async fn wal_position(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
+    let position: Option<i64> = sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
+        .fetch_one(pool)
+        .await?;
+    Ok(position.unwrap_or(0))
 }
 
 /// Memory limit-grant keeps per waiting job: `waiters` acquires of one key
@@ -139,21 +207,55 @@ async fn main() -> anyhow::Result<()> {
         ("admission.stand_behind_interval", "20s"),
     ];
 
+    let hot_jobs = env_number("BENCH_HOT_JOBS", 3_000);
+    let wide_jobs = env_number("BENCH_WIDE_JOBS", 20_000);
     eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit} (fetch.wait.max.ms={fetch_wait_ms})");
     let mut stack = Stack::start(bench_config("bench", &overrides)?, 1).await?;
     let writes_before = pg_writes(&stack).await?;
-    let throughput = run_throughput(&stack, jobs, keys, limit).await?;
-    eprintln!("bench: {:.0} admitted jobs/s", throughput);
-
-    eprintln!("bench: release-to-admit latency on a saturated key ({latency_jobs} jobs)");
-    let latencies = run_latency(&stack, latency_jobs).await?;
-
+    let wal_before = wal_position(&stack.pool).await?;
+    let main_run = run_throughput(&stack, jobs, keys, limit).await?;
+    eprintln!("bench: {:.0} admitted jobs/s", main_run.jobs_per_s);
     let config = stack.config.clone();
     stack.stop_nodes().await;
     let writes_after = pg_writes(&stack).await?;
-    let total_jobs = jobs + latency_jobs;
-    let pg_writes_per_job = to_f64(writes_after - writes_before) / to_f64(total_jobs);
+    let wal_after = wal_position(&stack.pool).await?;
+    let pg_rows_per_job = to_f64(writes_after - writes_before) / to_f64(jobs);
+    let wal_bytes_per_job = to_f64(u64::try_from(wal_after - wal_before).unwrap_or(0)) / to_f64(jobs);
     cleanup(&config, &stack.pool).await;
+    let cpu = main_run.cpu_us_per_job;
+    eprintln!(
+        "bench: CPU per job {:.0} us (sluice {:.0}, postgres {:.0}, broker {:.0}); {pg_rows_per_job:.2} rows and {wal_bytes_per_job:.0} WAL bytes per job",
+        cpu.sluice_us + cpu.postgres_us + cpu.broker_us,
+        cpu.sluice_us,
+        cpu.postgres_us,
+        cpu.broker_us
+    );
+
+    eprintln!("bench: end to end, {wide_jobs} jobs over 100000 keys with limit {limit}");
+    let wide_stack = Stack::start(bench_config("benchwide", &overrides)?, 1).await?;
+    let wide_run = run_throughput(&wide_stack, wide_jobs, 100_000, limit).await?;
+    eprintln!("bench: {:.0} admitted jobs/s over 100000 keys", wide_run.jobs_per_s);
+    let wide_config = wide_stack.config.clone();
+    let wide_pool = wide_stack.pool.clone();
+    wide_stack.stop().await;
+    cleanup(&wide_config, &wide_pool).await;
+
+    eprintln!("bench: one hot key, limit {limit}, {hot_jobs} jobs, workers that finish at once");
+    let hot_stack = Stack::start(bench_config("benchhot", &overrides)?, 1).await?;
+    let hot_run = run_throughput(&hot_stack, hot_jobs, 1, limit).await?;
+    eprintln!("bench: {:.0} jobs/s through one key", hot_run.jobs_per_s);
+    let hot_config = hot_stack.config.clone();
+    let hot_pool = hot_stack.pool.clone();
+    hot_stack.stop().await;
+    cleanup(&hot_config, &hot_pool).await;
+
+    eprintln!("bench: release-to-admit latency on a saturated key ({latency_jobs} jobs)");
+    let latency_stack = Stack::start(bench_config("benchlatency", &overrides)?, 1).await?;
+    let latencies = run_latency(&latency_stack, latency_jobs).await?;
+    let latency_config = latency_stack.config.clone();
+    let latency_pool = latency_stack.pool.clone();
+    latency_stack.stop().await;
+    cleanup(&latency_config, &latency_pool).await;
 
     eprintln!("bench: TryAcquire decisions over gRPC on loopback");
     let rate_stack = Stack::start(bench_config("benchrate", &overrides)?, 1).await?;
@@ -166,17 +268,27 @@ async fn main() -> anyhow::Result<()> {
     let relay = run_relay(&config, jobs).await?;
 
     let figures = serde_json::json!({
-        "admitted_jobs_per_s": round(throughput),
+        "admitted_jobs_per_s": round(main_run.jobs_per_s),
         "jobs": jobs,
         "keys": keys,
         "limit": limit,
-        "relay_jobs_per_s": round(relay),
-        "hops_per_job": HOPS_PER_JOB,
-        "ratio_to_relay": (throughput / relay * 1000.0).round() / 1000.0,
+        "cpu_us_per_job": {
+            "total": round(cpu.sluice_us + cpu.postgres_us + cpu.broker_us),
+            "sluice": round(cpu.sluice_us),
+            "postgres": round(cpu.postgres_us),
+            "broker": round(cpu.broker_us),
+        },
+        "pg_rows_per_job": (pg_rows_per_job * 100.0).round() / 100.0,
+        "wal_bytes_per_job": wal_bytes_per_job.round(),
+        "admitted_jobs_per_s_100k_keys": round(wide_run.jobs_per_s),
+        "cpu_us_per_job_100k_keys": round(wide_run.cpu_us_per_job.sluice_us + wide_run.cpu_us_per_job.postgres_us + wide_run.cpu_us_per_job.broker_us),
+        "hot_key_jobs_per_s": round(hot_run.jobs_per_s),
         "release_to_admit_p50_ms": round(percentile(&latencies, 0.50)),
         "release_to_admit_p99_ms": round(percentile(&latencies, 0.99)),
+        "relay_jobs_per_s": round(relay),
+        "hops_per_job": HOPS_PER_JOB,
+        "ratio_to_relay": (main_run.jobs_per_s / relay * 1000.0).round() / 1000.0,
         "fetch_wait_max_ms": fetch_wait_ms,
-        "pg_writes_per_job": (pg_writes_per_job * 100.0).round() / 100.0,
         "try_acquire_per_s_in_process": in_process_decisions.round(),
         "try_acquire_per_s_grpc": grpc_decisions.round(),
         "bytes_per_waiter": bytes_per_waiter.round(),
@@ -302,7 +414,14 @@ async fn batch_worker(
     }
 }
 
-async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyhow::Result<f64> {
+/// What one throughput run measured.
+struct ThroughputRun {
+    jobs_per_s: f64,
+    /// CPU time per job from the first request sent to the last completion.
+    cpu_us_per_job: CpuTimes,
+}
+
+async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyhow::Result<ThroughputRun> {
     let completed = Arc::new(AtomicU64::new(0));
     let stop = Shutdown::new();
     let group = format!("{}bench-workers", stack.config.kafka.topic_prefix);
@@ -325,6 +444,7 @@ async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyh
         })
         .collect();
     let producer = RequestProducer::new(&stack.config)?;
+    let cpu_before = cpu_times();
     let started = Instant::now();
     producer.send(&requests).await?;
     eventually(Duration::from_secs(600), "every bench job completed", || {
@@ -333,8 +453,17 @@ async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyh
     })
     .await?;
     let elapsed = started.elapsed().as_secs_f64();
+    let cpu_after = cpu_times();
     stop.trigger();
-    Ok(to_f64(jobs) / elapsed)
+    let per_job = |before: f64, after: f64| (after - before) / to_f64(jobs);
+    Ok(ThroughputRun {
+        jobs_per_s: to_f64(jobs) / elapsed,
+        cpu_us_per_job: CpuTimes {
+            sluice_us: per_job(cpu_before.sluice_us, cpu_after.sluice_us),
+            postgres_us: per_job(cpu_before.postgres_us, cpu_after.postgres_us),
+            broker_us: per_job(cpu_before.broker_us, cpu_after.broker_us),
+        },
+    })
 }
 
 /// Completion to the next admission on one saturated key (limit 1).
