@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["jobs", "admission", "limits", "rate", "refresh"]
+    let files = ["jobs", "admission", "limits", "rate", "refresh", "link"]
         .map(|name| proto_root.join(format!("sluice/v1/{name}.proto")));
     for file in &files {
         println!("cargo:rerun-if-changed={}", file.display());

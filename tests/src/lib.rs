@@ -193,6 +193,80 @@ impl Drop for PrivateBroker {
     }
 }
 
+/// A stable address for a service, as a Kubernetes Service gives one: each
+/// connection goes to the first of the service's instances that accepts it
+/// (starting from a rotating position). Admission reads the owner directory
+/// through it; instances come and go behind it.
+pub struct ServiceProxy {
+    pub endpoint: String,
+    backends: Arc<Mutex<Vec<String>>>,
+    stop: Shutdown,
+}
+
+impl ServiceProxy {
+    pub async fn start() -> anyhow::Result<ServiceProxy> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let endpoint = format!("http://{}", listener.local_addr()?);
+        let backends: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
+        let stop = Shutdown::new();
+        let accepting = {
+            let backends = backends.clone();
+            let stop = stop.clone();
+            async move {
+                let mut next = 0usize;
+                loop {
+                    let accepted = tokio::select! {
+                        _ = stop.cancelled() => return,
+                        accepted = listener.accept() => accepted,
+                    };
+                    let Ok((mut inbound, _)) = accepted else {
+                        continue;
+                    };
+                    let mut candidates = backends.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+                    if !candidates.is_empty() {
+                        let start = next % candidates.len();
+                        candidates.rotate_left(start);
+                    }
+                    next = next.wrapping_add(1);
+                    let stop = stop.clone();
+                    tokio::spawn(async move {
+                        for address in candidates {
+                            if let Ok(mut outbound) = tokio::net::TcpStream::connect(address.as_str()).await {
+                                tokio::select! {
+                                    _ = stop.cancelled() => {}
+                                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                                }
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        };
+        tokio::spawn(accepting);
+        Ok(ServiceProxy {
+            endpoint,
+            backends,
+            stop,
+        })
+    }
+
+    /// One more instance behind the address (`http://host:port`).
+    pub fn add(&self, endpoint: &str) {
+        let address = endpoint.trim_start_matches("http://").to_string();
+        self.backends
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(address);
+    }
+}
+
+impl Drop for ServiceProxy {
+    fn drop(&mut self) {
+        self.stop.trigger();
+    }
+}
+
 /// One running service instance.
 pub struct Node {
     pub name: &'static str,
@@ -318,6 +392,9 @@ pub struct Stack {
     pub refresh_dispatchers: Vec<Node>,
     pub admissions: Vec<Node>,
     pub pool: PgPool,
+    /// The stable addresses admission reaches limit-grant and rate-window at.
+    pub limit_grant_service: ServiceProxy,
+    pub rate_window_service: ServiceProxy,
 }
 
 impl Stack {
@@ -328,16 +405,19 @@ impl Stack {
         let pool = admin_pool(&config).await?;
         // Create topics up front so consumers of every instance see them.
         sluice_common::kafka::ensure_topics(&config.kafka, &sluice_common::service::all_topics(&config), true).await?;
+        let limit_grant_service = ServiceProxy::start().await?;
+        let rate_window_service = ServiceProxy::start().await?;
+        config.admission.limit_grant_endpoint = limit_grant_service.endpoint.clone();
+        config.admission.rate_window_endpoint = rate_window_service.endpoint.clone();
         let bootstrap = Arc::new(config.clone());
         let mut nodes = Vec::new();
         for _ in 0..limit_grants {
-            nodes.push(start_limit_grant(&bootstrap, Faults::none()).await?);
-        }
-        if let Some(first) = nodes.first() {
-            config.admission.limit_grant_endpoint = first.endpoint.clone();
+            let node = start_limit_grant(&bootstrap, Faults::none()).await?;
+            limit_grant_service.add(&node.endpoint);
+            nodes.push(node);
         }
         let rate_window = start_rate_window(&bootstrap, Faults::none()).await?;
-        config.admission.rate_window_endpoint = rate_window.endpoint.clone();
+        rate_window_service.add(&rate_window.endpoint);
         let refresh_dispatcher = start_refresh_dispatcher(&bootstrap, Faults::none()).await?;
         let config = Arc::new(config);
         let mut stack = Stack {
@@ -347,6 +427,8 @@ impl Stack {
             refresh_dispatchers: vec![refresh_dispatcher],
             admissions: Vec::new(),
             pool,
+            limit_grant_service,
+            rate_window_service,
         };
         stack.add_admission(Faults::none()).await?;
         stack.wait_owned(Duration::from_secs(60)).await?;
@@ -362,7 +444,15 @@ impl Stack {
 
     pub async fn add_limit_grant(&mut self, faults: Faults) -> anyhow::Result<()> {
         let node = start_limit_grant(&self.config, faults).await?;
+        self.limit_grant_service.add(&node.endpoint);
         self.limit_grants.push(node);
+        Ok(())
+    }
+
+    pub async fn add_rate_window(&mut self, faults: Faults) -> anyhow::Result<()> {
+        let node = start_rate_window(&self.config, faults).await?;
+        self.rate_window_service.add(&node.endpoint);
+        self.rate_windows.push(node);
         Ok(())
     }
 
@@ -823,30 +913,61 @@ pub fn max_overlap(runs: &[&RunRecord]) -> usize {
 // ---------------------------------------------------------------------------
 // Observing grant events
 
-/// Reads the grant topic with its own group and keeps every event in order
-/// of arrival (per grant partition, that is emission order).
+/// Record every grant limit-grant and rate-window send from now on (their
+/// `WatchGrants` streams, through the services' stable addresses; a stream
+/// that ends is opened again, to whichever instance now answers). Returns
+/// once both streams are open, so no grant made after it is missed.
 pub async fn observe_grants(
-    config: Arc<SluiceConfig>,
+    stack: &Stack,
     events: Arc<Mutex<Vec<pb::GrantEvent>>>,
     stop: Shutdown,
 ) -> anyhow::Result<()> {
-    let mut settings = client_config(&config.kafka);
-    settings
-        .set("group.id", format!("{}observer", config.kafka.topic_prefix))
-        .set("auto.offset.reset", "earliest")
-        .set("fetch.wait.max.ms", "5");
-    let consumer: StreamConsumer = settings.create()?;
-    consumer.subscribe(&[&config.topic(&config.topics.grants)])?;
-    loop {
-        let message = tokio::select! {
-            _ = stop.cancelled() => return Ok(()),
-            received = consumer.recv() => received?,
+    for endpoint in [&stack.limit_grant_service.endpoint, &stack.rate_window_service.endpoint] {
+        let (opened, opened_receiver) = tokio::sync::oneshot::channel();
+        tokio::spawn(watch_grants(endpoint.clone(), events.clone(), stop.clone(), opened));
+        tokio::time::timeout(Duration::from_secs(30), opened_receiver)
+            .await
+            .context("the grant watch did not open within 30s")?
+            .context("the grant watch stopped")?;
+    }
+    Ok(())
+}
+
+async fn watch_grants(
+    endpoint: String,
+    events: Arc<Mutex<Vec<pb::GrantEvent>>>,
+    stop: Shutdown,
+    opened: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut opened = Some(opened);
+    while !stop.is_triggered() {
+        let watched = async {
+            let channel = connect(&endpoint).await?;
+            let mut stream = sluice_proto::v1::owner_link_client::OwnerLinkClient::new(channel)
+                .watch_grants(pb::WatchGrantsRequest {})
+                .await?
+                .into_inner();
+            if let Some(opened) = opened.take() {
+                let _ = opened.send(());
+            }
+            while let Some(batch) = stream.message().await? {
+                let decoded: Vec<pb::GrantEvent> = batch
+                    .events
+                    .iter()
+                    .filter_map(|event| pb::GrantEvent::decode(event.as_slice()).ok())
+                    .collect();
+                events
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .extend(decoded);
+            }
+            anyhow::Ok(())
         };
-        let batch = pb::GrantEventBatch::decode(message.payload().unwrap_or_default())?;
-        events
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .extend(batch.events);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = watched => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

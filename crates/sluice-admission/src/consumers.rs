@@ -369,6 +369,69 @@ impl PartitionTaskFactory for GrantConsumer {
     }
 }
 
+/// Where grant events came from: a partition of the grants topic, or a link
+/// (partition -1), and what stops their processing.
+struct GrantSource<'a> {
+    partition: i32,
+    stop: &'a tokio_util::sync::CancellationToken,
+}
+
+/// Grant events from the links (the hot path): applied like the grants
+/// topic's, in batches; those that can never be applied are set aside in
+/// the quarantine table. Runs until `shutdown`.
+pub async fn run_link_grants(
+    core: Arc<AdmissionCore>,
+    mut grants: tokio::sync::mpsc::Receiver<Vec<Vec<u8>>>,
+    shutdown: sluice_common::Shutdown,
+) -> Result<(), PartitionTaskError> {
+    const TOPIC: &str = "link";
+    let stop = tokio_util::sync::CancellationToken::new();
+    let source = GrantSource {
+        partition: -1,
+        stop: &stop,
+    };
+    let condition = "admission link grants".to_string();
+    let max_batch = core.config.admission.max_batch;
+    loop {
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            received = grants.recv() => match received {
+                Some(batch) => batch,
+                None => return Ok(()),
+            },
+        };
+        let mut encoded = first;
+        while encoded.len() < max_batch {
+            match grants.try_recv() {
+                Ok(more) => encoded.extend(more),
+                Err(_) => break,
+            }
+        }
+        let mut events: Vec<(i64, pb::GrantEvent)> = Vec::with_capacity(encoded.len());
+        let mut rejected: Vec<Rejected> = Vec::new();
+        for entry in encoded {
+            let checked = pb::GrantEvent::decode(entry.as_slice())
+                .map_err(|error| format!("undecodable grant event: {error}"))
+                .and_then(|event| check_grant(&event).map(|()| event));
+            match checked {
+                Ok(event) => events.push((-1, event)),
+                Err(reason) => rejected.push(Rejected {
+                    offset: -1,
+                    entry,
+                    reason,
+                }),
+            }
+        }
+        match apply_grants(&core, TOPIC, events, &source, &condition).await? {
+            Step::Done(mut refused) => rejected.append(&mut refused),
+            Step::Stop => return Ok(()),
+        }
+        if let Step::Stop = quarantine(&core, TOPIC, &rejected, &source, &condition).await {
+            return Ok(());
+        }
+    }
+}
+
 /// A grant event admission can apply: its ticket names a job and attempt.
 fn check_grant(event: &pb::GrantEvent) -> Result<(), String> {
     check_ticket("ticket", event.ticket.as_ref()).map_err(|error| error.to_string())
@@ -391,11 +454,15 @@ async fn run_grants(
                 Ok(())
             });
         }
-        match apply_grants(&core, &topic, events, &input, &condition).await? {
+        let source = GrantSource {
+            partition: input.partition,
+            stop: &input.stop,
+        };
+        match apply_grants(&core, &topic, events, &source, &condition).await? {
             Step::Done(mut refused) => rejected.append(&mut refused),
             Step::Stop => return Ok(()),
         }
-        if let Step::Stop = quarantine(&core, &topic, &rejected, &input, &condition).await {
+        if let Step::Stop = quarantine(&core, &topic, &rejected, &source, &condition).await {
             return Ok(());
         }
         if core.faults.hit(FaultPoint::AdmissionAfterPublishBeforeOffsetStore) {
@@ -415,22 +482,22 @@ async fn apply_grants(
     core: &AdmissionCore,
     topic: &str,
     events: Vec<(i64, pb::GrantEvent)>,
-    input: &PartitionInput,
+    source: &GrantSource<'_>,
     condition: &str,
 ) -> Result<Step<Vec<Rejected>>, PartitionTaskError> {
     if events.is_empty() {
         return Ok(Step::Done(Vec::new()));
     }
     let all: Vec<pb::GrantEvent> = events.iter().map(|(_, event)| event.clone()).collect();
-    let reason = match process_grants_until_done(core, &all, input, condition).await? {
+    let reason = match process_grants_until_done(core, &all, source, condition).await? {
         Step::Done(None) => return Ok(Step::Done(Vec::new())),
         Step::Done(Some(reason)) => reason,
         Step::Stop => return Ok(Step::Stop),
     };
-    tracing::warn!(topic, partition = input.partition, events = events.len(), %reason, "PostgreSQL refuses the grant batch; applying its events one at a time");
+    tracing::warn!(topic, partition = source.partition, events = events.len(), %reason, "PostgreSQL refuses the grant batch; applying its events one at a time");
     let mut refused = Vec::new();
     for (offset, event) in events {
-        match process_grants_until_done(core, std::slice::from_ref(&event), input, condition).await? {
+        match process_grants_until_done(core, std::slice::from_ref(&event), source, condition).await? {
             Step::Done(None) => {}
             Step::Done(Some(reason)) => refused.push(Rejected {
                 offset,
@@ -448,7 +515,7 @@ async fn apply_grants(
 async fn process_grants_until_done(
     core: &AdmissionCore,
     events: &[pb::GrantEvent],
-    input: &PartitionInput,
+    source: &GrantSource<'_>,
     condition: &str,
 ) -> Result<Step<Option<String>>, PartitionTaskError> {
     let mut backoff = Backoff::new();
@@ -460,9 +527,9 @@ async fn process_grants_until_done(
             }
             Err(AdmissionError::Crashed) => return Err(PartitionTaskError::Crashed),
             Err(error) if error.is_transient() => {
-                tracing::warn!(%error, partition = input.partition, "applying grants failed, retrying the batch");
+                tracing::warn!(%error, partition = source.partition, "applying grants failed, retrying the batch");
                 core.note_transient(condition, format!("applying grants: {error}"));
-                if input.stop.is_cancelled() {
+                if source.stop.is_cancelled() {
                     return Ok(Step::Stop);
                 }
                 backoff.wait().await;
@@ -477,7 +544,7 @@ async fn quarantine(
     core: &AdmissionCore,
     topic: &str,
     rejected: &[Rejected],
-    input: &PartitionInput,
+    source: &GrantSource<'_>,
     condition: &str,
 ) -> Step<()> {
     if rejected.is_empty() {
@@ -487,19 +554,19 @@ async fn quarantine(
     loop {
         let saved = async {
             let mut connection = core.pool.acquire().await?;
-            insert_quarantined(&mut connection, topic, input.partition, rejected).await
+            insert_quarantined(&mut connection, topic, source.partition, rejected).await
         }
         .await;
         match saved {
             Ok(()) => {
-                report_quarantined(crate::SERVICE, topic, input.partition, rejected);
+                report_quarantined(crate::SERVICE, topic, source.partition, rejected);
                 core.readiness.clear(condition);
                 return Step::Done(());
             }
             Err(error) => {
-                tracing::warn!(%error, partition = input.partition, "setting grant events aside failed, retrying");
+                tracing::warn!(%error, partition = source.partition, "setting grant events aside failed, retrying");
                 core.note_transient(condition, format!("setting grant events aside: {error}"));
-                if input.stop.is_cancelled() {
+                if source.stop.is_cancelled() {
                     return Step::Stop;
                 }
                 backoff.wait().await;

@@ -11,6 +11,7 @@ use opentelemetry::KeyValue;
 use sluice_common::clock::{wall_clock_ms, wall_clock_us};
 use sluice_common::fault::classify_sql;
 use sluice_common::kafka::{Outbox, Publisher};
+use sluice_common::link::{Link, LinkClient};
 use sluice_common::readiness::Readiness;
 use sluice_common::telemetry::record_span;
 use sluice_common::{FaultPoint, Faults, SluiceConfig};
@@ -93,10 +94,18 @@ pub struct EnqueueOutcome {
     pub conflict: bool,
 }
 
+/// The hot path's streams to limit-grant and rate-window.
+#[derive(Clone)]
+pub struct AdmissionLinks {
+    pub limit: LinkClient,
+    pub rate: LinkClient,
+}
+
 pub struct AdmissionCore {
     pub config: Arc<SluiceConfig>,
     pub pool: PgPool,
     pub publisher: Publisher,
+    pub links: AdmissionLinks,
     pub routes: Routes,
     pub faults: Faults,
     pub timing: Timing,
@@ -113,6 +122,7 @@ impl AdmissionCore {
         config: Arc<SluiceConfig>,
         pool: PgPool,
         publisher: Publisher,
+        links: AdmissionLinks,
         faults: Faults,
         readiness: Readiness,
     ) -> Self {
@@ -125,6 +135,7 @@ impl AdmissionCore {
             config,
             pool,
             publisher,
+            links,
             faults,
             timing,
             readiness,
@@ -159,23 +170,43 @@ impl AdmissionCore {
 
     /// Publish, retrying for a while. What is saved is never lost: if Kafka
     /// stays down the sweeper re-sends the pending effects later.
-    pub async fn publish(&self, outbox: Outbox) {
+    pub async fn publish(&self, mut outbox: Outbox) {
+        // Commands to limit-grant and rate-window go on the links, which keep
+        // them until their owner has applied them.
+        for ((link, partition), commands) in outbox.take_links() {
+            match link {
+                Link::LimitGrant => self.links.limit.send(partition, commands),
+                Link::RateWindow => self.links.rate.send(partition, commands),
+                Link::Admission => tracing::error!(partition, "admission cannot send grants; dropped"),
+            }
+        }
         if outbox.is_empty() {
             return;
         }
         let messages = outbox.into_messages();
-        let mut delay = Duration::from_millis(50);
-        for attempt in 1..=8 {
-            match self.publisher.send_all(messages.clone()).await {
-                Ok(()) => return,
-                Err(error) => {
-                    tracing::warn!(%error, attempt, "publish failed, retrying");
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
+        // What admission publishes to Kafka (admitted jobs) is rebuilt from
+        // its state (an unclaimed job is published again after
+        // `claim_timeout`), so waiting long for a broker in trouble only
+        // holds up the grants and requests behind this one.
+        let attempts = async {
+            let mut delay = Duration::from_millis(50);
+            for attempt in 1.. {
+                match self.publisher.send_all(messages.clone()).await {
+                    Ok(()) => return,
+                    Err(error) => {
+                        tracing::warn!(%error, attempt, "publish failed, retrying");
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(1));
+                    }
                 }
             }
+        };
+        if tokio::time::timeout(PUBLISH_BUDGET, attempts).await.is_err() {
+            tracing::error!(
+                budget = ?PUBLISH_BUDGET,
+                "giving up publishing for now; the sweeper re-sends the saved effects"
+            );
         }
-        tracing::error!("giving up publishing; the sweeper will re-send the saved effects");
     }
 
     /// The row `enqueue` saves for `incoming` (its state decided at `now_ms`).
@@ -966,12 +997,7 @@ impl AdmissionCore {
                         grace_ms: u64::try_from(grace_ms).unwrap_or_default(),
                     })),
                 };
-                outbox.push_entry(
-                    &self.routes.limit_commands,
-                    i32::try_from(partition).unwrap_or_default(),
-                    &command,
-                    self.routes.max_message_bytes,
-                );
+                outbox.push_link(Link::LimitGrant, i32::try_from(partition).unwrap_or_default(), &command);
             }
         }
         self.publish(outbox).await;
@@ -1000,6 +1026,9 @@ fn same_trace(left: &pb::TraceContext, right: &pb::TraceContext) -> bool {
         _ => false,
     }
 }
+
+/// How long `publish` keeps trying before it leaves the re-send to the sweeper.
+const PUBLISH_BUDGET: Duration = Duration::from_secs(5);
 
 /// The tracer scope of admission's spans.
 const SCOPE: &str = "sluice-admission";

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use prost::Message;
 use sluice_common::clock::wall_clock_ms;
 use sluice_common::kafka::{OutMsg, Outbox};
+use sluice_common::link::Link;
 use sluice_common::partition::{job_partition, key_partition, rate_key_partition};
 use sluice_common::telemetry::trace_headers;
 use sluice_common::SluiceConfig;
@@ -19,9 +20,7 @@ use crate::transitions::Effect;
 /// Where admission's messages go.
 #[derive(Clone, Debug)]
 pub struct Routes {
-    pub limit_commands: Arc<str>,
     pub limit_partitions: i32,
-    pub rate_commands: Arc<str>,
     pub rate_partitions: i32,
     pub grants_partitions: i32,
     pub deadletter: Arc<str>,
@@ -32,9 +31,7 @@ pub struct Routes {
 impl Routes {
     pub fn from_config(config: &SluiceConfig) -> Self {
         Routes {
-            limit_commands: Arc::from(config.topic(&config.topics.limit_commands)),
             limit_partitions: config.kafka.partitions.limit_commands,
-            rate_commands: Arc::from(config.topic(&config.topics.rate_commands)),
             rate_partitions: config.kafka.partitions.rate_commands,
             grants_partitions: config.kafka.partitions.grants,
             deadletter: Arc::from(config.topic(&config.topics.deadletter)),
@@ -103,7 +100,7 @@ impl Routes {
                 })),
             };
             let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);
-            outbox.push_entry(&self.limit_commands, partition, &command, self.max_message_bytes);
+            outbox.push_link(Link::LimitGrant, partition, &command);
         } else {
             let Some(rate_key) = step.rate_key.clone() else {
                 tracing::error!(job_id = %job.state.job_id, "rate step without a key");
@@ -123,7 +120,7 @@ impl Routes {
                     cost: step.rate_cost,
                 })),
             };
-            outbox.push_entry(&self.rate_commands, partition, &command, self.max_message_bytes);
+            outbox.push_link(Link::RateWindow, partition, &command);
         }
     }
 
@@ -173,7 +170,7 @@ impl Routes {
             })),
         };
         let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);
-        outbox.push_entry(&self.limit_commands, partition, &command, self.max_message_bytes);
+        outbox.push_link(Link::LimitGrant, partition, &command);
     }
 
     fn push_rate_cancel(&self, outbox: &mut Outbox, job: &JobRow, attempt: u32, step_index: u32) {
@@ -196,7 +193,7 @@ impl Routes {
                 }),
             })),
         };
-        outbox.push_entry(&self.rate_commands, partition, &command, self.max_message_bytes);
+        outbox.push_link(Link::RateWindow, partition, &command);
     }
 
     /// Publish the job to its task group's workers.

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
+use sluice_common::link::{LinkClient, LinkClientSettings};
 use sluice_common::readiness::Readiness;
 use sluice_common::service::{all_topics, open_database, Supervisor};
 use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
@@ -64,6 +65,36 @@ fn lazy_channel(endpoint: &str) -> Result<tonic::transport::Channel, AdmissionSe
         .connect_lazy())
 }
 
+/// Tell the owners, over every link, which job partitions' grants this
+/// instance takes: those of the grants topic it is assigned, which are the
+/// jobs its sweeper looks after. Follows the assignment as it changes.
+async fn claim_job_partitions(
+    links: core::AdmissionLinks,
+    progress: Arc<ConsumerProgress>,
+    shutdown: Shutdown,
+) -> Result<(), std::convert::Infallible> {
+    let mut claimed: Option<Vec<i32>> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let assigned = progress.assigned();
+        if claimed.as_ref() == Some(&assigned) {
+            continue;
+        }
+        let claims: Vec<sluice_proto::v1::JobPartitionClaim> = assigned
+            .iter()
+            .filter_map(|partition| u32::try_from(*partition).ok())
+            .map(|partition| sluice_proto::v1::JobPartitionClaim { partition, epoch: 0 })
+            .collect();
+        links.limit.claim_job_partitions(claims.clone());
+        links.rate.claim_job_partitions(claims);
+        claimed = Some(assigned);
+    }
+}
+
 /// Run one admission instance until `shutdown`.
 pub async fn run(
     config: Arc<SluiceConfig>,
@@ -75,10 +106,37 @@ pub async fn run(
     kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
     let readiness = Readiness::new();
     let publisher = Publisher::for_service(&config.kafka, readiness.clone(), faults.clone())?;
+    // The hot path: commands up and grants down over streams to limit-grant
+    // and rate-window (docs/hot-path.md).
+    let client_id = format!("admission-{}", uuid::Uuid::new_v4());
+    let (grants_sender, grants_receiver) = tokio::sync::mpsc::channel(1024);
+    let links = core::AdmissionLinks {
+        limit: LinkClient::start(
+            LinkClientSettings {
+                service: "limit-grant",
+                seed_endpoint: config.admission.limit_grant_endpoint.clone(),
+                client_id: client_id.clone(),
+            },
+            grants_sender.clone(),
+            readiness.clone(),
+            shutdown.clone(),
+        ),
+        rate: LinkClient::start(
+            LinkClientSettings {
+                service: "rate-window",
+                seed_endpoint: config.admission.rate_window_endpoint.clone(),
+                client_id,
+            },
+            grants_sender,
+            readiness.clone(),
+            shutdown.clone(),
+        ),
+    };
     let core = Arc::new(AdmissionCore::new(
         config.clone(),
         pool.clone(),
         publisher.clone(),
+        links.clone(),
         faults,
         readiness.clone(),
     ));
@@ -146,6 +204,14 @@ pub async fn run(
             .await
         });
     }
+    supervisor.spawn(
+        "link grants",
+        consumers::run_link_grants(core.clone(), grants_receiver, shutdown.clone()),
+    );
+    supervisor.spawn(
+        "job partition claims",
+        claim_job_partitions(links, grant_progress.clone(), shutdown.clone()),
+    );
     supervisor.spawn("sweeper", sweeper::run(core.clone(), grant_progress, shutdown.clone()));
     supervisor.spawn("grpc server", grpc::serve(listener, routes, shutdown.clone()));
     supervisor.spawn(

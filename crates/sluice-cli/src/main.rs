@@ -350,9 +350,14 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
         "refresh-dispatcher",
         sluice_refresh_dispatcher::run(config.clone(), refresh_dispatcher, shutdown.clone(), faults.clone()),
     );
+    // Admission reaches limit-grant and rate-window where they listen in this
+    // process (a port of 0 picks one).
+    let mut admission_config = (*config).clone();
+    admission_config.admission.limit_grant_endpoint = format!("http://{}", addresses[1].1);
+    admission_config.admission.rate_window_endpoint = format!("http://{}", addresses[2].1);
     supervisor.spawn(
         "admission",
-        sluice_admission::run(config.clone(), admission, shutdown.clone(), faults),
+        sluice_admission::run(Arc::new(admission_config), admission, shutdown.clone(), faults),
     );
     println!("sluice dev: all four services in one process");
     for (name, address) in addresses {

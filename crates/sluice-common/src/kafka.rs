@@ -80,11 +80,14 @@ pub struct OutMsg {
 
 /// Effects to publish after a commit. Internal entries for one (topic,
 /// partition) are packed into batch messages whose field 1 is the repeated
-/// entry (`LimitCommandBatch`, `GrantEventBatch`, ...).
+/// entry (`LimitCommandBatch`, `GrantEventBatch`, ...). Entries for a link
+/// (a gRPC stream of the hot path, `crate::link`) are kept encoded, by
+/// (link, partition).
 #[derive(Debug, Default)]
 pub struct Outbox {
     batches: BTreeMap<(Arc<str>, i32), Vec<Vec<u8>>>,
     messages: Vec<OutMsg>,
+    links: crate::link::LinkEntries,
     entries: usize,
 }
 
@@ -118,6 +121,23 @@ impl Outbox {
         self.entries += 1;
     }
 
+    /// Add one entry for `partition` of `link` (sent on a stream, not Kafka).
+    pub fn push_link<M: prost::Message>(&mut self, link: crate::link::Link, partition: i32, entry: &M) {
+        self.links
+            .entry((link, partition))
+            .or_default()
+            .push(entry.encode_to_vec());
+        self.entries += 1;
+    }
+
+    /// The link entries, leaving the Kafka messages.
+    pub fn take_links(&mut self) -> crate::link::LinkEntries {
+        let links = std::mem::take(&mut self.links);
+        let taken: usize = links.values().map(Vec::len).sum();
+        self.entries -= taken;
+        links
+    }
+
     pub fn is_empty(&self) -> bool {
         self.entries == 0
     }
@@ -131,11 +151,16 @@ impl Outbox {
         for (destination, chunks) in other.batches {
             self.batches.entry(destination).or_default().extend(chunks);
         }
+        for (destination, entries) in other.links {
+            self.links.entry(destination).or_default().extend(entries);
+        }
         self.messages.extend(other.messages);
         self.entries += other.entries;
     }
 
+    /// The Kafka messages. Link entries must have been taken (`take_links`).
     pub fn into_messages(self) -> Vec<OutMsg> {
+        debug_assert!(self.links.is_empty(), "link entries left in an outbox sent to Kafka");
         let mut messages = self.messages;
         for ((topic, partition), chunks) in self.batches {
             for payload in chunks {

@@ -11,6 +11,7 @@ pub mod forward;
 pub mod grpc;
 pub mod hostile;
 pub mod kafka;
+pub mod link;
 pub mod metrics;
 pub mod owner;
 pub mod partition;

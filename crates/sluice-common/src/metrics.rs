@@ -87,6 +87,7 @@ pub struct SluiceMetrics {
     pub refresh_outcomes: Counter<u64>,
     pub dead_letters: Counter<u64>,
     pub quarantined: Counter<u64>,
+    pub link_grants_unrouted: Counter<u64>,
     pub transient_faults: Counter<u64>,
     pub consumed: Counter<u64>,
     pub produced: Counter<u64>,
@@ -152,6 +153,12 @@ impl SluiceMetrics {
                 .with_description(
                     "Internal input set aside because it fails every time (undecodable, invalid, refused by \
                      PostgreSQL), by service; the entries are in the service's quarantine table",
+                )
+                .build(),
+            link_grants_unrouted: meter
+                .u64_counter("sluice_link_grants_unrouted")
+                .with_description(
+                    "Committed grants no admission stream took (admission re-sends its acquire; the grant follows)",
                 )
                 .build(),
             transient_faults: meter

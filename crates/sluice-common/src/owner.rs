@@ -43,6 +43,7 @@ use crate::kafka::{
     batch_entries, single_entry_batch, InMsg, OutMsg, Outbox, PartitionInput, PartitionTaskError, PartitionTaskFactory,
     Publisher,
 };
+use crate::link::LinkSink;
 use crate::readiness::Readiness;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -325,6 +326,22 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         reply_receiver.await.map_err(|_| LocalCallError::Interrupted(partition))
     }
 
+    /// Queue a request for the partition task, if this instance owns it,
+    /// without waiting for the answer (the request carries its own reply).
+    pub async fn submit(&self, partition: i32, local: L) -> Result<(), LocalCallError> {
+        let sender = {
+            let partitions = self.partitions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+            match partitions.get(&partition) {
+                Some(handle) => handle.sender.clone(),
+                None => return Err(LocalCallError::NotOwner(partition)),
+            }
+        };
+        sender
+            .send(local)
+            .await
+            .map_err(|_| LocalCallError::NotOwner(partition))
+    }
+
     pub fn owns(&self, partition: i32) -> bool {
         let partitions = self.partitions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
         partitions.contains_key(&partition)
@@ -385,6 +402,7 @@ pub struct OwnerRuntime<S: OwnedStore> {
     store: Arc<S>,
     pool: PgPool,
     publisher: Publisher,
+    links: Option<Arc<dyn LinkSink>>,
     registry: Arc<OwnerRegistry<<S::State as OwnedState>::Local>>,
     settings: OwnerSettings,
     faults: Faults,
@@ -403,10 +421,17 @@ impl<S: OwnedStore> OwnerRuntime<S> {
             store,
             pool,
             publisher,
+            links: None,
             registry,
             settings,
             faults,
         }
+    }
+
+    /// Where committed link entries go (the hot path's streams).
+    pub fn with_links(mut self, links: Arc<dyn LinkSink>) -> Self {
+        self.links = Some(links);
+        self
     }
 }
 
@@ -416,6 +441,7 @@ impl<S: OwnedStore> PartitionTaskFactory for OwnerRuntime<S> {
             store: self.store.clone(),
             pool: self.pool.clone(),
             publisher: self.publisher.clone(),
+            links: self.links.clone(),
             registry: self.registry.clone(),
             settings: self.settings.clone(),
             faults: self.faults.clone(),
@@ -428,6 +454,7 @@ struct PartitionTask<S: OwnedStore> {
     store: Arc<S>,
     pool: PgPool,
     publisher: Publisher,
+    links: Option<Arc<dyn LinkSink>>,
     registry: Arc<OwnerRegistry<<S::State as OwnedState>::Local>>,
     settings: OwnerSettings,
     faults: Faults,
@@ -1092,7 +1119,18 @@ impl<S: OwnedStore> PartitionTask<S> {
     /// state). A message the broker refuses for what it is (too large) can
     /// never be sent: it is set aside in the quarantine table with the reason,
     /// so nothing is dropped silently.
-    async fn publish_until_done(&self, outbox: Outbox, input: &PartitionInput) -> Step<()> {
+    async fn publish_until_done(&self, mut outbox: Outbox, input: &PartitionInput) -> Step<()> {
+        let links = outbox.take_links();
+        if !links.is_empty() {
+            match &self.links {
+                Some(sink) => sink.deliver(links).await,
+                None => tracing::error!(
+                    service = self.settings.service,
+                    partition = input.partition,
+                    "link entries but no link sink; dropped"
+                ),
+            }
+        }
         if outbox.is_empty() {
             return Step::Done(());
         }

@@ -228,6 +228,10 @@ pub struct OwnerServiceSpec {
     pub max_batch: usize,
 }
 
+/// Wraps what a link hands a partition task in the service's local request.
+pub type LinkLocal<S> =
+    fn(crate::link::LinkInput) -> <<S as crate::owner::OwnedStore>::State as crate::owner::OwnedState>::Local;
+
 /// What a service's gRPC API needs to reach the keys' owners.
 pub struct OwnerApiParts<L> {
     pub registry: std::sync::Arc<crate::owner::OwnerRegistry<L>>,
@@ -249,7 +253,9 @@ pub async fn migrate_owner_service(
 /// Run one instance of a partition-owning service until `shutdown`: its
 /// database, topics and publisher, the owner runtime on the input topic's
 /// consumer group, readiness that follows the owner runtime, and the gRPC
-/// API that `add_api` adds to the base routes (health, reflection).
+/// API that `add_api` adds to the base routes (health, reflection); with
+/// `link_local`, the hot path's `OwnerLink` streams too.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_owner_service<S: crate::owner::OwnedStore>(
     config: std::sync::Arc<SluiceConfig>,
     listener: TcpListener,
@@ -257,6 +263,7 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
     faults: crate::faults::Faults,
     spec: OwnerServiceSpec,
     store: S,
+    link_local: Option<LinkLocal<S>>,
     add_api: impl FnOnce(&mut tonic::service::RoutesBuilder, OwnerApiParts<<S::State as crate::owner::OwnedState>::Local>),
 ) -> Result<(), ServiceError> {
     use std::sync::Arc;
@@ -283,7 +290,29 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
         },
         faults,
     );
-    let (mut routes, health) = crate::grpc::base_routes(vec![spec.grpc_service])?;
+    let mut grpc_services = vec![spec.grpc_service];
+    let mut runtime = runtime;
+    let link_service = match link_local {
+        Some(make_local) => {
+            // The hot path: commands in from admission's links, grants out.
+            let router = crate::link::GrantRouter::new();
+            runtime = runtime.with_links(router.clone());
+            grpc_services.push("sluice.v1.OwnerLink");
+            Some(crate::link::LinkService {
+                service: spec.service,
+                registry: registry.clone(),
+                router,
+                pool: pool.clone(),
+                make_local,
+                shutdown: shutdown.clone(),
+            })
+        }
+        None => None,
+    };
+    let (mut routes, health) = crate::grpc::base_routes(grpc_services)?;
+    if let Some(link_service) = link_service {
+        routes.add_service(sluice_proto::v1::owner_link_server::OwnerLinkServer::new(link_service));
+    }
     add_api(
         &mut routes,
         OwnerApiParts {

@@ -35,7 +35,6 @@ pub async fn run(
 ) -> Result<(), LimitGrantError> {
     let topology = Topology {
         limit_partitions: config.kafka.partitions.limit_commands,
-        grants_topic: Arc::from(config.topic(&config.topics.grants)),
         grants_partitions: config.kafka.partitions.grants,
         refresh_due_topic: Arc::from(config.topic(&config.topics.refresh_due)),
         refresh_due_partitions: config.kafka.partitions.refresh_due,
@@ -63,6 +62,7 @@ pub async fn run(
         faults,
         spec,
         LimitStore { topology },
+        Some(state::LocalRequest::Link),
         |routes, parts| {
             routes.add_service(sluice_proto::v1::limits_server::LimitsServer::new(service::LimitsApi {
                 registry: parts.registry,

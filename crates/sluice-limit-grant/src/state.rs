@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use sluice_common::kafka::{InMsg, Outbox};
+use sluice_common::link::{Link, LinkInput};
 use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet};
 use sluice_common::partition::{job_partition, key_partition};
 use sluice_common::telemetry::CompactTraceContext;
@@ -220,7 +221,7 @@ impl WriteSet for LimitWrites {
 pub struct PartitionSettings {
     pub partition: i32,
     pub limit_partitions: i32,
-    pub grants_topic: Arc<str>,
+    /// Job partitions: a grant goes to the link that claimed its job's.
     pub grants_partitions: i32,
     pub refresh_due_topic: Arc<str>,
     pub refresh_due_partitions: i32,
@@ -246,6 +247,8 @@ pub enum LocalRequest {
         first_waiters: usize,
         reply: oneshot::Sender<pb::DescribeKeyResponse>,
     },
+    /// Limit commands, or a grant re-send, from admission's link (the hot path).
+    Link(LinkInput),
 }
 
 #[derive(Debug)]
@@ -792,12 +795,7 @@ impl LimitPartition {
             unthrottled: false,
         };
         let partition = job_partition(&record.ticket.job_id, self.settings.grants_partitions);
-        outbox.push_entry(
-            &self.settings.grants_topic,
-            partition,
-            &event,
-            self.settings.max_message_bytes,
-        );
+        outbox.push_link(Link::Admission, partition, &event);
     }
 
     /// Admission states the tickets it stands behind. When every part of a
@@ -998,6 +996,23 @@ impl LimitPartition {
         response
     }
 
+    /// Send again the grants of every ticket held for jobs in
+    /// `job_partitions` (a stream now takes them).
+    fn resend_grants(&self, job_partitions: &[i32], outbox: &mut Outbox) {
+        let wanted: HashSet<i32> = job_partitions.iter().copied().collect();
+        let partitions = self.settings.grants_partitions;
+        for state in self.keys.values() {
+            for holder in state.holders.values() {
+                if wanted.contains(&job_partition(&holder.record.ticket.job_id, partitions)) {
+                    let max = i64::from(state.max_for(&holder.record));
+                    self.emit_grant(&holder.record, state.holders.len(), max, outbox);
+                }
+            }
+        }
+    }
+
+    // The same outputs as `OwnedState::apply`, which it serves.
+    #[allow(clippy::too_many_arguments)]
     fn apply_local(
         &mut self,
         now_ms: i64,
@@ -1005,9 +1020,31 @@ impl LimitPartition {
         writes: &mut LimitWrites,
         outbox: &mut Outbox,
         replies: &mut Vec<Reply>,
+        rejected: &mut Vec<Rejected>,
         counts: &mut BatchCounts,
     ) {
         match local {
+            LocalRequest::Link(LinkInput::ResendGrants { job_partitions }) => {
+                self.resend_grants(&job_partitions, outbox);
+            }
+            LocalRequest::Link(LinkInput::Commands(batch)) => {
+                for entry in &batch.commands {
+                    let outcome = <pb::LimitCommand as prost::Message>::decode(entry.as_slice())
+                        .map_err(|error| format!("undecodable limit command: {error}"))
+                        .and_then(|command| self.apply_command(now_ms, command, writes, outbox, counts));
+                    if let Err(reason) = outcome {
+                        rejected.push(Rejected {
+                            offset: -1,
+                            entry: entry.clone(),
+                            reason: format!("from admission {} over its link: {reason}", batch.client),
+                        });
+                    }
+                }
+                let applied = batch.applied;
+                replies.push(Box::new(move || {
+                    let _ = applied.send(());
+                }));
+            }
             LocalRequest::SetLimit {
                 tenant,
                 key,
@@ -1058,7 +1095,7 @@ impl OwnedState for LimitPartition {
             });
         }
         for local in locals {
-            self.apply_local(now_ms, local, writes, outbox, replies, &mut counts);
+            self.apply_local(now_ms, local, writes, outbox, replies, rejected, &mut counts);
         }
     }
 
@@ -1116,7 +1153,6 @@ impl OwnedState for LimitPartition {
 mod tests {
     use super::*;
     use prost::Message as _;
-    use sluice_common::kafka::OutMsg;
 
     const PARTITIONS: i32 = 1;
 
@@ -1125,7 +1161,6 @@ mod tests {
             PartitionSettings {
                 partition: 0,
                 limit_partitions: PARTITIONS,
-                grants_topic: Arc::from("grants"),
                 grants_partitions: 1,
                 refresh_due_topic: Arc::from("refresh-due"),
                 refresh_due_partitions: 1,
@@ -1186,12 +1221,20 @@ mod tests {
         }
     }
 
-    fn granted_jobs(outbox: Outbox) -> Vec<String> {
-        let messages: Vec<OutMsg> = outbox.into_messages();
-        messages
-            .iter()
-            .filter(|message| &*message.topic == "grants")
-            .flat_map(|message| pb::GrantEventBatch::decode(message.payload.as_slice()).unwrap().events)
+    /// The grants in `outbox`, in order (they go down the admission link).
+    fn grants(outbox: &mut Outbox) -> Vec<pb::GrantEvent> {
+        outbox
+            .take_links()
+            .into_iter()
+            .filter(|((link, _), _)| *link == Link::Admission)
+            .flat_map(|(_, events)| events)
+            .map(|event| pb::GrantEvent::decode(event.as_slice()).unwrap())
+            .collect()
+    }
+
+    fn granted_jobs(mut outbox: Outbox) -> Vec<String> {
+        grants(&mut outbox)
+            .into_iter()
             .map(|event| event.ticket.unwrap().job_id)
             .collect()
     }
@@ -1271,17 +1314,15 @@ mod tests {
                 .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
                 .unwrap();
         }
+        let granted = grants(&mut outbox)
+            .into_iter()
+            .map(|event| event.ticket.unwrap().job_id)
+            .collect();
         let messages = outbox.into_messages();
         let dues = messages
             .iter()
             .filter(|message| &*message.topic == "refresh-due")
             .flat_map(|message| pb::RefreshDueBatch::decode(message.payload.as_slice()).unwrap().events)
-            .collect();
-        let granted = messages
-            .iter()
-            .filter(|message| &*message.topic == "grants")
-            .flat_map(|message| pb::GrantEventBatch::decode(message.payload.as_slice()).unwrap().events)
-            .map(|event| event.ticket.unwrap().job_id)
             .collect();
         (granted, dues)
     }
@@ -1333,6 +1374,7 @@ mod tests {
         // A new owner re-sends the last due event; the dispatcher ignores it by due_at_ms.
         let mut outbox = Outbox::new();
         state.resend_all(11_300, &mut outbox);
+        let _grants = outbox.take_links();
         let resent: Vec<pb::RefreshDue> = outbox
             .into_messages()
             .iter()
@@ -1464,7 +1506,6 @@ mod tests {
             PartitionSettings {
                 partition: 0,
                 limit_partitions: 64,
-                grants_topic: Arc::from("grants"),
                 grants_partitions: 1,
                 refresh_due_topic: Arc::from("refresh-due"),
                 refresh_due_partitions: 1,
@@ -1544,16 +1585,14 @@ mod tests {
                         .flat_map(|key_state| key_state.holders.keys().cloned())
                         .collect();
                     state.apply_command(0, command, &mut writes, &mut outbox, &mut counts).unwrap();
-                    let messages = outbox.into_messages();
-                    for message in messages {
-                        for event in pb::GrantEventBatch::decode(message.payload.as_slice()).unwrap().events {
-                            let ticket = TicketKey::from_proto(event.ticket.as_ref().unwrap());
-                            if held_before.contains(&ticket) {
-                                continue; // a re-sent grant of a duplicate acquire
-                            }
-                            prop_assert!(i64::from(event.holders) <= event.max, "grant over max: {event:?}");
+                    for event in grants(&mut outbox) {
+                        let ticket = TicketKey::from_proto(event.ticket.as_ref().unwrap());
+                        if held_before.contains(&ticket) {
+                            continue; // a re-sent grant of a duplicate acquire
                         }
+                        prop_assert!(i64::from(event.holders) <= event.max, "grant over max: {event:?}");
                     }
+                    outbox = Outbox::new();
                     for key_state in state.keys.values() {
                         for holder in key_state.holders.values() {
                             prop_assert!(!key_state.waiters.values().any(|waiting| waiting.record.ticket == holder.record.ticket));

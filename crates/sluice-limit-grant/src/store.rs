@@ -19,7 +19,6 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 #[derive(Clone, Debug)]
 pub struct Topology {
     pub limit_partitions: i32,
-    pub grants_topic: Arc<str>,
     pub grants_partitions: i32,
     pub refresh_due_topic: Arc<str>,
     pub refresh_due_partitions: i32,
@@ -50,7 +49,6 @@ impl OwnedStore for LimitStore {
             PartitionSettings {
                 partition: context.partition,
                 limit_partitions: topology.limit_partitions,
-                grants_topic: topology.grants_topic.clone(),
                 grants_partitions: topology.grants_partitions,
                 refresh_due_topic: topology.refresh_due_topic.clone(),
                 refresh_due_partitions: topology.refresh_due_partitions,

@@ -37,7 +37,6 @@ pub async fn run(
 ) -> Result<(), ServiceError> {
     let topology = Topology {
         rate_partitions: config.kafka.partitions.rate_commands,
-        grants_topic: Arc::from(config.topic(&config.topics.grants)),
         grants_partitions: config.kafka.partitions.grants,
         max_message_bytes: config.kafka.max_message_bytes,
         granted_retention_ms: config.rate_window.granted_retention.as_millis_i64(),
@@ -63,6 +62,7 @@ pub async fn run(
         faults,
         spec,
         RateStore { topology },
+        Some(state::LocalRequest::Link),
         |routes, parts| {
             routes.add_service(sluice_proto::v1::rate_limits_server::RateLimitsServer::new(
                 service::RateLimitsApi {

@@ -5,9 +5,9 @@
 //! its slot opens (`next_wakeup_ms`), never by polling.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::sync::Arc;
 
 use sluice_common::kafka::{InMsg, Outbox};
+use sluice_common::link::{Link, LinkInput};
 use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet};
 use sluice_common::partition::{job_partition, rate_key_partition};
 use sluice_common::validate::{
@@ -149,7 +149,6 @@ impl WriteSet for RateWrites {
 pub struct PartitionSettings {
     pub partition: i32,
     pub rate_partitions: i32,
-    pub grants_topic: Arc<str>,
     pub grants_partitions: i32,
     pub max_message_bytes: usize,
     /// How long a granted ticket is remembered for duplicates.
@@ -185,6 +184,8 @@ pub enum LocalRequest {
         ticket: Option<TicketKey>,
         reply: oneshot::Sender<LocalResult<pb::DescribeRateKeyResponse>>,
     },
+    /// Rate commands, or a grant re-send, from admission's link (the hot path).
+    Link(LinkInput),
 }
 
 pub struct RatePartition {
@@ -472,12 +473,7 @@ impl RatePartition {
             unthrottled: record.unthrottled,
         };
         let partition = job_partition(&record.ticket.job_id, self.settings.grants_partitions);
-        outbox.push_entry(
-            &self.settings.grants_topic,
-            partition,
-            &event,
-            self.settings.max_message_bytes,
-        );
+        outbox.push_link(Link::Admission, partition, &event);
     }
 
     fn acquire(
@@ -845,6 +841,31 @@ impl RatePartition {
         response
     }
 
+    /// Send again the grants of recently granted tickets of jobs in
+    /// `job_partitions` (a stream now takes them).
+    fn resend_grants(&self, job_partitions: &[i32], outbox: &mut Outbox) {
+        let wanted: HashSet<i32> = job_partitions.iter().copied().collect();
+        let partitions = self.settings.grants_partitions;
+        self.resend_grants_where(
+            |record| wanted.contains(&job_partition(&record.ticket.job_id, partitions)),
+            outbox,
+        );
+    }
+
+    fn resend_grants_where(&self, include: impl Fn(&TicketRecord) -> bool, outbox: &mut Outbox) {
+        for record in self.granted.values().filter(|record| include(record)) {
+            let key = self
+                .windows
+                .get(&record.window_key)
+                .map(|state| state.key.clone())
+                .unwrap_or_default();
+            let limit = self.windows.get(&record.window_key).map_or(0, |state| {
+                i64::try_from(state.window.spec().limit()).unwrap_or(i64::MAX)
+            });
+            self.emit_grant(record, &key, limit, outbox);
+        }
+    }
+
     fn apply_local(
         &mut self,
         now_ms: i64,
@@ -852,8 +873,30 @@ impl RatePartition {
         writes: &mut RateWrites,
         outbox: &mut Outbox,
         replies: &mut Vec<Reply>,
+        rejected: &mut Vec<Rejected>,
     ) {
         match local {
+            LocalRequest::Link(LinkInput::ResendGrants { job_partitions }) => {
+                self.resend_grants(&job_partitions, outbox);
+            }
+            LocalRequest::Link(LinkInput::Commands(batch)) => {
+                for entry in &batch.commands {
+                    let outcome = <pb::RateCommand as prost::Message>::decode(entry.as_slice())
+                        .map_err(|error| format!("undecodable rate command: {error}"))
+                        .and_then(|command| self.apply_command(now_ms, command, writes, outbox));
+                    if let Err(reason) = outcome {
+                        rejected.push(Rejected {
+                            offset: -1,
+                            entry: entry.clone(),
+                            reason: format!("from admission {} over its link: {reason}", batch.client),
+                        });
+                    }
+                }
+                let applied = batch.applied;
+                replies.push(Box::new(move || {
+                    let _ = applied.send(());
+                }));
+            }
             LocalRequest::TryAcquire {
                 key,
                 limit,
@@ -936,23 +979,13 @@ impl OwnedState for RatePartition {
             });
         }
         for local in locals {
-            self.apply_local(now_ms, local, writes, outbox, replies);
+            self.apply_local(now_ms, local, writes, outbox, replies, rejected);
         }
         self.forget_old_grants(now_ms, writes);
     }
 
     fn resend_all(&self, _now_ms: i64, outbox: &mut Outbox) {
-        for record in self.granted.values() {
-            let key = self
-                .windows
-                .get(&record.window_key)
-                .map(|state| state.key.clone())
-                .unwrap_or_default();
-            let limit = self.windows.get(&record.window_key).map_or(0, |state| {
-                i64::try_from(state.window.spec().limit()).unwrap_or(i64::MAX)
-            });
-            self.emit_grant(record, &key, limit, outbox);
-        }
+        self.resend_grants_where(|_| true, outbox);
     }
 
     fn next_wakeup_ms(&self) -> Option<i64> {
@@ -984,7 +1017,6 @@ mod tests {
         RatePartition::new(PartitionSettings {
             partition: 0,
             rate_partitions: 1,
-            grants_topic: Arc::from("grants"),
             grants_partitions: 1,
             max_message_bytes: 1_000_000,
             granted_retention_ms: 60_000,
@@ -1025,11 +1057,12 @@ mod tests {
         }
     }
 
-    fn grants(outbox: Outbox) -> Vec<(String, i64, bool)> {
+    fn grants(mut outbox: Outbox) -> Vec<(String, i64, bool)> {
         outbox
-            .into_messages()
-            .iter()
-            .flat_map(|message| pb::GrantEventBatch::decode(message.payload.as_slice()).unwrap().events)
+            .take_links()
+            .into_values()
+            .flatten()
+            .map(|event| pb::GrantEvent::decode(event.as_slice()).unwrap())
             .map(|event| (event.ticket.unwrap().job_id, event.granted_at_ms, event.unthrottled))
             .collect()
     }
@@ -1183,7 +1216,7 @@ mod tests {
             100,
             &key,
             Some(&TicketKey {
-                job_id: Arc::from("c"),
+                job_id: std::sync::Arc::from("c"),
                 attempt: 1,
                 step: 0,
             }),

@@ -2,7 +2,6 @@
 //! statements.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use async_trait::async_trait;
 use sluice_common::owner::{OwnedStore, OwnerContext};
@@ -18,7 +17,6 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 #[derive(Clone, Debug)]
 pub struct Topology {
     pub rate_partitions: i32,
-    pub grants_topic: Arc<str>,
     pub grants_partitions: i32,
     pub max_message_bytes: usize,
     pub granted_retention_ms: i64,
@@ -66,7 +64,6 @@ impl OwnedStore for RateStore {
         let mut partition = RatePartition::new(PartitionSettings {
             partition: context.partition,
             rate_partitions: topology.rate_partitions,
-            grants_topic: topology.grants_topic.clone(),
             grants_partitions: topology.grants_partitions,
             max_message_bytes: topology.max_message_bytes,
             granted_retention_ms: topology.granted_retention_ms,

@@ -80,6 +80,7 @@ pub async fn run(
         faults,
         spec,
         RefreshStore { settings },
+        None,
         |routes, parts| {
             routes.add_service(sluice_proto::v1::refresh_server::RefreshServer::new(
                 service::RefreshApi {

@@ -120,7 +120,6 @@ fn run_waiter_memory(waiters: u64) -> f64 {
         PartitionSettings {
             partition: 0,
             limit_partitions: 1,
-            grants_topic: Arc::from("grants"),
             grants_partitions: 1,
             refresh_due_topic: Arc::from("refresh-due"),
             refresh_due_partitions: 1,

@@ -22,9 +22,12 @@ async fn a_producer_that_turned_fatal_is_rebuilt_and_jobs_keep_flowing() -> anyh
     let admission_faults = Faults::none();
     admission_faults.arm(FaultPoint::ProducerFatal, 0, 1);
     stack.add_admission(admission_faults.clone()).await?;
+    // Only the faulted instance: it takes every job partition, so it is the
+    // one that publishes the admitted jobs.
+    stack.admissions.remove(0).stop().await;
     stack.limit_grants[0].faults.arm(FaultPoint::ProducerFatal, 0, 1);
     let admission =
-        sluice_proto::v1::admission_client::AdmissionClient::new(connect(&stack.admissions[1].endpoint).await?);
+        sluice_proto::v1::admission_client::AdmissionClient::new(connect(&stack.admissions[0].endpoint).await?);
     for index in 0..3 {
         enqueue_with_id(
             &admission,
@@ -42,10 +45,30 @@ async fn a_producer_that_turned_fatal_is_rebuilt_and_jobs_keep_flowing() -> anyh
         )
         .await?;
     }
+    // limit-grant sends grants on links, not Kafka; a floating key with a
+    // waiter makes it publish a refresh-due event to Kafka.
+    enqueue_with_id(
+        &admission,
+        "fatal-floating-0",
+        floating_job("acme", "fatal-gpu", 1, 1000, "x"),
+    )
+    .await?;
+    enqueue_with_id(
+        &admission,
+        "fatal-floating-1",
+        floating_job("acme", "fatal-gpu", 1, 1000, "x"),
+    )
+    .await?;
+    eventually(
+        Duration::from_secs(60),
+        "limit-grant's producer made fatal once",
+        || async { Ok(stack.limit_grants[0].faults.fired(FaultPoint::ProducerFatal) == 1) },
+    )
+    .await?;
     assert_eq!(admission_faults.fired(FaultPoint::ProducerFatal), 1);
     assert_eq!(stack.limit_grants[0].faults.fired(FaultPoint::ProducerFatal), 1);
     eventually(Duration::from_secs(30), "serving again", || async {
-        Ok(health_serving(&stack.admissions[1].endpoint).await?
+        Ok(health_serving(&stack.admissions[0].endpoint).await?
             && health_serving(&stack.limit_grants[0].endpoint).await?)
     })
     .await?;

@@ -20,6 +20,7 @@ use sluice_admission::chain;
 use sluice_admission::core::{AdmissionCore, Incoming};
 use sluice_common::clock::AnchoredClock;
 use sluice_common::kafka::{Outbox, Publisher};
+use sluice_common::link::{Link, LinkClient};
 use sluice_common::owner::{OwnedState, OwnedStore, OwnerContext};
 use sluice_common::validate::InputLimits;
 use sluice_common::{Faults, SluiceConfig};
@@ -214,7 +215,8 @@ async fn tables(config: &SluiceConfig) -> anyhow::Result<Tables> {
     })
 }
 
-fn entries<M: prost::Message + Default>(outbox: Outbox, topic: &str) -> Vec<(i32, M)> {
+fn entries<M: prost::Message + Default>(mut outbox: Outbox, topic: &str) -> Vec<(i32, M)> {
+    let _on_links = outbox.take_links();
     let mut found = Vec::new();
     for message in outbox.into_messages() {
         if &*message.topic != topic {
@@ -225,6 +227,20 @@ fn entries<M: prost::Message + Default>(outbox: Outbox, topic: &str) -> Vec<(i32
         }
     }
     found
+}
+
+/// The commands admission sends on `link`, by partition.
+fn link_entries<M: prost::Message + Default>(mut outbox: Outbox, link: Link) -> Vec<(i32, M)> {
+    outbox
+        .take_links()
+        .into_iter()
+        .filter(|((entry_link, _), _)| *entry_link == link)
+        .flat_map(|((_, partition), entries)| {
+            entries
+                .into_iter()
+                .map(move |entry| (partition, M::decode(entry.as_slice()).expect("an entry")))
+        })
+        .collect()
 }
 
 /// Everything downstream of admission, for one accepted request. Errors say
@@ -252,11 +268,10 @@ async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) 
         core.routes.push_acquire(&mut outbox, &job);
         let step = &row.state.chain[step_index];
         if step.is_ticketed() {
-            let commands: Vec<(i32, pb::LimitCommand)> = entries(outbox, &core.routes.limit_commands);
+            let commands: Vec<(i32, pb::LimitCommand)> = link_entries(outbox, Link::LimitGrant);
             for (partition, command) in commands {
                 let topology = sluice_limit_grant::store::Topology {
                     limit_partitions: config.kafka.partitions.limit_commands,
-                    grants_topic: Arc::from("grants"),
                     grants_partitions: config.kafka.partitions.grants,
                     refresh_due_topic: Arc::from("refresh-due"),
                     refresh_due_partitions: config.kafka.partitions.refresh_due,
@@ -268,7 +283,6 @@ async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) 
                     sluice_limit_grant::state::PartitionSettings {
                         partition,
                         limit_partitions: topology.limit_partitions,
-                        grants_topic: topology.grants_topic.clone(),
                         grants_partitions: topology.grants_partitions,
                         refresh_due_topic: topology.refresh_due_topic.clone(),
                         refresh_due_partitions: topology.refresh_due_partitions,
@@ -328,11 +342,10 @@ async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) 
                 }
             }
         } else {
-            let commands: Vec<(i32, pb::RateCommand)> = entries(outbox, &core.routes.rate_commands);
+            let commands: Vec<(i32, pb::RateCommand)> = link_entries(outbox, Link::RateWindow);
             for (partition, command) in commands {
                 let topology = sluice_rate_window::store::Topology {
                     rate_partitions: config.kafka.partitions.rate_commands,
-                    grants_topic: Arc::from("grants"),
                     grants_partitions: config.kafka.partitions.grants,
                     max_message_bytes: config.kafka.max_message_bytes,
                     granted_retention_ms: 300_000,
@@ -342,7 +355,6 @@ async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) 
                     sluice_rate_window::state::RatePartition::new(sluice_rate_window::state::PartitionSettings {
                         partition,
                         rate_partitions: topology.rate_partitions,
-                        grants_topic: topology.grants_topic.clone(),
                         grants_partitions: topology.grants_partitions,
                         max_message_bytes: topology.max_message_bytes,
                         granted_retention_ms: topology.granted_retention_ms,
@@ -382,6 +394,10 @@ fn every_request_admission_accepts_is_accepted_by_every_owner_and_by_postgresql(
             Arc::new(config.clone()),
             tables.admission.clone(),
             Publisher::new(&config.kafka)?,
+            sluice_admission::core::AdmissionLinks {
+                limit: LinkClient::detached(),
+                rate: LinkClient::detached(),
+            },
             Faults::none(),
             sluice_common::readiness::Readiness::new(),
         );
@@ -430,6 +446,10 @@ async fn a_repeated_job_id_is_judged_against_the_saved_request() -> anyhow::Resu
         Arc::new(config.clone()),
         tables.admission.clone(),
         Publisher::new(&config.kafka)?,
+        sluice_admission::core::AdmissionLinks {
+            limit: LinkClient::detached(),
+            rate: LinkClient::detached(),
+        },
         Faults::none(),
         sluice_common::readiness::Readiness::new(),
     );

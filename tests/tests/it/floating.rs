@@ -68,7 +68,7 @@ async fn refreshes_move_the_max_raise_admits_at_once_and_a_failure_keeps_the_max
     .await?;
     let stop = Shutdown::new();
     let events = Arc::new(Mutex::new(Vec::new()));
-    tokio::spawn(observe_grants(stack.config.clone(), events.clone(), stop.clone()));
+    observe_grants(&stack, events.clone(), stop.clone()).await?;
     // The worker's refresh handler: 2, then 6, then a failure, then 4 (and 4 after that).
     let script = Arc::new(Mutex::new(VecDeque::from([
         Ok(2),

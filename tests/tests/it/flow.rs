@@ -89,7 +89,7 @@ async fn three_hundred_jobs_on_three_keys_hold_the_limit_and_the_queue_order() -
     let stack = Stack::start(test_config("flow300", &[("kafka.partitions.grants", "1")])?, 1).await?;
     let stop = Shutdown::new();
     let events = Arc::new(Mutex::new(Vec::new()));
-    tokio::spawn(observe_grants(stack.config.clone(), events.clone(), stop.clone()));
+    observe_grants(&stack, events.clone(), stop.clone()).await?;
 
     RequestProducer::new(&stack.config)?
         .send(&three_hundred_requests())

@@ -1,0 +1,953 @@
+//! Links: the hot path's gRPC streams between admission and the owners of
+//! keys (docs/hot-path.md, `proto/sluice/v1/link.proto`).
+//!
+//! - Owner side (limit-grant, rate-window): `LinkService` takes commands from
+//!   a stream into the partition tasks and answers `LinkApplied` once they
+//!   are committed; `GrantRouter` writes committed grants to the stream that
+//!   claimed the job's partition.
+//! - Admission side: `LinkClient` keeps one stream to every instance that
+//!   owns partitions of a service, found through the service's directory,
+//!   and keeps every command until its partition's owner has applied it,
+//!   sending it again on the next stream when a stream breaks or the owner
+//!   changes. Commands are idempotent by identity, so a second copy is
+//!   harmless; none is ever dropped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::owner_link_client::OwnerLinkClient;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::owner::OwnerRegistry;
+use crate::shutdown::Shutdown;
+
+/// Which stream an outbox entry travels on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Link {
+    /// Limit commands up to limit-grant; the partition is the key's.
+    LimitGrant,
+    /// Rate commands up to rate-window; the partition is the rate key's.
+    RateWindow,
+    /// Grant events down to admission; the partition is the job's.
+    Admission,
+}
+
+/// Encoded entries by (link, partition).
+pub type LinkEntries = BTreeMap<(Link, i32), Vec<Vec<u8>>>;
+
+/// Where a committed batch's link entries go.
+pub trait LinkSink: Send + Sync + 'static {
+    /// Hand `entries` to their streams. Waits while a stream's buffer is
+    /// full (for at most a few seconds, then drops what it could not hand
+    /// over: every link entry can be rebuilt from state).
+    fn deliver(&self, entries: LinkEntries) -> BoxFuture<'_, ()>;
+}
+
+/// How long `deliver` waits for a full stream before dropping an entry.
+const DELIVER_TIMEOUT: Duration = Duration::from_secs(2);
+/// Messages buffered per stream, each way.
+const STREAM_BUFFER: usize = 4096;
+/// The most command bytes in one stream message.
+const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+// ---------------------------------------------------------------------------
+// Owner side
+
+type DownSender = mpsc::Sender<Result<pb::LinkDown, Status>>;
+
+struct Route {
+    epoch: i64,
+    stream: u64,
+    sender: DownSender,
+}
+
+/// Which stream takes the grants of each job partition; and the watchers
+/// of every grant sent (`WatchGrants`).
+pub struct GrantRouter {
+    routes: Mutex<HashMap<i32, Route>>,
+    next_stream: AtomicU64,
+    watchers: tokio::sync::broadcast::Sender<Arc<Vec<Vec<u8>>>>,
+}
+
+/// Grant batches a watcher may fall behind by before it misses some.
+const WATCH_BUFFER: usize = 1024;
+
+impl GrantRouter {
+    pub fn new() -> Arc<Self> {
+        let (watchers, _) = tokio::sync::broadcast::channel(WATCH_BUFFER);
+        Arc::new(GrantRouter {
+            routes: Mutex::new(HashMap::new()),
+            next_stream: AtomicU64::new(0),
+            watchers,
+        })
+    }
+
+    fn new_stream_id(&self) -> u64 {
+        self.next_stream.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// `stream` takes the grants of `claims` (a higher epoch wins; at equal
+    /// epochs the later claim) and no longer those it stopped claiming.
+    /// Returns the job partitions whose grants now go to `stream` and did
+    /// not before.
+    fn claim(&self, stream: u64, sender: &DownSender, claims: &[pb::JobPartitionClaim]) -> Vec<i32> {
+        let mut newly_routed = Vec::new();
+        let mut routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let claimed: std::collections::HashSet<i32> = claims
+            .iter()
+            .filter_map(|claim| i32::try_from(claim.partition).ok())
+            .collect();
+        routes.retain(|partition, route| route.stream != stream || claimed.contains(partition));
+        for claim in claims {
+            let Ok(partition) = i32::try_from(claim.partition) else {
+                continue;
+            };
+            let replace = routes.get(&partition).is_none_or(|route| claim.epoch >= route.epoch);
+            if replace {
+                if routes.get(&partition).is_none_or(|route| route.stream != stream) {
+                    newly_routed.push(partition);
+                }
+                routes.insert(
+                    partition,
+                    Route {
+                        epoch: claim.epoch,
+                        stream,
+                        sender: sender.clone(),
+                    },
+                );
+            }
+        }
+        newly_routed
+    }
+
+    fn forget(&self, stream: u64) {
+        let mut routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        routes.retain(|_, route| route.stream != stream);
+    }
+
+    fn sender_for(&self, partition: i32) -> Option<DownSender> {
+        let routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        routes.get(&partition).map(|route| route.sender.clone())
+    }
+
+    /// Whether some stream takes the grants of `partition` (tests, readiness).
+    pub fn is_routed(&self, partition: i32) -> bool {
+        self.sender_for(partition).is_some()
+    }
+}
+
+impl LinkSink for GrantRouter {
+    fn deliver(&self, entries: LinkEntries) -> BoxFuture<'_, ()> {
+        async move {
+            for ((link, partition), events) in entries {
+                if link != Link::Admission {
+                    tracing::error!(?link, partition, "an owner tried to send commands up a link; dropped");
+                    continue;
+                }
+                if self.watchers.receiver_count() > 0 {
+                    let _ = self.watchers.send(Arc::new(events.clone()));
+                }
+                let Some(sender) = self.sender_for(partition) else {
+                    // Admission re-sends the acquire when it connects and
+                    // after a wait; the grant is sent again then.
+                    tracing::debug!(partition, grants = events.len(), "no stream takes this job partition's grants yet");
+                    crate::metrics::metrics().link_grants_unrouted.add(
+                        u64::try_from(events.len()).unwrap_or(u64::MAX),
+                        &[],
+                    );
+                    continue;
+                };
+                for events in chunked(events) {
+                    let message = pb::LinkDown {
+                        message: Some(pb::link_down::Message::Grants(pb::LinkGrants { events })),
+                    };
+                    match tokio::time::timeout(DELIVER_TIMEOUT, sender.send(Ok(message))).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_closed)) => {
+                            tracing::debug!(partition, "the stream of this job partition closed; grants dropped");
+                            break;
+                        }
+                        Err(_elapsed) => {
+                            tracing::warn!(
+                                partition,
+                                "the stream of this job partition is full for {DELIVER_TIMEOUT:?}; grants dropped (admission re-sends its acquires)"
+                            );
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        .boxed()
+    }
+}
+
+/// `entries` in groups of at most `MAX_MESSAGE_BYTES` (one stream message each).
+fn chunked(entries: Vec<Vec<u8>>) -> Vec<Vec<Vec<u8>>> {
+    let mut chunks: Vec<Vec<Vec<u8>>> = Vec::new();
+    let mut chunk_bytes = 0;
+    for entry in entries {
+        let starts_new = chunks
+            .last()
+            .is_none_or(|chunk| !chunk.is_empty() && chunk_bytes + entry.len() > MAX_MESSAGE_BYTES);
+        if starts_new {
+            chunks.push(Vec::new());
+            chunk_bytes = 0;
+        }
+        chunk_bytes += entry.len() + 8;
+        if let Some(chunk) = chunks.last_mut() {
+            chunk.push(entry);
+        }
+    }
+    chunks
+}
+
+/// What a link hands a partition task.
+pub enum LinkInput {
+    /// Commands, with what to call once the batch holding them is committed.
+    Commands(LinkBatch),
+    /// A stream now takes the grants of these job partitions: send again
+    /// the grants of every ticket held for their jobs (one committed while
+    /// no stream took them was dropped).
+    ResendGrants { job_partitions: Vec<i32> },
+}
+
+/// Commands from a link for one partition task, with what to call once
+/// the batch holding them is committed.
+pub struct LinkBatch {
+    pub commands: Vec<Vec<u8>>,
+    /// The admission instance that sent them (quarantine reasons, logs).
+    pub client: Arc<str>,
+    pub applied: oneshot::Sender<()>,
+}
+
+/// `OwnerLink` for one owner service: commands into its partition tasks
+/// (`make_local` wraps them in the service's local request), grants out
+/// through `router`, and the service's owner directory.
+pub struct LinkService<L> {
+    pub service: &'static str,
+    pub registry: Arc<OwnerRegistry<L>>,
+    pub router: Arc<GrantRouter>,
+    pub pool: sqlx::PgPool,
+    pub make_local: fn(LinkInput) -> L,
+    pub shutdown: Shutdown,
+}
+
+#[tonic::async_trait]
+impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
+    type LinkStream = ReceiverStream<Result<pb::LinkDown, Status>>;
+
+    async fn link(&self, request: Request<Streaming<pb::LinkUp>>) -> Result<Response<Self::LinkStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (down, down_receiver) = mpsc::channel(STREAM_BUFFER);
+        let stream = self.router.new_stream_id();
+        let reader = LinkReader {
+            service: self.service,
+            registry: self.registry.clone(),
+            router: self.router.clone(),
+            pool: self.pool.clone(),
+            make_local: self.make_local,
+            stream,
+            down,
+            client: Arc::from("unknown"),
+        };
+        let shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            let mut reader = reader;
+            loop {
+                let message = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    message = inbound.message() => message,
+                };
+                match message {
+                    Ok(Some(message)) => reader.handle(message).await,
+                    Ok(None) => break,
+                    Err(status) => {
+                        tracing::debug!(service = reader.service, client = %reader.client, %status, "link closed by an error");
+                        break;
+                    }
+                }
+            }
+            reader.router.forget(reader.stream);
+            tracing::debug!(service = reader.service, client = %reader.client, "link closed");
+        });
+        Ok(Response::new(ReceiverStream::new(down_receiver)))
+    }
+
+    type WatchGrantsStream = futures::stream::BoxStream<'static, Result<pb::LinkGrants, Status>>;
+
+    async fn watch_grants(
+        &self,
+        _request: Request<pb::WatchGrantsRequest>,
+    ) -> Result<Response<Self::WatchGrantsStream>, Status> {
+        use futures::StreamExt as _;
+        let watched = tokio_stream::wrappers::BroadcastStream::new(self.router.watchers.subscribe());
+        let service = self.service;
+        let shutdown = self.shutdown.clone();
+        let stream = watched
+            .filter_map(move |received| async move {
+                match received {
+                    Ok(events) => Some(Ok(pb::LinkGrants {
+                        events: events.as_ref().clone(),
+                    })),
+                    Err(tokio_stream::wrappers::errors::BroadcastStreamRecvError::Lagged(missed)) => {
+                        tracing::warn!(service, missed, "a grant watcher fell behind and missed grant batches");
+                        None
+                    }
+                }
+            })
+            .take_until(async move { shutdown.cancelled().await })
+            .boxed();
+        Ok(Response::new(stream))
+    }
+
+    async fn directory(
+        &self,
+        _request: Request<pb::DirectoryRequest>,
+    ) -> Result<Response<pb::DirectoryResponse>, Status> {
+        let rows: Vec<(i32, String, i64)> = sqlx::query_as("SELECT partition, endpoint, epoch FROM owners")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|error| Status::unavailable(format!("owner directory unavailable: {error}")))?;
+        Ok(Response::new(pb::DirectoryResponse {
+            partitions: rows
+                .into_iter()
+                .filter_map(|(partition, endpoint, epoch)| {
+                    Some(pb::DirectoryEntry {
+                        partition: u32::try_from(partition).ok()?,
+                        endpoint,
+                        epoch,
+                    })
+                })
+                .collect(),
+        }))
+    }
+}
+
+struct LinkReader<L> {
+    service: &'static str,
+    registry: Arc<OwnerRegistry<L>>,
+    router: Arc<GrantRouter>,
+    pool: sqlx::PgPool,
+    make_local: fn(LinkInput) -> L,
+    stream: u64,
+    down: DownSender,
+    client: Arc<str>,
+}
+
+impl<L: Send + 'static> LinkReader<L> {
+    async fn handle(&mut self, message: pb::LinkUp) {
+        match message.message {
+            Some(pb::link_up::Message::Hello(hello)) => {
+                self.client = Arc::from(crate::fault::clean_text(&hello.client_id, 200).as_str());
+                let newly_routed = self.router.claim(self.stream, &self.down, &hello.job_partitions);
+                tracing::debug!(service = self.service, client = %self.client, partitions = hello.job_partitions.len(), newly_routed = newly_routed.len(), "link claims job partitions");
+                if !newly_routed.is_empty() {
+                    for partition in self.registry.owned() {
+                        let input = LinkInput::ResendGrants {
+                            job_partitions: newly_routed.clone(),
+                        };
+                        let _ = self.registry.submit(partition, (self.make_local)(input)).await;
+                    }
+                }
+            }
+            Some(pb::link_up::Message::Commands(commands)) => self.submit(commands).await,
+            None => {}
+        }
+    }
+
+    /// Hand the commands to the partition task without waiting for the
+    /// commit (the next message is read at once); `LinkApplied` follows it.
+    async fn submit(&self, commands: pb::LinkCommands) {
+        let seq = commands.seq;
+        let Ok(partition) = i32::try_from(commands.partition) else {
+            self.refuse(seq, commands.partition, "partition out of range".to_string())
+                .await;
+            return;
+        };
+        let (applied, applied_receiver) = oneshot::channel();
+        let batch = LinkBatch {
+            commands: commands.commands,
+            client: self.client.clone(),
+            applied,
+        };
+        let make_local = self.make_local;
+        match self
+            .registry
+            .submit(partition, make_local(LinkInput::Commands(batch)))
+            .await
+        {
+            Ok(()) => {
+                let down = self.down.clone();
+                tokio::spawn(async move {
+                    if applied_receiver.await.is_ok() {
+                        let message = pb::LinkDown {
+                            message: Some(pb::link_down::Message::Applied(pb::LinkApplied { seqs: vec![seq] })),
+                        };
+                        let _ = down.send(Ok(message)).await;
+                    }
+                    // Dropped unanswered: the partition stopped before the
+                    // commit; the client sends the commands again.
+                });
+            }
+            Err(_not_owner) => {
+                self.refuse(seq, commands.partition, "not the owner of this partition".to_string())
+                    .await;
+            }
+        }
+    }
+
+    async fn refuse(&self, seq: u64, partition: u32, reason: String) {
+        let owner = match i32::try_from(partition) {
+            Ok(partition) => crate::owner::lookup_owner(&self.pool, partition)
+                .await
+                .ok()
+                .flatten()
+                .map(|(endpoint, _)| endpoint)
+                .unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        tracing::debug!(service = self.service, partition, %owner, %reason, "refusing link commands");
+        let message = pb::LinkDown {
+            message: Some(pb::link_down::Message::Refused(pb::LinkRefused {
+                seq,
+                partition,
+                owner_endpoint: owner,
+                reason,
+            })),
+        };
+        let _ = self.down.send(Ok(message)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Admission side
+
+/// Settings of one `LinkClient`.
+#[derive(Clone, Debug)]
+pub struct LinkClientSettings {
+    /// The service at the other end (logs, readiness).
+    pub service: &'static str,
+    /// Any instance of the service (its Kubernetes Service), asked for the
+    /// directory.
+    pub seed_endpoint: String,
+    /// This admission instance (the owners' logs).
+    pub client_id: String,
+}
+
+/// Sends a service's commands to its partitions' owners over links.
+#[derive(Clone)]
+pub struct LinkClient {
+    events: mpsc::UnboundedSender<ClientEvent>,
+    unacked: Arc<AtomicU64>,
+}
+
+enum ClientEvent {
+    Send {
+        partition: i32,
+        commands: Vec<Vec<u8>>,
+    },
+    Claims(Vec<pb::JobPartitionClaim>),
+    Opened {
+        endpoint: Arc<str>,
+        generation: u64,
+        sender: mpsc::Sender<pb::LinkUp>,
+    },
+    Closed {
+        endpoint: Arc<str>,
+        generation: u64,
+        error: String,
+    },
+    Applied(Vec<u64>),
+    Refused(pb::LinkRefused),
+    Directory(Result<HashMap<i32, Arc<str>>, String>),
+}
+
+impl LinkClient {
+    /// Start the client; grants that arrive are sent to `grants` (encoded
+    /// `GrantEvent`s, one batch per message). Runs until `shutdown`.
+    pub fn start(
+        settings: LinkClientSettings,
+        grants: mpsc::Sender<Vec<Vec<u8>>>,
+        readiness: crate::readiness::Readiness,
+        shutdown: Shutdown,
+    ) -> LinkClient {
+        let (events, receiver) = mpsc::unbounded_channel();
+        let unacked = Arc::new(AtomicU64::new(0));
+        let actor = ClientActor {
+            settings,
+            events: events.clone(),
+            grants,
+            readiness,
+            seq: 0,
+            unacked: BTreeMap::new(),
+            unacked_count: unacked.clone(),
+            directory: HashMap::new(),
+            directory_wanted: true,
+            directory_in_flight: false,
+            connections: HashMap::new(),
+            next_generation: 0,
+            claims: Vec::new(),
+            waiting_since: None,
+        };
+        tokio::spawn(actor.run(receiver, shutdown));
+        LinkClient { events, unacked }
+    }
+
+    /// A client connected to nothing: what it is given is dropped. For
+    /// code that decides without sending (tests of the decisions).
+    pub fn detached() -> LinkClient {
+        let (events, _receiver) = mpsc::unbounded_channel();
+        LinkClient {
+            events,
+            unacked: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// Send `commands` (encoded) to the owner of `partition`; kept until the
+    /// owner applies them.
+    pub fn send(&self, partition: i32, commands: Vec<Vec<u8>>) {
+        // At most about 1 MiB per stream message (gRPC limits a message to 4 MiB).
+        for commands in chunked(commands) {
+            let _ = self.events.send(ClientEvent::Send { partition, commands });
+        }
+    }
+
+    /// The job partitions whose grants this instance takes (sent to every
+    /// owner).
+    pub fn claim_job_partitions(&self, claims: Vec<pb::JobPartitionClaim>) {
+        let _ = self.events.send(ClientEvent::Claims(claims));
+    }
+
+    /// Commands sent and not yet applied (tests, metrics).
+    pub fn unacked(&self) -> u64 {
+        self.unacked.load(Ordering::Relaxed)
+    }
+}
+
+struct Pending {
+    partition: i32,
+    commands: Arc<Vec<Vec<u8>>>,
+    /// The stream it was last written to (endpoint, generation).
+    sent_on: Option<(Arc<str>, u64)>,
+}
+
+/// One stream to one owner instance.
+struct Connection {
+    /// The current (or last) attempt; events of older attempts are ignored.
+    generation: u64,
+    state: ConnectionState,
+    failures: u32,
+}
+
+enum ConnectionState {
+    /// Not connected; try again at this time.
+    Idle {
+        retry_at: tokio::time::Instant,
+    },
+    Connecting,
+    Open(mpsc::Sender<pb::LinkUp>),
+}
+
+impl Connection {
+    fn new() -> Self {
+        Connection {
+            generation: 0,
+            state: ConnectionState::Idle {
+                retry_at: tokio::time::Instant::now(),
+            },
+            failures: 0,
+        }
+    }
+
+    fn sender(&self) -> Option<&mpsc::Sender<pb::LinkUp>> {
+        match &self.state {
+            ConnectionState::Open(sender) => Some(sender),
+            _ => None,
+        }
+    }
+}
+
+struct ClientActor {
+    settings: LinkClientSettings,
+    events: mpsc::UnboundedSender<ClientEvent>,
+    grants: mpsc::Sender<Vec<Vec<u8>>>,
+    readiness: crate::readiness::Readiness,
+    seq: u64,
+    unacked: BTreeMap<u64, Pending>,
+    unacked_count: Arc<AtomicU64>,
+    directory: HashMap<i32, Arc<str>>,
+    directory_wanted: bool,
+    directory_in_flight: bool,
+    connections: HashMap<Arc<str>, Connection>,
+    next_generation: u64,
+    claims: Vec<pb::JobPartitionClaim>,
+    /// Since when some command has had no stream to go on.
+    waiting_since: Option<tokio::time::Instant>,
+}
+
+/// How long commands may wait for a stream before the instance says it is
+/// not ready.
+const WAITING_BEFORE_NOT_READY: Duration = Duration::from_secs(2);
+
+/// How often the client looks at its streams and the directory.
+const CLIENT_TICK: Duration = Duration::from_millis(250);
+/// How often the directory is read even when nothing seems wrong.
+const DIRECTORY_EVERY: Duration = Duration::from_secs(10);
+
+impl ClientActor {
+    async fn run(mut self, mut receiver: mpsc::UnboundedReceiver<ClientEvent>, shutdown: Shutdown) {
+        let mut tick = tokio::time::interval(CLIENT_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut directory_at = tokio::time::Instant::now();
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                event = receiver.recv() => match event {
+                    Some(event) => self.handle(event),
+                    None => return,
+                },
+                _ = tick.tick() => {
+                    if directory_at.elapsed() >= DIRECTORY_EVERY {
+                        directory_at = tokio::time::Instant::now();
+                        self.directory_wanted = true;
+                    }
+                    self.tick();
+                }
+            }
+            self.unacked_count
+                .store(u64::try_from(self.unacked.len()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        }
+    }
+
+    fn handle(&mut self, event: ClientEvent) {
+        match event {
+            ClientEvent::Send { partition, commands } => {
+                self.seq += 1;
+                let seq = self.seq;
+                self.unacked.insert(
+                    seq,
+                    Pending {
+                        partition,
+                        commands: Arc::new(commands),
+                        sent_on: None,
+                    },
+                );
+                self.route(seq);
+            }
+            ClientEvent::Claims(claims) => {
+                self.claims = claims;
+                let hello = self.hello();
+                for connection in self.connections.values() {
+                    if let Some(sender) = connection.sender() {
+                        let _ = sender.try_send(hello.clone());
+                    }
+                }
+            }
+            ClientEvent::Opened {
+                endpoint,
+                generation,
+                sender,
+            } => self.opened(endpoint, generation, sender),
+            ClientEvent::Closed {
+                endpoint,
+                generation,
+                error,
+            } => self.closed(&endpoint, generation, &error),
+            ClientEvent::Applied(seqs) => {
+                for seq in seqs {
+                    self.unacked.remove(&seq);
+                }
+            }
+            ClientEvent::Refused(refused) => {
+                let partition = i32::try_from(refused.partition).unwrap_or(-1);
+                tracing::debug!(service = self.settings.service, partition, owner = %refused.owner_endpoint, reason = %refused.reason, "link commands refused; sending them to the owner");
+                if refused.owner_endpoint.is_empty() {
+                    self.directory.remove(&partition);
+                    self.directory_wanted = true;
+                } else {
+                    self.directory
+                        .insert(partition, Arc::from(refused.owner_endpoint.as_str()));
+                }
+                if let Some(pending) = self.unacked.get_mut(&refused.seq) {
+                    pending.sent_on = None;
+                }
+                self.route(refused.seq);
+            }
+            ClientEvent::Directory(Ok(directory)) => {
+                self.directory_in_flight = false;
+                self.directory = directory;
+                let seqs: Vec<u64> = self.unacked.keys().copied().collect();
+                for seq in seqs {
+                    self.route(seq);
+                }
+            }
+            ClientEvent::Directory(Err(error)) => {
+                self.directory_in_flight = false;
+                self.directory_wanted = true;
+                tracing::warn!(service = self.settings.service, %error, "reading the owner directory failed; retrying");
+            }
+        }
+    }
+
+    fn hello(&self) -> pb::LinkUp {
+        pb::LinkUp {
+            message: Some(pb::link_up::Message::Hello(pb::LinkHello {
+                client_id: self.settings.client_id.clone(),
+                job_partitions: self.claims.clone(),
+            })),
+        }
+    }
+
+    /// Write `seq` to its partition's owner, unless it is already on that
+    /// owner's current stream; connect when there is no stream yet.
+    fn route(&mut self, seq: u64) {
+        let Some(pending) = self.unacked.get(&seq) else {
+            return;
+        };
+        let Some(endpoint) = self.directory.get(&pending.partition).cloned() else {
+            self.directory_wanted = true;
+            return;
+        };
+        let connection = self.connections.entry(endpoint.clone()).or_insert_with(Connection::new);
+        let Some(sender) = connection.sender().cloned() else {
+            return;
+        };
+        let generation = connection.generation;
+        if pending
+            .sent_on
+            .as_ref()
+            .is_some_and(|(sent_to, sent_generation)| *sent_to == endpoint && *sent_generation == generation)
+        {
+            return;
+        }
+        let message = pb::LinkUp {
+            message: Some(pb::link_up::Message::Commands(pb::LinkCommands {
+                seq,
+                partition: u32::try_from(pending.partition).unwrap_or_default(),
+                commands: pending.commands.as_ref().clone(),
+            })),
+        };
+        // Full: the next tick writes it. Closed: `Closed` follows.
+        if sender.try_send(message).is_ok() {
+            if let Some(pending) = self.unacked.get_mut(&seq) {
+                pending.sent_on = Some((endpoint, generation));
+            }
+        }
+    }
+
+    fn opened(&mut self, endpoint: Arc<str>, generation: u64, sender: mpsc::Sender<pb::LinkUp>) {
+        let hello = self.hello();
+        let Some(connection) = self.connections.get_mut(&endpoint) else {
+            return;
+        };
+        if connection.generation != generation {
+            return;
+        }
+        let _ = sender.try_send(hello);
+        connection.state = ConnectionState::Open(sender);
+        connection.failures = 0;
+        tracing::debug!(service = self.settings.service, %endpoint, "link open");
+        let seqs: Vec<u64> = self.unacked.keys().copied().collect();
+        for seq in seqs {
+            self.route(seq);
+        }
+    }
+
+    fn closed(&mut self, endpoint: &Arc<str>, generation: u64, error: &str) {
+        let Some(connection) = self.connections.get_mut(endpoint) else {
+            return;
+        };
+        if connection.generation != generation {
+            return;
+        }
+        connection.failures = connection.failures.saturating_add(1);
+        let backoff = Duration::from_millis(100)
+            .saturating_mul(2u32.saturating_pow(connection.failures.min(6)))
+            .min(Duration::from_secs(5));
+        connection.state = ConnectionState::Idle {
+            retry_at: tokio::time::Instant::now() + backoff,
+        };
+        for pending in self.unacked.values_mut() {
+            if pending.sent_on.as_ref().is_some_and(|(sent_to, _)| sent_to == endpoint) {
+                pending.sent_on = None;
+            }
+        }
+        tracing::debug!(service = self.settings.service, %endpoint, %error, "link closed");
+        // The owner may have moved.
+        self.directory_wanted = true;
+    }
+
+    fn condition(&self) -> String {
+        format!("links to {}", self.settings.service)
+    }
+
+    /// Not ready while commands have had no stream to go on for a while
+    /// (their owner unknown or unreachable); they wait, none is dropped.
+    fn report_waiting(&mut self) {
+        let now = tokio::time::Instant::now();
+        let waiting = self
+            .unacked
+            .values()
+            .filter(|pending| pending.sent_on.is_none())
+            .count();
+        if waiting == 0 {
+            if self.waiting_since.take().is_some() {
+                self.readiness.clear(&self.condition());
+            }
+            return;
+        }
+        let since = *self.waiting_since.get_or_insert(now);
+        if now.duration_since(since) >= WAITING_BEFORE_NOT_READY {
+            let reason = format!(
+                "{waiting} commands wait for their owner (unknown or unreachable) since {:?} ago",
+                now.duration_since(since)
+            );
+            self.readiness.set(self.condition(), reason);
+        }
+    }
+
+    fn tick(&mut self) {
+        if self.directory_wanted && !self.directory_in_flight {
+            self.directory_wanted = false;
+            self.directory_in_flight = true;
+            let events = self.events.clone();
+            let seed = self.settings.seed_endpoint.clone();
+            tokio::spawn(async move {
+                let _ = events.send(ClientEvent::Directory(read_directory(&seed).await));
+            });
+        }
+        // One stream to every instance that owns a partition; none to others.
+        let wanted: std::collections::HashSet<Arc<str>> = self.directory.values().cloned().collect();
+        self.connections.retain(|endpoint, connection| {
+            let keep = wanted.contains(endpoint) || matches!(connection.state, ConnectionState::Connecting);
+            if !keep {
+                tracing::debug!(%endpoint, "closing the link to an instance that owns nothing");
+            }
+            keep
+        });
+        let now = tokio::time::Instant::now();
+        for endpoint in wanted {
+            let connection = self.connections.entry(endpoint.clone()).or_insert_with(Connection::new);
+            let due = matches!(connection.state, ConnectionState::Idle { retry_at } if retry_at <= now);
+            if !due {
+                continue;
+            }
+            self.next_generation += 1;
+            connection.generation = self.next_generation;
+            connection.state = ConnectionState::Connecting;
+            tokio::spawn(run_connection(
+                endpoint.clone(),
+                connection.generation,
+                self.events.clone(),
+                self.grants.clone(),
+            ));
+        }
+        self.report_waiting();
+        // Commands not written yet (a full buffer, a stream just opened).
+        let unsent: Vec<u64> = self
+            .unacked
+            .iter()
+            .filter(|(_, pending)| pending.sent_on.is_none())
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in unsent {
+            self.route(seq);
+        }
+    }
+}
+
+async fn read_directory(seed: &str) -> Result<HashMap<i32, Arc<str>>, String> {
+    let channel = stream_channel(seed)
+        .map_err(|error| error.to_string())?
+        .connect()
+        .await
+        .map_err(|error| format!("connecting to {seed}: {error}"))?;
+    let response = OwnerLinkClient::new(channel)
+        .directory(pb::DirectoryRequest {})
+        .await
+        .map_err(|status| format!("{seed} answered {status}"))?;
+    Ok(response
+        .into_inner()
+        .partitions
+        .into_iter()
+        .filter_map(|entry| Some((i32::try_from(entry.partition).ok()?, Arc::from(entry.endpoint.as_str()))))
+        .collect())
+}
+
+/// A channel for long-lived streams: no per-request timeout, keep-alives to
+/// notice a peer that went away.
+fn stream_channel(endpoint: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
+    Ok(tonic::transport::Endpoint::from_shared(endpoint.to_string())?
+        .connect_timeout(Duration::from_secs(3))
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true))
+}
+
+async fn run_connection(
+    endpoint: Arc<str>,
+    generation: u64,
+    events: mpsc::UnboundedSender<ClientEvent>,
+    grants: mpsc::Sender<Vec<Vec<u8>>>,
+) {
+    let error = match open_and_read(&endpoint, generation, &events, &grants).await {
+        Ok(()) => "the owner ended the stream".to_string(),
+        Err(error) => error,
+    };
+    let _ = events.send(ClientEvent::Closed {
+        endpoint,
+        generation,
+        error,
+    });
+}
+
+async fn open_and_read(
+    endpoint: &Arc<str>,
+    generation: u64,
+    events: &mpsc::UnboundedSender<ClientEvent>,
+    grants: &mpsc::Sender<Vec<Vec<u8>>>,
+) -> Result<(), String> {
+    let channel = stream_channel(endpoint)
+        .map_err(|error| error.to_string())?
+        .connect()
+        .await
+        .map_err(|error| format!("connecting: {error}"))?;
+    let (sender, receiver) = mpsc::channel(STREAM_BUFFER);
+    let response = OwnerLinkClient::new(channel)
+        .link(ReceiverStream::new(receiver))
+        .await
+        .map_err(|status| format!("opening the stream: {status}"))?;
+    events
+        .send(ClientEvent::Opened {
+            endpoint: endpoint.clone(),
+            generation,
+            sender,
+        })
+        .map_err(|_| "client stopped".to_string())?;
+    let mut inbound = response.into_inner();
+    while let Some(message) = inbound.message().await.map_err(|status| status.to_string())? {
+        match message.message {
+            Some(pb::link_down::Message::Grants(batch)) => {
+                let taken = grants.send(batch.events).await;
+                taken.map_err(|_| "admission stopped taking grants".to_string())?;
+            }
+            Some(pb::link_down::Message::Applied(applied)) => {
+                let _ = events.send(ClientEvent::Applied(applied.seqs));
+            }
+            Some(pb::link_down::Message::Refused(refused)) => {
+                let _ = events.send(ClientEvent::Refused(refused));
+            }
+            None => {}
+        }
+    }
+    Ok(())
+}
