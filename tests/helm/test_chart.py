@@ -67,7 +67,7 @@ SENTINEL = "S3ntinel-Passw0rd-7f3a9c"
 
 COMPONENTS = {
     # component: (values key, binary, partitions key or None, default port)
-    "admission": ("admission", "sluice-admission", None, 50051),
+    "admission": ("admission", "sluice-admission", "jobs", 50051),
     "limit-grant": ("limitGrant", "sluice-limit-grant", "limitCommands", 50052),
     "rate-window": ("rateWindow", "sluice-rate-window", "rateCommands", 50053),
     "refresh-dispatcher": ("refreshDispatcher", "sluice-refresh-dispatcher", "refreshDue", 50054),
@@ -497,9 +497,13 @@ class ReplicaCapTest(ChartTestCase):
             message="rateWindow.autoscaling.maxReplicas (13) exceeds kafka.partitions.rateCommands (12)",
         )
 
-    def test_admission_has_no_cap(self):
-        documents = render("--set", "admission.replicas=40")
-        self.assertEqual(named(documents, "Deployment", component_name("admission"))["spec"]["replicas"], 40)
+    def test_admission_is_capped_by_its_job_partitions(self):
+        # Admission owns the job partitions (sluice.jobs) since the hot-path
+        # rebuild, so it is capped like the other owners.
+        self.assertRenderFails("--set", "admission.replicas=13",
+                               message="admission.replicas (13) exceeds kafka.partitions.jobs (12)")
+        documents = render("--set", "admission.replicas=12")
+        self.assertEqual(named(documents, "Deployment", component_name("admission"))["spec"]["replicas"], 12)
 
 
 class ScalingTest(ChartTestCase):

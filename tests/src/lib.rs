@@ -56,7 +56,7 @@ const TEST_SETTINGS: &[(&str, &str)] = &[
     ("kafka.partitions.admitted", "2"),
     ("kafka.partitions.limit_commands", "4"),
     ("kafka.partitions.rate_commands", "2"),
-    ("kafka.partitions.grants", "2"),
+    ("kafka.partitions.jobs", "2"),
     ("kafka.partitions.refresh_due", "2"),
     ("kafka.partitions.refresh_tasks", "1"),
     ("kafka.session_timeout_ms", "6000"),
@@ -521,14 +521,49 @@ impl Stack {
             .await?)
     }
 
-    /// Count of jobs per status code in admission's table.
+    /// Count of jobs per status code. Ended jobs count by their outcome rows;
+    /// an active job's state lives in its owner's memory, so it is asked for
+    /// with GetJob (a job no owner answers for yet counts under 0).
     pub async fn job_statuses(&self) -> anyhow::Result<HashMap<i16, i64>> {
+        use futures::StreamExt;
+        let schema = self.config.schema("admission");
         let query = format!(
-            "SELECT status, count(*) FROM \"{}\".jobs GROUP BY status",
-            self.config.schema("admission")
+            "SELECT j.job_id, o.status FROM \"{schema}\".jobs j
+             LEFT JOIN \"{schema}\".job_outcomes o USING (job_id)"
         );
-        let rows: Vec<(i16, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(query)).fetch_all(&self.pool).await?;
-        Ok(rows.into_iter().collect())
+        let rows: Vec<(String, Option<i16>)> = sqlx::query_as(sqlx::AssertSqlSafe(query)).fetch_all(&self.pool).await?;
+        let mut counts: HashMap<i16, i64> = HashMap::new();
+        let mut active = Vec::new();
+        for (job_id, status) in rows {
+            match status {
+                Some(status) => *counts.entry(status).or_default() += 1,
+                None => active.push(job_id),
+            }
+        }
+        if active.is_empty() {
+            return Ok(counts);
+        }
+        let client = self.admission_client().await?;
+        let answers: Vec<i16> = futures::stream::iter(active)
+            .map(|job_id| {
+                let mut client = client.clone();
+                async move {
+                    match client.get_job(pb::GetJobRequest { job_id }).await {
+                        Ok(response) => response
+                            .into_inner()
+                            .job
+                            .map_or(0, |job| i16::try_from(job.status).unwrap_or(0)),
+                        Err(_) => 0,
+                    }
+                }
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        for status in answers {
+            *counts.entry(status).or_default() += 1;
+        }
+        Ok(counts)
     }
 
     /// (priority, enqueued_at_us) of every job, by id.
@@ -855,16 +890,30 @@ pub async fn run_worker(
             };
             tokio::time::sleep(run_for).await;
             let finished_at = Instant::now();
-            let completed = client
-                .complete(pb::CompleteRequest {
-                    worker_id: options.worker_id.clone(),
-                    completions: vec![pb::Completion {
-                        job_id: admitted.job_id.clone(),
-                        attempt: admitted.attempt,
-                        outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
-                    }],
-                })
-                .await;
+            // As the worker protocol says: a completion answered
+            // UNAVAILABLE (an owner handing its partition over) is sent again.
+            let mut completed;
+            let mut tries = 0;
+            loop {
+                completed = client
+                    .complete(pb::CompleteRequest {
+                        worker_id: options.worker_id.clone(),
+                        completions: vec![pb::Completion {
+                            job_id: admitted.job_id.clone(),
+                            attempt: admitted.attempt,
+                            outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+                        }],
+                    })
+                    .await;
+                tries += 1;
+                match &completed {
+                    Err(status) if status.code() == tonic::Code::Unavailable && tries < 20 => {
+                        tracing::info!(job_id = %admitted.job_id, %status, "test worker: complete failed; sending it again");
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    _ => break,
+                }
+            }
             let accepted = completed.is_ok_and(|response| {
                 response
                     .into_inner()
@@ -993,15 +1042,27 @@ pub async fn wait_status(
 ) -> anyhow::Result<pb::JobView> {
     let deadline = Instant::now() + timeout;
     loop {
-        let view = job_view(client, job_id).await?;
-        if view.status == status as i32 {
-            return Ok(view);
-        }
+        let mut lookup = client.clone();
+        let answer = lookup
+            .get_job(pb::GetJobRequest {
+                job_id: job_id.to_string(),
+            })
+            .await;
+        let seen = match answer {
+            Ok(response) => {
+                let view = response.into_inner().job.context("GetJob answered no job")?;
+                if view.status == status as i32 {
+                    return Ok(view);
+                }
+                format!("{:?} ({})", pb::JobStatus::try_from(view.status), view.reason)
+            }
+            // A job sent over Kafka exists once its owner has read it.
+            Err(not_yet) if not_yet.code() == tonic::Code::NotFound => "not found yet".to_string(),
+            Err(status) => return Err(status.into()),
+        };
         anyhow::ensure!(
             Instant::now() < deadline,
-            "job {job_id} not {status:?} within {timeout:?}: {:?} ({})",
-            pb::JobStatus::try_from(view.status),
-            view.reason
+            "job {job_id} not {status:?} within {timeout:?}: {seen}"
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }

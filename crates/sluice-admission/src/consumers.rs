@@ -1,15 +1,19 @@
-//! admission's Kafka consumers: `jobs.requested` (producers' job requests) and
-//! the grant events from limit-grant and rate-window. One task per assigned
-//! partition; offsets are stored only after the batch's effects are saved and
-//! published — dead letters included.
+//! admission's input besides its gRPC API: the producers' job requests on
+//! `jobs.requested`, and the grant events that come down the links.
+//!
+//! A request is checked where it is read (decoded, validated, its job id
+//! derived) and handed over through `sluice.jobs` to the owner of its job's
+//! partition, which decides on it (`partition::AdmissionPartition`). One
+//! task per assigned partition of `jobs.requested`; offsets are stored only
+//! after the batch's hand-overs and dead letters are acknowledged.
 //!
 //! No message stops a partition. A producer message that is not a valid job
-//! request, or whose job id exists with another request, or that PostgreSQL
-//! refuses to store every time, goes to the dead-letter topic with the
-//! reason. A grant event that can never be applied is set aside in the
-//! quarantine table (an internal message is never dropped silently). Faults
-//! that pass (the database, the broker) are retried with backoff while
-//! readiness is NOT_SERVING (`sluice_common::fault` decides which is which).
+//! request goes to the dead-letter topic with the reason (the owner
+//! dead-letters conflicts, and requests PostgreSQL refuses to store). A
+//! grant event that can never be applied is set aside in the quarantine
+//! table (an internal message is never dropped silently). Faults that pass
+//! (the broker) are retried with backoff while readiness is NOT_SERVING
+//! (`sluice_common::fault` decides which is which).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,17 +22,21 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use prost::Message;
 use sluice_common::fault::{classify_kafka, panic_message};
-use sluice_common::kafka::{next_batch, InMsg, OutMsg, PartitionInput, PartitionTaskError, PartitionTaskFactory};
-use sluice_common::owner::{apply_entries, insert_quarantined, report_quarantined, Rejected};
+use sluice_common::kafka::{
+    next_batch, InMsg, OutMsg, Outbox, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher,
+};
+use sluice_common::owner::{insert_quarantined, report_quarantined, OwnerRegistry, Rejected};
+use sluice_common::partition::job_partition;
+use sluice_common::readiness::Readiness;
 use sluice_common::telemetry::trace_context_from_headers;
 use sluice_common::validate::{check_ticket, FieldError};
-use sluice_common::{FaultPoint, SluiceConfig};
+use sluice_common::{FaultPoint, Faults, SluiceConfig};
 use sluice_proto::v1 as pb;
 
 use crate::chain;
-use crate::core::{AdmissionCore, AdmissionError, EnqueueOutcome, Incoming, OnConflict};
-use crate::effects::{count_dead_letters, DeadLetterClass};
+use crate::effects::{count_dead_letters, DeadLetterClass, Routes};
 use crate::json_request::decode_json_request;
+use crate::partition::{Incoming, Local};
 
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
@@ -135,16 +143,31 @@ pub fn admit_message(config: &SluiceConfig, topic: &str, message: &InMsg) -> Res
     })
 }
 
+/// What the request consumer needs.
 pub struct RequestConsumer {
-    pub core: Arc<AdmissionCore>,
+    pub config: Arc<SluiceConfig>,
+    pub routes: Arc<Routes>,
+    pub publisher: Publisher,
+    pub readiness: Readiness,
+    pub faults: Faults,
+    /// The topic it reads (`jobs.requested`).
     pub topic: Arc<str>,
+    /// Where requests are handed over (`sluice.jobs`).
+    pub jobs_topic: Arc<str>,
 }
 
 impl PartitionTaskFactory for RequestConsumer {
     fn start(&self, input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
-        let core = self.core.clone();
-        let topic = self.topic.clone();
-        async move { run_requests(core, topic, input).await }.boxed()
+        let context = RequestContext {
+            config: self.config.clone(),
+            routes: self.routes.clone(),
+            publisher: self.publisher.clone(),
+            readiness: self.readiness.clone(),
+            faults: self.faults.clone(),
+            topic: self.topic.clone(),
+            jobs_topic: self.jobs_topic.clone(),
+        };
+        async move { context.run(input).await }.boxed()
     }
 }
 
@@ -154,134 +177,125 @@ enum Step<T> {
     Stop,
 }
 
-async fn run_requests(
-    core: Arc<AdmissionCore>,
+struct RequestContext {
+    config: Arc<SluiceConfig>,
+    routes: Arc<Routes>,
+    publisher: Publisher,
+    readiness: Readiness,
+    faults: Faults,
     topic: Arc<str>,
-    mut input: PartitionInput,
-) -> Result<(), PartitionTaskError> {
-    let max_batch = core.config.admission.max_batch;
-    let condition = format!("admission {topic} partition {}", input.partition);
-    while let Some(batch) = next_batch(&mut input, max_batch).await {
-        let mut incoming = Vec::with_capacity(batch.len());
-        let mut sources = Vec::with_capacity(batch.len());
-        let mut dead_letters: Vec<(OutMsg, DeadLetterClass)> = Vec::new();
-        for message in &batch {
-            match admit_message(&core.config, &topic, message) {
-                Ok(job) => {
-                    incoming.push(job);
-                    sources.push(message);
-                }
-                Err(refusal) => {
-                    tracing::warn!(topic = %topic, partition = message.partition, offset = message.offset, reason = %refusal.reason, "dead-lettering a job request");
-                    dead_letters.push((
-                        core.routes.dead_letter(&topic, message, refusal.class, &refusal.reason),
-                        refusal.class,
-                    ));
-                }
-            }
-        }
-        let outcomes = match save_requests(&core, &topic, &incoming, &sources, &input, &condition).await? {
-            Step::Done(outcomes) => outcomes,
-            Step::Stop => return Ok(()),
-        };
-        for (outcome, message) in outcomes.into_iter().zip(&sources) {
-            let refusal = match outcome {
-                Ok(outcome) if outcome.conflict => Refusal {
-                    class: DeadLetterClass::Conflict,
-                    reason: format!(
-                        "conflict: job {:?} already exists with a different request (a job id names one request; \
-                         send a new id for a new job)",
-                        outcome.job_id
-                    ),
-                },
-                Ok(_) => continue,
-                Err(refusal) => refusal,
-            };
-            tracing::warn!(topic = %topic, partition = message.partition, offset = message.offset, reason = %refusal.reason, "dead-lettering a job request");
-            dead_letters.push((
-                core.routes.dead_letter(&topic, message, refusal.class, &refusal.reason),
-                refusal.class,
-            ));
-        }
-        if let Step::Stop = deliver_dead_letters(&core, &topic, dead_letters, &input, &condition).await {
-            return Ok(());
-        }
-        if core.faults.hit(FaultPoint::AdmissionAfterPublishBeforeOffsetStore) {
-            return Err(PartitionTaskError::Crashed);
-        }
-        if let Some(last) = batch.last() {
-            input.offsets.store(last.offset + 1);
-        }
-    }
-    Ok(())
+    jobs_topic: Arc<str>,
 }
 
-/// Save a batch's jobs: each request's outcome, or why PostgreSQL refuses
-/// to store it. Faults that pass are retried (readiness NOT_SERVING
-/// meanwhile); a batch PostgreSQL refuses for what it holds is saved one
-/// request at a time, and the one it still refuses becomes a dead letter.
-async fn save_requests(
-    core: &AdmissionCore,
-    topic: &str,
-    incoming: &[Incoming],
-    sources: &[&InMsg],
-    input: &PartitionInput,
-    condition: &str,
-) -> Result<Step<Vec<Result<EnqueueOutcome, Refusal>>>, PartitionTaskError> {
-    if incoming.is_empty() {
-        return Ok(Step::Done(Vec::new()));
-    }
-    let reason = match enqueue_until_done(core, incoming, input, condition).await? {
-        Step::Done(Ok(outcomes)) => return Ok(Step::Done(outcomes.into_iter().map(Ok).collect())),
-        Step::Done(Err(reason)) => reason,
-        Step::Stop => return Ok(Step::Stop),
-    };
-    tracing::warn!(topic, partition = input.partition, jobs = incoming.len(), %reason, "PostgreSQL refuses the batch; saving its requests one at a time");
-    let mut outcomes = Vec::with_capacity(incoming.len());
-    for (job, message) in incoming.iter().zip(sources) {
-        match enqueue_until_done(core, std::slice::from_ref(job), input, condition).await? {
-            Step::Done(Ok(mut saved)) => outcomes.push(saved.pop().ok_or_else(|| Refusal {
-                class: DeadLetterClass::Internal,
-                reason: "saving the request returned no outcome".to_string(),
-            })),
-            Step::Done(Err(reason)) => {
-                tracing::error!(topic, partition = message.partition, offset = message.offset, %reason, "PostgreSQL refuses to store a request");
-                outcomes.push(Err(Refusal {
-                    class: DeadLetterClass::Storage,
-                    reason: format!("PostgreSQL refuses to store this request: {reason}"),
-                }));
+impl RequestContext {
+    async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
+        let max_batch = self.config.admission.max_batch;
+        let condition = format!("admission {} partition {}", self.topic, input.partition);
+        while let Some(batch) = next_batch(&mut input, max_batch).await {
+            let mut handovers = Outbox::new();
+            let mut handed: Vec<&InMsg> = Vec::new();
+            let mut dead_letters: Vec<(OutMsg, DeadLetterClass)> = Vec::new();
+            for message in &batch {
+                match admit_message(&self.config, &self.topic, message) {
+                    Ok(incoming) => {
+                        let handover = self.handover_of(message, &incoming.job_id);
+                        let partition = job_partition(&incoming.job_id, self.routes.jobs_partitions);
+                        handovers.push_entry(&self.jobs_topic, partition, &handover, self.routes.max_message_bytes);
+                        handed.push(message);
+                    }
+                    Err(refusal) => {
+                        tracing::warn!(topic = %self.topic, partition = message.partition, offset = message.offset, reason = %refusal.reason, "dead-lettering a job request");
+                        dead_letters.push((
+                            self.routes
+                                .dead_letter(&self.topic, message, refusal.class, &refusal.reason),
+                            refusal.class,
+                        ));
+                    }
+                }
             }
-            Step::Stop => return Ok(Step::Stop),
+            match self.hand_over(handovers, &input, &condition).await {
+                Step::Done(true) => {}
+                Step::Done(false) => {
+                    // The broker refuses the hand-over for its size: the
+                    // requests are dead letters, not lost.
+                    for message in handed {
+                        dead_letters.push((
+                            self.routes.dead_letter(
+                                &self.topic,
+                                message,
+                                DeadLetterClass::Internal,
+                                "handing the request over to its job's owner failed: the broker refuses the message",
+                            ),
+                            DeadLetterClass::Internal,
+                        ));
+                    }
+                }
+                Step::Stop => return Ok(()),
+            }
+            if let Step::Stop = deliver_dead_letters(&self, dead_letters, &input, &condition).await {
+                return Ok(());
+            }
+            if self.faults.hit(FaultPoint::AdmissionAfterPublishBeforeOffsetStore) {
+                return Err(PartitionTaskError::Crashed);
+            }
+            if let Some(last) = batch.last() {
+                input.offsets.store(last.offset + 1);
+            }
+        }
+        Ok(())
+    }
+
+    fn handover_of(&self, message: &InMsg, job_id: &str) -> pb::JobHandOver {
+        pb::JobHandOver {
+            job_id: job_id.to_string(),
+            source_topic: self.topic.to_string(),
+            source_partition: message.partition,
+            source_offset: message.offset,
+            source_timestamp_ms: message.timestamp_ms.unwrap_or_default(),
+            payload: message.payload.clone().unwrap_or_default(),
+            headers: message
+                .headers
+                .iter()
+                .map(|(name, value)| pb::MessageHeader {
+                    name: name.clone(),
+                    value: value.clone(),
+                })
+                .collect(),
         }
     }
-    Ok(Step::Done(outcomes))
-}
 
-/// `enqueue`, retrying faults that pass; `Err(reason)` when PostgreSQL
-/// refuses it for what it holds.
-async fn enqueue_until_done(
-    core: &AdmissionCore,
-    incoming: &[Incoming],
-    input: &PartitionInput,
-    condition: &str,
-) -> Result<Step<Result<Vec<EnqueueOutcome>, String>>, PartitionTaskError> {
-    let mut backoff = Backoff::new();
-    loop {
-        match core.enqueue(incoming, OnConflict::Report).await {
-            Ok(outcomes) => {
-                core.readiness.clear(condition);
-                return Ok(Step::Done(Ok(outcomes)));
-            }
-            Err(AdmissionError::Crashed) => return Err(PartitionTaskError::Crashed),
-            Err(error) if error.is_transient() => {
-                tracing::warn!(%error, partition = input.partition, "saving job requests failed, retrying");
-                core.note_transient(condition, format!("saving job requests: {error}"));
-                if input.stop.is_cancelled() {
-                    return Ok(Step::Stop);
+    /// Publish the hand-overs until acknowledged. `Done(false)` when the
+    /// broker refuses them for what they are (their size).
+    async fn hand_over(&self, handovers: Outbox, input: &PartitionInput, condition: &str) -> Step<bool> {
+        if handovers.is_empty() {
+            return Step::Done(true);
+        }
+        let messages = handovers.into_messages();
+        let mut backoff = Backoff::new();
+        loop {
+            match self.publisher.send_all(messages.clone()).await {
+                Ok(()) => {
+                    self.readiness.clear(condition);
+                    return Step::Done(true);
                 }
-                backoff.wait().await;
+                Err(sluice_common::kafka::KafkaPlumbingError::Delivery { source, .. })
+                    if !classify_kafka(&source).is_transient() =>
+                {
+                    tracing::error!(topic = %self.topic, error = %source, "the broker refuses a hand-over; dead-lettering its requests");
+                    return Step::Done(false);
+                }
+                Err(error) => {
+                    tracing::warn!(topic = %self.topic, %error, "handing requests over failed, retrying");
+                    self.readiness.set(condition, format!("handing requests over: {error}"));
+                    sluice_common::metrics::metrics()
+                        .transient_faults
+                        .add(1, &[opentelemetry::KeyValue::new("service", crate::SERVICE)]);
+                    if input.stop.is_cancelled() {
+                        return Step::Stop;
+                    }
+                    backoff.wait().await;
+                }
             }
-            Err(error) => return Ok(Step::Done(Err(error.to_string()))),
         }
     }
 }
@@ -292,17 +306,17 @@ async fn enqueue_until_done(
 /// it. `Stop` when the partition is given up (the next owner reads the
 /// messages again, so no dead letter is lost).
 async fn deliver_dead_letters(
-    core: &AdmissionCore,
-    topic: &str,
+    context: &RequestContext,
     letters: Vec<(OutMsg, DeadLetterClass)>,
     input: &PartitionInput,
     condition: &str,
 ) -> Step<()> {
+    let topic: &str = &context.topic;
     let mut pending = letters;
     let mut backoff = Backoff::new();
     while !pending.is_empty() {
         let messages: Vec<OutMsg> = pending.iter().map(|(message, _)| message.clone()).collect();
-        let results = core.publisher.send_each(&messages).await;
+        let results = context.publisher.send_each(&messages).await;
         let mut retry = Vec::new();
         let mut last_error = None;
         for (result, (message, class)) in results.into_iter().zip(pending) {
@@ -325,13 +339,16 @@ async fn deliver_dead_letters(
         pending = retry;
         if let Some(error) = last_error {
             tracing::warn!(topic, %error, dead_letters = pending.len(), "publishing dead letters failed, retrying");
-            core.note_transient(condition, format!("publishing dead letters: {error}"));
+            context
+                .readiness
+                .set(condition, format!("publishing dead letters: {error}"));
             if input.stop.is_cancelled() {
                 return Step::Stop;
             }
             backoff.wait().await;
         }
     }
+    context.readiness.clear(condition);
     Step::Done(())
 }
 
@@ -356,65 +373,49 @@ fn cut_dead_letter(mut message: OutMsg, error: &str) -> OutMsg {
     message
 }
 
-pub struct GrantConsumer {
-    pub core: Arc<AdmissionCore>,
-    pub topic: Arc<str>,
+/// A grant event admission can apply: its ticket names a job and attempt.
+fn check_grant(event: &pb::GrantEvent) -> Result<(), String> {
+    check_ticket("ticket", event.ticket.as_ref()).map_err(|error| error.to_string())
 }
 
-impl PartitionTaskFactory for GrantConsumer {
-    fn start(&self, input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
-        let core = self.core.clone();
-        let topic = self.topic.clone();
-        async move { run_grants(core, topic, input).await }.boxed()
-    }
-}
-
-/// Where grant events came from: a partition of the grants topic, or a link
-/// (partition -1), and what stops their processing.
-struct GrantSource<'a> {
-    partition: i32,
-    stop: &'a tokio_util::sync::CancellationToken,
-}
-
-/// Grant events from the links (the hot path): applied like the grants
-/// topic's, in batches; those that can never be applied are set aside in
-/// the quarantine table. Runs until `shutdown`.
+/// Grant events from the links (the hot path): each goes to the task of its
+/// job's partition. One that can never be applied is set aside in the
+/// quarantine table; one for a partition this instance does not own is
+/// dropped (its new owner re-sends the acquire, and the key's owner then
+/// sends the grant again). Runs until `shutdown`.
 pub async fn run_link_grants(
-    core: Arc<AdmissionCore>,
+    registry: Arc<OwnerRegistry<Local>>,
+    pool: sqlx::PgPool,
+    jobs_partitions: i32,
     mut grants: tokio::sync::mpsc::Receiver<Vec<Vec<u8>>>,
     shutdown: sluice_common::Shutdown,
 ) -> Result<(), PartitionTaskError> {
-    const TOPIC: &str = "link";
-    let stop = tokio_util::sync::CancellationToken::new();
-    let source = GrantSource {
-        partition: -1,
-        stop: &stop,
-    };
-    let condition = "admission link grants".to_string();
-    let max_batch = core.config.admission.max_batch;
     loop {
-        let first = tokio::select! {
+        let encoded = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             received = grants.recv() => match received {
                 Some(batch) => batch,
                 None => return Ok(()),
             },
         };
-        let mut encoded = first;
-        while encoded.len() < max_batch {
-            match grants.try_recv() {
-                Ok(more) => encoded.extend(more),
-                Err(_) => break,
-            }
-        }
-        let mut events: Vec<(i64, pb::GrantEvent)> = Vec::with_capacity(encoded.len());
+        let mut by_partition: std::collections::BTreeMap<i32, Vec<pb::GrantEvent>> = std::collections::BTreeMap::new();
         let mut rejected: Vec<Rejected> = Vec::new();
         for entry in encoded {
             let checked = pb::GrantEvent::decode(entry.as_slice())
                 .map_err(|error| format!("undecodable grant event: {error}"))
                 .and_then(|event| check_grant(&event).map(|()| event));
             match checked {
-                Ok(event) => events.push((-1, event)),
+                Ok(event) => {
+                    let job_id = event
+                        .ticket
+                        .as_ref()
+                        .map(|ticket| ticket.job_id.as_str())
+                        .unwrap_or_default();
+                    by_partition
+                        .entry(job_partition(job_id, jobs_partitions))
+                        .or_default()
+                        .push(event);
+                }
                 Err(reason) => rejected.push(Rejected {
                     offset: -1,
                     entry,
@@ -422,152 +423,39 @@ pub async fn run_link_grants(
                 }),
             }
         }
-        match apply_grants(&core, TOPIC, events, &source, &condition).await? {
-            Step::Done(mut refused) => rejected.append(&mut refused),
-            Step::Stop => return Ok(()),
-        }
-        if let Step::Stop = quarantine(&core, TOPIC, &rejected, &source, &condition).await {
-            return Ok(());
-        }
-    }
-}
-
-/// A grant event admission can apply: its ticket names a job and attempt.
-fn check_grant(event: &pb::GrantEvent) -> Result<(), String> {
-    check_ticket("ticket", event.ticket.as_ref()).map_err(|error| error.to_string())
-}
-
-async fn run_grants(
-    core: Arc<AdmissionCore>,
-    topic: Arc<str>,
-    mut input: PartitionInput,
-) -> Result<(), PartitionTaskError> {
-    let max_batch = core.config.admission.max_batch;
-    let condition = format!("admission {topic} partition {}", input.partition);
-    while let Some(batch) = next_batch(&mut input, max_batch).await {
-        let mut events: Vec<(i64, pb::GrantEvent)> = Vec::new();
-        let mut rejected: Vec<Rejected> = Vec::new();
-        for message in &batch {
-            apply_entries(message, "grant event", &mut rejected, |event: pb::GrantEvent| {
-                check_grant(&event)?;
-                events.push((message.offset, event));
-                Ok(())
-            });
-        }
-        let source = GrantSource {
-            partition: input.partition,
-            stop: &input.stop,
-        };
-        match apply_grants(&core, &topic, events, &source, &condition).await? {
-            Step::Done(mut refused) => rejected.append(&mut refused),
-            Step::Stop => return Ok(()),
-        }
-        if let Step::Stop = quarantine(&core, &topic, &rejected, &source, &condition).await {
-            return Ok(());
-        }
-        if core.faults.hit(FaultPoint::AdmissionAfterPublishBeforeOffsetStore) {
-            return Err(PartitionTaskError::Crashed);
-        }
-        if let Some(last) = batch.last() {
-            input.offsets.store(last.offset + 1);
-        }
-    }
-    Ok(())
-}
-
-/// Apply grant events, retrying faults that pass; when PostgreSQL refuses
-/// the batch for what it holds, apply them one at a time and return the
-/// ones it still refuses, to be set aside.
-async fn apply_grants(
-    core: &AdmissionCore,
-    topic: &str,
-    events: Vec<(i64, pb::GrantEvent)>,
-    source: &GrantSource<'_>,
-    condition: &str,
-) -> Result<Step<Vec<Rejected>>, PartitionTaskError> {
-    if events.is_empty() {
-        return Ok(Step::Done(Vec::new()));
-    }
-    let all: Vec<pb::GrantEvent> = events.iter().map(|(_, event)| event.clone()).collect();
-    let reason = match process_grants_until_done(core, &all, source, condition).await? {
-        Step::Done(None) => return Ok(Step::Done(Vec::new())),
-        Step::Done(Some(reason)) => reason,
-        Step::Stop => return Ok(Step::Stop),
-    };
-    tracing::warn!(topic, partition = source.partition, events = events.len(), %reason, "PostgreSQL refuses the grant batch; applying its events one at a time");
-    let mut refused = Vec::new();
-    for (offset, event) in events {
-        match process_grants_until_done(core, std::slice::from_ref(&event), source, condition).await? {
-            Step::Done(None) => {}
-            Step::Done(Some(reason)) => refused.push(Rejected {
-                offset,
-                entry: event.encode_to_vec(),
-                reason: format!("PostgreSQL refuses this grant event: {reason}"),
-            }),
-            Step::Stop => return Ok(Step::Stop),
-        }
-    }
-    Ok(Step::Done(refused))
-}
-
-/// `process_grants`, retrying faults that pass; `Some(reason)` when
-/// PostgreSQL refuses it for what it holds.
-async fn process_grants_until_done(
-    core: &AdmissionCore,
-    events: &[pb::GrantEvent],
-    source: &GrantSource<'_>,
-    condition: &str,
-) -> Result<Step<Option<String>>, PartitionTaskError> {
-    let mut backoff = Backoff::new();
-    loop {
-        match core.process_grants(events.to_vec()).await {
-            Ok(()) => {
-                core.readiness.clear(condition);
-                return Ok(Step::Done(None));
+        for (partition, events) in by_partition {
+            if registry.submit(partition, Local::Grants(events)).await.is_err() {
+                tracing::debug!(
+                    partition,
+                    "grants for a job partition this instance does not own; dropped"
+                );
             }
-            Err(AdmissionError::Crashed) => return Err(PartitionTaskError::Crashed),
-            Err(error) if error.is_transient() => {
-                tracing::warn!(%error, partition = source.partition, "applying grants failed, retrying the batch");
-                core.note_transient(condition, format!("applying grants: {error}"));
-                if source.stop.is_cancelled() {
-                    return Ok(Step::Stop);
-                }
-                backoff.wait().await;
-            }
-            Err(error) => return Ok(Step::Done(Some(error.to_string()))),
+        }
+        if !rejected.is_empty() {
+            set_aside_grants(&pool, &rejected, &shutdown).await;
         }
     }
 }
 
 /// Set grant events aside in admission's quarantine table (logged, counted).
-async fn quarantine(
-    core: &AdmissionCore,
-    topic: &str,
-    rejected: &[Rejected],
-    source: &GrantSource<'_>,
-    condition: &str,
-) -> Step<()> {
-    if rejected.is_empty() {
-        return Step::Done(());
-    }
+async fn set_aside_grants(pool: &sqlx::PgPool, rejected: &[Rejected], shutdown: &sluice_common::Shutdown) {
+    const TOPIC: &str = "link";
     let mut backoff = Backoff::new();
     loop {
         let saved = async {
-            let mut connection = core.pool.acquire().await?;
-            insert_quarantined(&mut connection, topic, source.partition, rejected).await
+            let mut connection = pool.acquire().await?;
+            insert_quarantined(&mut connection, TOPIC, -1, rejected).await
         }
         .await;
         match saved {
             Ok(()) => {
-                report_quarantined(crate::SERVICE, topic, source.partition, rejected);
-                core.readiness.clear(condition);
-                return Step::Done(());
+                report_quarantined(crate::SERVICE, TOPIC, -1, rejected);
+                return;
             }
             Err(error) => {
-                tracing::warn!(%error, partition = source.partition, "setting grant events aside failed, retrying");
-                core.note_transient(condition, format!("setting grant events aside: {error}"));
-                if source.stop.is_cancelled() {
-                    return Step::Stop;
+                tracing::warn!(%error, "setting grant events aside failed, retrying");
+                if shutdown.is_triggered() {
+                    return;
                 }
                 backoff.wait().await;
             }

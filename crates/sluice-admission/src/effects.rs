@@ -22,7 +22,8 @@ use crate::transitions::Effect;
 pub struct Routes {
     pub limit_partitions: i32,
     pub rate_partitions: i32,
-    pub grants_partitions: i32,
+    /// Job partitions (`sluice.jobs`).
+    pub jobs_partitions: i32,
     pub deadletter: Arc<str>,
     pub admitted: HashMap<String, Arc<str>>,
     pub max_message_bytes: usize,
@@ -33,7 +34,7 @@ impl Routes {
         Routes {
             limit_partitions: config.kafka.partitions.limit_commands,
             rate_partitions: config.kafka.partitions.rate_commands,
-            grants_partitions: config.kafka.partitions.grants,
+            jobs_partitions: config.kafka.partitions.jobs,
             deadletter: Arc::from(config.topic(&config.topics.deadletter)),
             admitted: config
                 .task_groups
@@ -45,7 +46,7 @@ impl Routes {
     }
 
     pub fn job_partition(&self, job_id: &str) -> i32 {
-        job_partition(job_id, self.grants_partitions)
+        job_partition(job_id, self.jobs_partitions)
     }
 
     /// Add the messages of `effects` for `job` (its state after the transition).

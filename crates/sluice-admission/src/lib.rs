@@ -1,34 +1,44 @@
 //! admission: owns jobs — their state machine, attempts, leases, claims and
-//! chains — and idempotency keys. Consumes job requests and grant events,
-//! sends limit commands, publishes admitted jobs, and serves the worker
-//! protocol over gRPC. It owns no partitions: any instance serves any job.
+//! chains — and idempotency keys. Jobs belong to job partitions
+//! (`sluice.jobs`, by Sluice's hash of the job id), owned like every other
+//! owner's partitions (docs/hot-path.md): a partition's active jobs live in
+//! its owner's memory, decided by one pure core (`partition`), committed in
+//! fenced batches (`store`). It reads producers' requests, sends limit
+//! commands on the links and takes their grants, publishes admitted jobs,
+//! and serves the worker protocol over gRPC.
 
 pub mod chain;
 pub mod consumers;
-pub mod core;
 pub mod effects;
 #[cfg(test)]
 mod fuzz;
 pub mod jobs;
+pub mod journal;
 pub mod json_request;
+pub mod partition;
 pub mod service;
-pub mod sweeper;
+pub mod store;
 pub mod transitions;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use sluice_common::clock::wall_clock_ms;
 use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
-use sluice_common::link::{LinkClient, LinkClientSettings};
+use sluice_common::link::{Link, LinkClient, LinkClientSettings, LinkEntries, LinkSink};
+use sluice_common::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
 use sluice_common::readiness::Readiness;
-use sluice_common::service::{all_topics, open_database, Supervisor};
+use sluice_common::service::{advertised_endpoint, all_topics, open_database, Supervisor};
 use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
 use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use tokio::net::TcpListener;
 use tonic::transport::Endpoint;
 
-use crate::core::AdmissionCore;
+use crate::partition::{Local, PartitionSettings};
+use crate::transitions::Timing;
 
 pub const SERVICE: &str = "admission";
 pub const SCHEMA: &str = "admission";
@@ -65,33 +75,40 @@ fn lazy_channel(endpoint: &str) -> Result<tonic::transport::Channel, AdmissionSe
         .connect_lazy())
 }
 
-/// Tell the owners, over every link, which job partitions' grants this
-/// instance takes: those of the grants topic it is assigned, which are the
-/// jobs its sweeper looks after. Follows the assignment as it changes.
-async fn claim_job_partitions(
-    links: core::AdmissionLinks,
-    progress: Arc<ConsumerProgress>,
-    shutdown: Shutdown,
-) -> Result<(), std::convert::Infallible> {
-    let mut claimed: Option<Vec<i32>> = None;
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tick.tick() => {}
+/// The hot path's streams to limit-grant and rate-window.
+#[derive(Clone)]
+pub struct AdmissionLinks {
+    pub limit: LinkClient,
+    pub rate: LinkClient,
+}
+
+impl LinkSink for AdmissionLinks {
+    fn deliver(&self, entries: LinkEntries) -> BoxFuture<'_, ()> {
+        // The link clients keep each command until its owner applied it.
+        for ((link, partition), commands) in entries {
+            match link {
+                Link::LimitGrant => self.limit.send(partition, commands),
+                Link::RateWindow => self.rate.send(partition, commands),
+                Link::Admission => tracing::error!(partition, "admission cannot send grants; dropped"),
+            }
         }
-        let assigned = progress.assigned();
-        if claimed.as_ref() == Some(&assigned) {
-            continue;
-        }
-        let claims: Vec<sluice_proto::v1::JobPartitionClaim> = assigned
-            .iter()
-            .filter_map(|partition| u32::try_from(*partition).ok())
-            .map(|partition| sluice_proto::v1::JobPartitionClaim { partition, epoch: 0 })
-            .collect();
-        links.limit.claim_job_partitions(claims.clone());
-        links.rate.claim_job_partitions(claims);
-        claimed = Some(assigned);
+        async {}.boxed()
+    }
+}
+
+/// The settings every job partition of this instance shares.
+pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults) -> PartitionSettings {
+    PartitionSettings {
+        partition: 0,
+        config: config.clone(),
+        routes: Arc::new(effects::Routes::from_config(config)),
+        timing: Timing {
+            resend_waiting_after_ms: config.admission.resend_waiting_after.as_millis_i64(),
+            claim_timeout_ms: config.admission.claim_timeout.as_millis_i64(),
+        },
+        stand_behind_interval_ms: config.admission.stand_behind_interval.as_millis_i64(),
+        ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),
+        faults: faults.clone(),
     }
 }
 
@@ -106,11 +123,13 @@ pub async fn run(
     kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
     let readiness = Readiness::new();
     let publisher = Publisher::for_service(&config.kafka, readiness.clone(), faults.clone())?;
+    let endpoint = advertised_endpoint(&config.admission.advertised_endpoint, &listener);
+
     // The hot path: commands up and grants down over streams to limit-grant
     // and rate-window (docs/hot-path.md).
     let client_id = format!("admission-{}", uuid::Uuid::new_v4());
     let (grants_sender, grants_receiver) = tokio::sync::mpsc::channel(1024);
-    let links = core::AdmissionLinks {
+    let links = AdmissionLinks {
         limit: LinkClient::start(
             LinkClientSettings {
                 service: "limit-grant",
@@ -125,53 +144,64 @@ pub async fn run(
             LinkClientSettings {
                 service: "rate-window",
                 seed_endpoint: config.admission.rate_window_endpoint.clone(),
-                client_id,
+                client_id: client_id.clone(),
             },
             grants_sender,
             readiness.clone(),
             shutdown.clone(),
         ),
     };
-    let core = Arc::new(AdmissionCore::new(
-        config.clone(),
+
+    let settings = partition_settings(&config, &faults);
+    let routes = settings.routes.clone();
+    let registry: Arc<OwnerRegistry<Local>> = OwnerRegistry::new(SERVICE, readiness.clone());
+    let runtime = OwnerRuntime::new(
+        Arc::new(store::AdmissionStore { settings }),
         pool.clone(),
         publisher.clone(),
-        links.clone(),
-        faults,
-        readiness.clone(),
-    ));
-    let grant_progress = Arc::new(ConsumerProgress::default());
+        registry.clone(),
+        OwnerSettings {
+            service: SERVICE,
+            owner_id: client_id,
+            endpoint: endpoint.clone(),
+            max_batch: config.admission.max_batch,
+        },
+        faults.clone(),
+    )
+    .with_links(Arc::new(links.clone()));
 
-    let (mut routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"])?;
-    routes.add_service(sluice_proto::v1::admission_server::AdmissionServer::new(
+    let jobs_partitions = config.kafka.partitions.jobs;
+    let (mut grpc_routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"])?;
+    grpc_routes.add_service(sluice_proto::v1::admission_server::AdmissionServer::new(
         service::AdmissionApi {
-            core: core.clone(),
+            config: config.clone(),
+            registry: registry.clone(),
+            pool: pool.clone(),
+            own_endpoint: endpoint.clone(),
+            channels: sluice_common::forward::ChannelCache::default(),
+            jobs_partitions,
             limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
             rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
         },
     ));
 
     let mut supervisor = Supervisor::new(shutdown.clone());
-    let requested_topic = config.topic(&config.topics.requested);
+    let jobs_topic = config.topic(&config.topics.jobs);
     {
+        let options = ConsumerOptions {
+            group: config.group(&format!("{}-jobs", config.admission.consumer_group)),
+            topic: jobs_topic.clone(),
+            channel_capacity: 10_000,
+            track_end: false,
+            readiness: readiness.clone(),
+        };
         let config = config.clone();
         let shutdown = shutdown.clone();
-        let readiness = readiness.clone();
-        let factory = Arc::new(consumers::RequestConsumer {
-            core: core.clone(),
-            topic: Arc::from(requested_topic.as_str()),
-        });
-        supervisor.spawn("job request consumer", async move {
+        supervisor.spawn("job partitions", async move {
             kafka::run_partitioned_consumer(
                 &config.kafka,
-                ConsumerOptions {
-                    group: config.group(&format!("{}-requests", config.admission.consumer_group)),
-                    topic: requested_topic,
-                    channel_capacity: 10_000,
-                    track_end: false,
-                    readiness: readiness.clone(),
-                },
-                factory,
+                options,
+                Arc::new(runtime),
                 Arc::new(ConsumerProgress::default()),
                 shutdown,
             )
@@ -179,26 +209,31 @@ pub async fn run(
         });
     }
     {
+        let requested_topic = config.topic(&config.topics.requested);
+        let factory = Arc::new(consumers::RequestConsumer {
+            config: config.clone(),
+            routes,
+            publisher: publisher.clone(),
+            readiness: readiness.clone(),
+            faults,
+            topic: Arc::from(requested_topic.as_str()),
+            jobs_topic: Arc::from(jobs_topic.as_str()),
+        });
+        let options = ConsumerOptions {
+            group: config.group(&format!("{}-requests", config.admission.consumer_group)),
+            topic: requested_topic,
+            channel_capacity: 10_000,
+            track_end: false,
+            readiness: readiness.clone(),
+        };
         let config = config.clone();
         let shutdown = shutdown.clone();
-        let readiness = readiness.clone();
-        let factory = Arc::new(consumers::GrantConsumer {
-            core: core.clone(),
-            topic: Arc::from(config.topic(&config.topics.grants)),
-        });
-        let progress = grant_progress.clone();
-        supervisor.spawn("grant consumer", async move {
+        supervisor.spawn("job request consumer", async move {
             kafka::run_partitioned_consumer(
                 &config.kafka,
-                ConsumerOptions {
-                    group: config.group(&format!("{}-grants", config.admission.consumer_group)),
-                    topic: config.topic(&config.topics.grants),
-                    channel_capacity: 10_000,
-                    track_end: true,
-                    readiness: readiness.clone(),
-                },
+                options,
                 factory,
-                progress,
+                Arc::new(ConsumerProgress::default()),
                 shutdown,
             )
             .await
@@ -206,14 +241,23 @@ pub async fn run(
     }
     supervisor.spawn(
         "link grants",
-        consumers::run_link_grants(core.clone(), grants_receiver, shutdown.clone()),
+        consumers::run_link_grants(
+            registry.clone(),
+            pool.clone(),
+            jobs_partitions,
+            grants_receiver,
+            shutdown.clone(),
+        ),
     );
     supervisor.spawn(
         "job partition claims",
-        claim_job_partitions(links, grant_progress.clone(), shutdown.clone()),
+        claim_job_partitions(links, registry, shutdown.clone()),
     );
-    supervisor.spawn("sweeper", sweeper::run(core.clone(), grant_progress, shutdown.clone()));
-    supervisor.spawn("grpc server", grpc::serve(listener, routes, shutdown.clone()));
+    supervisor.spawn(
+        "idempotency key cleanup",
+        drop_expired_idempotency_keys(pool.clone(), config.admission.sweep_interval.0, shutdown.clone()),
+    );
+    supervisor.spawn("grpc server", grpc::serve(listener, grpc_routes, shutdown.clone()));
     supervisor.spawn(
         "topic watch",
         kafka::watch_topics(
@@ -227,10 +271,69 @@ pub async fn run(
         "readiness",
         sluice_common::service::report_readiness(readiness, health.clone(), shutdown.clone()),
     );
-    tracing::info!("admission started");
+    tracing::info!(%endpoint, "admission started");
     let outcome = supervisor.wait().await;
     health.set_serving(false).await;
     publisher.flush(Duration::from_secs(5));
     pool.close().await;
     outcome.map_err(AdmissionServiceError::Stopped)
+}
+
+/// Tell the owners, over every link, which job partitions' grants this
+/// instance takes: those it owns, at their epochs. Follows ownership as it
+/// changes.
+async fn claim_job_partitions(
+    links: AdmissionLinks,
+    registry: Arc<OwnerRegistry<Local>>,
+    shutdown: Shutdown,
+) -> Result<(), std::convert::Infallible> {
+    let mut claimed: Option<Vec<(i32, i64)>> = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tick.tick() => {}
+        }
+        let owned = registry.owned_with_epochs();
+        if claimed.as_ref() == Some(&owned) {
+            continue;
+        }
+        let claims: Vec<sluice_proto::v1::JobPartitionClaim> = owned
+            .iter()
+            .filter_map(|(partition, epoch)| {
+                Some(sluice_proto::v1::JobPartitionClaim {
+                    partition: u32::try_from(*partition).ok()?,
+                    epoch: *epoch,
+                })
+            })
+            .collect();
+        links.limit.claim_job_partitions(claims.clone());
+        links.rate.claim_job_partitions(claims);
+        claimed = Some(owned);
+    }
+}
+
+/// Drop idempotency keys whose window has passed, a bounded number at a time.
+async fn drop_expired_idempotency_keys(
+    pool: sqlx::PgPool,
+    interval: Duration,
+    shutdown: Shutdown,
+) -> Result<(), std::convert::Infallible> {
+    let every = interval.max(Duration::from_secs(60));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(every) => {}
+        }
+        let deleted = sqlx::query(
+            "DELETE FROM idempotency_keys WHERE ctid IN
+               (SELECT ctid FROM idempotency_keys WHERE expires_at_ms < $1 LIMIT 10000)",
+        )
+        .bind(wall_clock_ms())
+        .execute(&pool)
+        .await;
+        if let Err(error) = deleted {
+            tracing::warn!(%error, "idempotency key cleanup failed; trying again later");
+        }
+    }
 }

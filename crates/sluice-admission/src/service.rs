@@ -1,21 +1,37 @@
-//! The `Admission` gRPC service: thin adapters over `AdmissionCore`.
+//! The `Admission` gRPC service: thin adapters. Validate, reach the job's
+//! owner (this instance's partition task, or one forward to the owner the
+//! directory names), map errors. Calls naming jobs of several partitions
+//! are split by partition and their answers merged in the caller's order.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
+use sluice_common::forward::{forwarded_request, is_forwarded, owner_endpoint, ChannelCache};
+use sluice_common::owner::OwnerRegistry;
+use sluice_common::partition::job_partition;
 use sluice_common::validate::{check_name, check_text, FieldError, MAX_ID_BYTES, MAX_TEXT_BYTES};
 use sluice_proto::v1 as pb;
+use sluice_proto::v1::admission_client::AdmissionClient;
 use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::chain;
-use crate::core::{AdmissionCore, AdmissionError, Incoming, OnConflict};
-use crate::jobs::JobRow;
+use crate::jobs::{request_fingerprint, JobRow};
+use crate::partition::{EnqueueConflict, Incoming, Local, OnConflict};
 use crate::transitions::{AttemptEnd, Status as JobStatus};
 
 pub struct AdmissionApi {
-    pub core: Arc<AdmissionCore>,
+    pub config: Arc<sluice_common::SluiceConfig>,
+    pub registry: Arc<OwnerRegistry<Local>>,
+    pub pool: PgPool,
+    pub own_endpoint: String,
+    pub channels: ChannelCache,
+    pub jobs_partitions: i32,
     pub limits: LimitsClient<Channel>,
     pub rates: RateLimitsClient<Channel>,
 }
@@ -46,7 +62,105 @@ fn attempts_of(field: &str, jobs: Vec<pb::JobAttempt>) -> Result<Vec<(String, u3
         .collect()
 }
 
+/// Who answered a call: this instance's partition task, or the owner it
+/// was forwarded to.
+enum OwnerAnswer<R, F> {
+    Here(R),
+    Forwarded(F),
+}
+
+/// How long a call waits for its job's partition to get an owner (a
+/// rebalance, or this instance still loading it) before it answers
+/// `UNAVAILABLE` (NOT_OWNER).
+const OWNER_WAIT: Duration = Duration::from_secs(5);
+/// How often a waiting call looks at the owner directory again.
+const OWNER_RECHECK: Duration = Duration::from_millis(100);
+
+/// Items of one call grouped by job partition, each with its place in the call.
+fn by_partition<T>(items: Vec<T>, partition_of: impl Fn(&T) -> i32) -> BTreeMap<i32, Vec<(usize, T)>> {
+    let mut groups: BTreeMap<i32, Vec<(usize, T)>> = BTreeMap::new();
+    for (index, item) in items.into_iter().enumerate() {
+        groups.entry(partition_of(&item)).or_default().push((index, item));
+    }
+    groups
+}
+
+/// Answers of the groups put back in the call's order.
+fn in_call_order<R>(count: usize, answered: Vec<(Vec<usize>, Vec<R>)>) -> Result<Vec<R>, Status> {
+    let mut slots: Vec<Option<R>> = (0..count).map(|_| None).collect();
+    for (indexes, results) in answered {
+        if indexes.len() != results.len() {
+            return Err(Status::internal("an owner answered a different number of results"));
+        }
+        for (index, result) in indexes.into_iter().zip(results) {
+            if let Some(slot) = slots.get_mut(index) {
+                *slot = Some(result);
+            }
+        }
+    }
+    slots
+        .into_iter()
+        .map(|slot| slot.ok_or_else(|| Status::internal("a result is missing")))
+        .collect()
+}
+
 impl AdmissionApi {
+    fn partition_of(&self, job_id: &str) -> i32 {
+        job_partition(job_id, self.jobs_partitions)
+    }
+
+    /// Ask the partition task when this instance owns the partition, else
+    /// forward the call to the owner the directory names. While the partition
+    /// has no owner, the directory names this instance but its task is not
+    /// running yet (it is loading, or the call was forwarded here during a
+    /// handover), or the named owner cannot be reached or answers
+    /// `UNAVAILABLE` (it stopped, or it is handing the partition over), the
+    /// call waits up to `OWNER_WAIT`, woken when a partition task starts
+    /// here. Every call is keyed by job and attempt, so sending it again to
+    /// the next owner is harmless.
+    async fn ask<R, F, Fut>(
+        &self,
+        partition: i32,
+        forwarded: bool,
+        make: impl Fn(oneshot::Sender<R>) -> Local,
+        forward: impl Fn(AdmissionClient<Channel>) -> Fut,
+    ) -> Result<OwnerAnswer<R, F>, Status>
+    where
+        Fut: std::future::Future<Output = Result<F, Status>>,
+    {
+        let deadline = tokio::time::Instant::now() + OWNER_WAIT;
+        loop {
+            let started_here = self.registry.partition_started();
+            let unavailable = if self.registry.owns(partition) {
+                match self.registry.call(partition, &make).await {
+                    Ok(reply) => return Ok(OwnerAnswer::Here(reply)),
+                    // The task stopped (the partition is being handed over)
+                    // before it answered: ask the next owner.
+                    Err(error) => Status::unavailable(error.to_string()),
+                }
+            } else {
+                match owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await {
+                    Ok(endpoint) => match forward(AdmissionClient::new(self.channels.channel(&endpoint)?)).await {
+                        Ok(answer) => return Ok(OwnerAnswer::Forwarded(answer)),
+                        Err(status) if status.code() == tonic::Code::Unavailable => {
+                            tracing::debug!(partition, %endpoint, error = %status.message(), "owner unavailable; waiting for the directory to change");
+                            status
+                        }
+                        Err(status) => return Err(status),
+                    },
+                    Err(status) => status,
+                }
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(unavailable);
+            }
+            tokio::select! {
+                () = started_here => {}
+                () = tokio::time::sleep(OWNER_RECHECK) => {}
+            }
+        }
+    }
+
     fn incoming(
         &self,
         field_prefix: Option<String>,
@@ -57,7 +171,7 @@ impl AdmissionApi {
             .job_id
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-        let valid = chain::validate(&self.core.config, request).map_err(|error| match &field_prefix {
+        let valid = chain::validate(&self.config, request).map_err(|error| match &field_prefix {
             Some(prefix) => error.within(prefix),
             None => error,
         })?;
@@ -66,6 +180,90 @@ impl AdmissionApi {
             valid,
             trace: trace.clone(),
         })
+    }
+
+    /// Enqueue validated jobs at their owners. A conflict (a job id saved
+    /// with another request) saves none of the call's jobs when they all
+    /// belong to one partition; across partitions, saved rows are checked
+    /// first, so only a conflict racing this call can save the others.
+    async fn enqueue_all(&self, incoming: Vec<Incoming>, forwarded: bool) -> Result<Vec<pb::EnqueueResponse>, Status> {
+        let count = incoming.len();
+        let groups = by_partition(incoming, |job| self.partition_of(&job.job_id));
+        if groups.len() > 1 {
+            self.check_saved_conflicts(&groups).await?;
+        }
+        let mut answered = Vec::with_capacity(groups.len());
+        for (partition, group) in groups {
+            let (indexes, jobs): (Vec<usize>, Vec<Incoming>) = group.into_iter().unzip();
+            let answer = self
+                .ask(
+                    partition,
+                    forwarded,
+                    |reply| Local::Enqueue {
+                        jobs: jobs.clone(),
+                        on_conflict: OnConflict::Refuse,
+                        reply,
+                    },
+                    |mut owner| {
+                        let requests: Vec<pb::JobRequest> = jobs
+                            .iter()
+                            .map(|job| {
+                                let mut request = job.valid.request.clone();
+                                request.job_id = Some(job.job_id.clone());
+                                request
+                            })
+                            .collect();
+                        let indexes = &indexes;
+                        async move {
+                            Ok(owner
+                                .enqueue_batch(forwarded_request(pb::EnqueueBatchRequest { jobs: requests }))
+                                .await
+                                .map_err(|status| renumber_conflict(status, indexes))?
+                                .into_inner()
+                                .results)
+                        }
+                    },
+                )
+                .await?;
+            let results = match answer {
+                OwnerAnswer::Here(Ok(outcomes)) => outcomes
+                    .into_iter()
+                    .map(|outcome| pb::EnqueueResponse {
+                        job_id: outcome.job_id,
+                        status: outcome.status as i32,
+                        deduplicated: outcome.deduplicated,
+                    })
+                    .collect(),
+                OwnerAnswer::Here(Err(EnqueueConflict { index, job_id })) => {
+                    return Err(conflict_status(indexes.get(index).copied(), &job_id, count > 1));
+                }
+                OwnerAnswer::Forwarded(results) => results,
+            };
+            answered.push((indexes, results));
+        }
+        in_call_order(count, answered)
+    }
+
+    /// Refuse the call when a job id it names is saved with another request.
+    async fn check_saved_conflicts(&self, groups: &BTreeMap<i32, Vec<(usize, Incoming)>>) -> Result<(), Status> {
+        let job_ids: Vec<String> = groups.values().flatten().map(|(_, job)| job.job_id.clone()).collect();
+        let mut connection = self.pool.acquire().await.map_err(storage_status)?;
+        let saved = crate::store::stored_jobs(&mut connection, &job_ids)
+            .await
+            .map_err(storage_status)?;
+        for (index, job) in groups.values().flatten() {
+            let Some(stored) = saved.get(&job.job_id) else {
+                continue;
+            };
+            let mut spec = job.valid.request.clone();
+            spec.payload = Vec::new();
+            spec.job_id = Some(job.job_id.clone());
+            let ours = request_fingerprint(&spec, &job.valid.request.payload);
+            if stored.row.request_hash.as_ref().is_some_and(|saved| *saved != ours) {
+                return Err(conflict_status(Some(*index), &job.job_id, true));
+            }
+        }
+        Ok(())
     }
 
     async fn wait_info(&self, row: &JobRow) -> (Option<pb::WaitInfo>, String) {
@@ -255,30 +453,24 @@ impl AdmissionApi {
 #[tonic::async_trait]
 impl pb::admission_server::Admission for AdmissionApi {
     async fn enqueue(&self, request: Request<pb::EnqueueRequest>) -> Result<Response<pb::EnqueueResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         let trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let Some(job) = request.into_inner().job else {
             return Err(FieldError::new("job", "must be set").into());
         };
         let incoming = self.incoming(None, job, &trace)?;
-        let mut outcomes = self
-            .core
-            .enqueue(std::slice::from_ref(&incoming), OnConflict::Refuse)
-            .await
-            .map_err(|error| conflict_status(error, None))?;
-        let outcome = outcomes
+        let mut results = self.enqueue_all(vec![incoming], forwarded).await?;
+        let result = results
             .pop()
             .ok_or_else(|| Status::internal("enqueue returned nothing"))?;
-        Ok(Response::new(pb::EnqueueResponse {
-            job_id: outcome.job_id,
-            status: outcome.status as i32,
-            deduplicated: outcome.deduplicated,
-        }))
+        Ok(Response::new(result))
     }
 
     async fn enqueue_batch(
         &self,
         request: Request<pb::EnqueueBatchRequest>,
     ) -> Result<Response<pb::EnqueueBatchResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         let trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let jobs = request.into_inner().jobs;
         check_batch("jobs", &jobs)?;
@@ -287,29 +479,47 @@ impl pb::admission_server::Admission for AdmissionApi {
             .enumerate()
             .map(|(index, job)| self.incoming(Some(format!("jobs[{index}]")), job, &trace))
             .collect::<Result<Vec<_>, Status>>()?;
-        let outcomes = self
-            .core
-            .enqueue(&incoming, OnConflict::Refuse)
-            .await
-            .map_err(|error| conflict_status(error, Some("jobs")))?;
-        Ok(Response::new(pb::EnqueueBatchResponse {
-            results: outcomes
-                .into_iter()
-                .map(|outcome| pb::EnqueueResponse {
-                    job_id: outcome.job_id,
-                    status: outcome.status as i32,
-                    deduplicated: outcome.deduplicated,
-                })
-                .collect(),
-        }))
+        let results = self.enqueue_all(incoming, forwarded).await?;
+        Ok(Response::new(pb::EnqueueBatchResponse { results }))
     }
 
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::GetJobResponse>, Status> {
-        let job_id = request.into_inner().job_id;
+        let forwarded = is_forwarded(request.metadata());
+        let message = request.into_inner();
+        let job_id = message.job_id.clone();
         check_name("job_id", &job_id, MAX_ID_BYTES)?;
-        let row = self.core.get_job(&job_id).await.map_err(|error| error.to_status())?;
-        let Some(row) = row else {
-            return Err(Status::not_found(format!("job {job_id} not found")));
+        let partition = self.partition_of(&job_id);
+        let active = match self
+            .ask(
+                partition,
+                forwarded,
+                |reply| Local::Describe {
+                    job_id: job_id.clone(),
+                    reply,
+                },
+                |mut owner| {
+                    let request = forwarded_request(message.clone());
+                    async move { owner.get_job(request).await }
+                },
+            )
+            .await?
+        {
+            OwnerAnswer::Here(active) => active,
+            OwnerAnswer::Forwarded(response) => return Ok(response),
+        };
+        let row = match active {
+            Some(row) => row,
+            // Not active: ended, or never saved.
+            None => {
+                let mut connection = self.pool.acquire().await.map_err(storage_status)?;
+                let mut stored = crate::store::stored_jobs(&mut connection, std::slice::from_ref(&job_id))
+                    .await
+                    .map_err(storage_status)?;
+                match stored.remove(&job_id) {
+                    Some(stored) => stored.row,
+                    None => return Err(Status::not_found(format!("job {job_id} not found"))),
+                }
+            }
         };
         Ok(Response::new(pb::GetJobResponse {
             job: Some(self.view(row).await),
@@ -320,111 +530,247 @@ impl pb::admission_server::Admission for AdmissionApi {
         &self,
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         let message = request.into_inner();
         check_name("job_id", &message.job_id, MAX_ID_BYTES)?;
         check_text("reason", &message.reason, MAX_TEXT_BYTES)?;
         let reason = if message.reason.is_empty() {
             "cancelled by request".to_string()
         } else {
-            message.reason
+            message.reason.clone()
         };
-        let status = self
-            .core
-            .cancel(&message.job_id, &reason)
-            .await
-            .map_err(|error| error.to_status())?;
-        match status {
-            Some(status) => Ok(Response::new(pb::CancelJobResponse { status: status as i32 })),
-            None => Err(Status::not_found(format!("job {} not found", message.job_id))),
+        let partition = self.partition_of(&message.job_id);
+        let answer = self
+            .ask(
+                partition,
+                forwarded,
+                |reply| Local::Cancel {
+                    job_id: message.job_id.clone(),
+                    reason: reason.clone(),
+                    reply,
+                },
+                |mut owner| {
+                    let request = forwarded_request(message.clone());
+                    async move { owner.cancel_job(request).await }
+                },
+            )
+            .await?;
+        match answer {
+            OwnerAnswer::Here(Some(status)) => Ok(Response::new(pb::CancelJobResponse { status: status as i32 })),
+            OwnerAnswer::Here(None) => Err(Status::not_found(format!("job {} not found", message.job_id))),
+            OwnerAnswer::Forwarded(response) => Ok(response),
         }
     }
 
     async fn claim(&self, request: Request<pb::ClaimRequest>) -> Result<Response<pb::ClaimResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
-        let results = self
-            .core
-            .claim(&message.worker_id, attempts)
-            .await
-            .map_err(|error| error.to_status())?;
-        Ok(Response::new(pb::ClaimResponse { results }))
+        let count = attempts.len();
+        let mut answered = Vec::new();
+        for (partition, group) in by_partition(attempts, |(job_id, _)| self.partition_of(job_id)) {
+            let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
+            let results = match self
+                .ask(
+                    partition,
+                    forwarded,
+                    |reply| Local::Claim {
+                        worker_id: message.worker_id.clone(),
+                        attempts: attempts.clone(),
+                        reply,
+                    },
+                    |mut owner| {
+                        let request = forwarded_request(pb::ClaimRequest {
+                            worker_id: message.worker_id.clone(),
+                            jobs: job_attempts(&attempts),
+                        });
+                        async move { Ok(owner.claim(request).await?.into_inner().results) }
+                    },
+                )
+                .await?
+            {
+                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
+            };
+            answered.push((indexes, results));
+        }
+        Ok(Response::new(pb::ClaimResponse {
+            results: in_call_order(count, answered)?,
+        }))
     }
 
     async fn heartbeat(
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
-        let results = self
-            .core
-            .heartbeat(&message.worker_id, attempts)
-            .await
-            .map_err(|error| error.to_status())?;
-        Ok(Response::new(pb::HeartbeatResponse { results }))
+        let count = attempts.len();
+        let mut answered = Vec::new();
+        for (partition, group) in by_partition(attempts, |(job_id, _)| self.partition_of(job_id)) {
+            let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
+            let results = match self
+                .ask(
+                    partition,
+                    forwarded,
+                    |reply| Local::Heartbeat {
+                        worker_id: message.worker_id.clone(),
+                        attempts: attempts.clone(),
+                        reply,
+                    },
+                    |mut owner| {
+                        let request = forwarded_request(pb::HeartbeatRequest {
+                            worker_id: message.worker_id.clone(),
+                            jobs: job_attempts(&attempts),
+                        });
+                        async move { Ok(owner.heartbeat(request).await?.into_inner().results) }
+                    },
+                )
+                .await?
+            {
+                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
+            };
+            answered.push((indexes, results));
+        }
+        Ok(Response::new(pb::HeartbeatResponse {
+            results: in_call_order(count, answered)?,
+        }))
     }
 
     async fn complete(&self, request: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         // The worker's span, when it sent one: the completion hangs below it.
         let caller_trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         check_batch("completions", &message.completions)?;
         let mut completions = Vec::with_capacity(message.completions.len());
-        for (index, completion) in message.completions.into_iter().enumerate() {
-            let field = format!("completions[{index}]");
-            check_name(&format!("{field}.job_id"), &completion.job_id, MAX_ID_BYTES)?;
-            if completion.attempt == 0 {
-                return Err(FieldError::new(format!("{field}.attempt"), "attempts start at 1").into());
-            }
-            let end = match completion.outcome {
-                Some(pb::completion::Outcome::Success(_)) => AttemptEnd::Succeeded,
-                Some(pb::completion::Outcome::Failure(failure)) => {
-                    check_text(&format!("{field}.failure.error"), &failure.error, MAX_TEXT_BYTES)?;
-                    AttemptEnd::Failed {
-                        error: failure.error,
-                        non_retryable: failure.non_retryable,
-                    }
-                }
-                Some(pb::completion::Outcome::HandBack(hand_back)) => {
-                    check_text(&format!("{field}.hand_back.reason"), &hand_back.reason, MAX_TEXT_BYTES)?;
-                    AttemptEnd::HandedBack {
-                        reason: if hand_back.reason.is_empty() {
-                            "handed back".to_string()
-                        } else {
-                            hand_back.reason
-                        },
-                    }
-                }
-                None => {
-                    return Err(FieldError::new(format!("{field}.outcome"), "set success, failure or hand_back").into())
-                }
-            };
-            completions.push((completion.job_id, completion.attempt, end));
+        for (index, completion) in message.completions.iter().enumerate() {
+            completions.push(checked_completion(index, completion)?);
         }
-        let results = self
-            .core
-            .complete(&message.worker_id, completions, &caller_trace)
-            .await
-            .map_err(|error| error.to_status())?;
-        Ok(Response::new(pb::CompleteResponse { results }))
+        let count = completions.len();
+        let originals = by_partition(message.completions.clone(), |completion| {
+            self.partition_of(&completion.job_id)
+        });
+        let mut groups = by_partition(completions, |(job_id, _, _)| self.partition_of(job_id));
+        let mut answered = Vec::new();
+        for (partition, original) in originals {
+            let group = groups.remove(&partition).unwrap_or_default();
+            let (indexes, completions): (Vec<usize>, Vec<(String, u32, AttemptEnd)>) = group.into_iter().unzip();
+            let results = match self
+                .ask(
+                    partition,
+                    forwarded,
+                    |reply| Local::Complete {
+                        worker_id: message.worker_id.clone(),
+                        completions: completions.clone(),
+                        caller_trace: caller_trace.clone(),
+                        reply,
+                    },
+                    |mut owner| {
+                        let mut request = forwarded_request(pb::CompleteRequest {
+                            worker_id: message.worker_id.clone(),
+                            completions: original.iter().map(|(_, completion)| completion.clone()).collect(),
+                        });
+                        sluice_common::telemetry::inject_into_metadata(&caller_trace, request.metadata_mut());
+                        async move { Ok(owner.complete(request).await?.into_inner().results) }
+                    },
+                )
+                .await?
+            {
+                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
+            };
+            answered.push((indexes, results));
+        }
+        Ok(Response::new(pb::CompleteResponse {
+            results: in_call_order(count, answered)?,
+        }))
     }
 }
 
-/// A conflict names the job (and, in a batch, its index); other errors map
-/// as `AdmissionError::to_status` says.
-fn conflict_status(error: AdmissionError, batch_field: Option<&str>) -> Status {
-    match (&error, batch_field) {
-        (AdmissionError::Conflict { index, job_id }, Some(field)) => Status::already_exists(format!(
-            "{field}[{index}].job_id: job {job_id:?} already exists with a different request; nothing of the batch \
+fn job_attempts(attempts: &[(String, u32)]) -> Vec<pb::JobAttempt> {
+    attempts
+        .iter()
+        .map(|(job_id, attempt)| pb::JobAttempt {
+            job_id: job_id.clone(),
+            attempt: *attempt,
+        })
+        .collect()
+}
+
+/// A completion, checked; its fields named by its place in the call.
+fn checked_completion(index: usize, completion: &pb::Completion) -> Result<(String, u32, AttemptEnd), Status> {
+    let field = format!("completions[{index}]");
+    check_name(&format!("{field}.job_id"), &completion.job_id, MAX_ID_BYTES)?;
+    if completion.attempt == 0 {
+        return Err(FieldError::new(format!("{field}.attempt"), "attempts start at 1").into());
+    }
+    let end = match &completion.outcome {
+        Some(pb::completion::Outcome::Success(_)) => AttemptEnd::Succeeded,
+        Some(pb::completion::Outcome::Failure(failure)) => {
+            check_text(&format!("{field}.failure.error"), &failure.error, MAX_TEXT_BYTES)?;
+            AttemptEnd::Failed {
+                error: failure.error.clone(),
+                non_retryable: failure.non_retryable,
+            }
+        }
+        Some(pb::completion::Outcome::HandBack(hand_back)) => {
+            check_text(&format!("{field}.hand_back.reason"), &hand_back.reason, MAX_TEXT_BYTES)?;
+            AttemptEnd::HandedBack {
+                reason: if hand_back.reason.is_empty() {
+                    "handed back".to_string()
+                } else {
+                    hand_back.reason.clone()
+                },
+            }
+        }
+        None => return Err(FieldError::new(format!("{field}.outcome"), "set success, failure or hand_back").into()),
+    };
+    Ok((completion.job_id.clone(), completion.attempt, end))
+}
+
+/// A conflict names the job (and, in a batch, its index).
+fn conflict_status(index: Option<usize>, job_id: &str, batch: bool) -> Status {
+    match (index, batch) {
+        (Some(index), true) => Status::already_exists(format!(
+            "jobs[{index}].job_id: job {job_id:?} already exists with a different request; nothing of the batch \
              was saved"
         )),
-        (AdmissionError::Conflict { job_id, .. }, None) => Status::already_exists(format!(
+        _ => Status::already_exists(format!(
             "job_id: job {job_id:?} already exists with a different request"
         )),
-        _ => error.to_status(),
+    }
+}
+
+/// A forwarded batch's conflict names its place in the forwarded call;
+/// name it in this call.
+fn renumber_conflict(status: Status, indexes: &[usize]) -> Status {
+    if status.code() != tonic::Code::AlreadyExists {
+        return status;
+    }
+    let message = status.message();
+    let renumbered = message
+        .strip_prefix("jobs[")
+        .and_then(|rest| rest.split_once(']'))
+        .and_then(|(number, rest)| {
+            let index: usize = number.parse().ok()?;
+            Some(format!("jobs[{}]{rest}", indexes.get(index).copied().unwrap_or(index)))
+        });
+    match renumbered {
+        Some(message) => Status::already_exists(message),
+        None => status,
+    }
+}
+
+fn storage_status(error: sqlx::Error) -> Status {
+    if sluice_common::fault::classify_sql(&error).is_transient() {
+        tracing::warn!(%error, "database error");
+        Status::unavailable("database unavailable; retry")
+    } else {
+        tracing::error!(%error, "PostgreSQL refused a read");
+        Status::internal("reading the job failed; retrying will not help")
     }
 }
 

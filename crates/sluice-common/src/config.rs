@@ -156,7 +156,9 @@ pub struct PartitionCounts {
     pub admitted: i32,
     pub limit_commands: i32,
     pub rate_commands: i32,
-    pub grants: i32,
+    /// Admission's job partitions (`sluice.jobs`): a job belongs to the
+    /// partition of Sluice's hash of its id.
+    pub jobs: i32,
     pub refresh_due: i32,
     pub refresh_tasks: i32,
     pub deadletter: i32,
@@ -171,7 +173,7 @@ pub struct TopicsConfig {
     pub deadletter: String,
     pub limit_commands: String,
     pub rate_commands: String,
-    pub grants: String,
+    pub jobs: String,
     pub refresh_due: String,
 }
 
@@ -204,6 +206,10 @@ pub struct TelemetryConfig {
 #[serde(deny_unknown_fields)]
 pub struct AdmissionConfig {
     pub listen: String,
+    /// The address other admission instances forward job calls to; empty
+    /// means the listener's address (`POD_IP` or the host name when bound to
+    /// 0.0.0.0).
+    pub advertised_endpoint: String,
     pub consumer_group: String,
     pub limit_grant_endpoint: String,
     pub rate_window_endpoint: String,
@@ -219,6 +225,11 @@ pub struct AdmissionConfig {
     pub sweep_interval: HumanDuration,
     pub stand_behind_interval: HumanDuration,
     pub max_batch: usize,
+    /// Payloads up to this size are kept in memory with their active job
+    /// (larger ones are read from PostgreSQL when the job is dispatched).
+    pub memory_payload_max_bytes: usize,
+    /// At most this many payload bytes kept in memory per job partition.
+    pub memory_payload_budget_bytes: usize,
 }
 
 /// Configuration shared by the partition-owning services.
@@ -382,7 +393,7 @@ impl SluiceConfig {
             ("kafka.partitions.admitted", counts.admitted),
             ("kafka.partitions.limit_commands", counts.limit_commands),
             ("kafka.partitions.rate_commands", counts.rate_commands),
-            ("kafka.partitions.grants", counts.grants),
+            ("kafka.partitions.jobs", counts.jobs),
             ("kafka.partitions.refresh_due", counts.refresh_due),
             ("kafka.partitions.refresh_tasks", counts.refresh_tasks),
             ("kafka.partitions.deadletter", counts.deadletter),

@@ -59,7 +59,7 @@ pub fn classify_sql(error: &sqlx::Error) -> Fault {
 pub fn classify_sqlstate(code: &str) -> Fault {
     let class = code.get(..2).unwrap_or_default();
     match class {
-        "22" | "23" | "42" | "54" | "2B" | "2F" | "44" => Fault::Permanent,
+        "21" | "22" | "23" | "42" | "54" | "2B" | "2F" | "44" => Fault::Permanent,
         _ => Fault::Transient,
     }
 }
@@ -128,8 +128,9 @@ mod tests {
     #[test]
     fn sqlstates_split_into_transient_and_permanent() {
         // invalid byte sequence (a NUL in text), out of range, unique violation,
-        // undefined column, index row too large
-        for code in ["22021", "22003", "22P05", "23505", "42703", "54000"] {
+        // undefined column, index row too large, one statement touching a row
+        // twice (ON CONFLICT DO UPDATE)
+        for code in ["22021", "22003", "22P05", "23505", "42703", "54000", "21000"] {
             assert_eq!(classify_sqlstate(code), Fault::Permanent, "{code}");
         }
         // connection failure, serialization failure, deadlock, too many

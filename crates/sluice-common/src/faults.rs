@@ -13,9 +13,8 @@ pub enum FaultPoint {
     OwnerAfterCommitBeforePublish,
     /// An owner published a batch's effects and has not stored the input offsets.
     OwnerAfterPublishBeforeOffsetStore,
-    /// Admission saved new jobs and has not sent their acquire commands.
-    AdmissionAfterSaveBeforeAcquire,
-    /// Admission published a batch's effects and has not stored the input offsets.
+    /// Admission handed a batch of job requests over to their owners (and
+    /// dead-lettered the rest) and has not stored the request offsets.
     AdmissionAfterPublishBeforeOffsetStore,
     /// Admission drops the release commands it would send (a lost release).
     AdmissionDropRelease,
@@ -23,7 +22,8 @@ pub enum FaultPoint {
     /// (an error that comes back every time): the batch is applied in parts
     /// and what still fails is set aside.
     OwnerCommitRefused,
-    /// PostgreSQL refuses admission's save of job requests the same way.
+    /// PostgreSQL refuses admission's save of the jobs named with
+    /// `Faults::refuse_job`, every time (as it refuses bad data).
     AdmissionSaveRefused,
     /// The Kafka producer turns fatal (as an idempotent producer does when
     /// the broker lost its state): every send fails until it is rebuilt.
@@ -48,6 +48,7 @@ struct Armed {
 pub struct Faults {
     any_armed: Arc<AtomicBool>,
     points: Arc<Mutex<HashMap<FaultPoint, Armed>>>,
+    refused_jobs: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Faults {
@@ -89,6 +90,29 @@ impl Faults {
         armed.fired += 1;
         tracing::warn!(?point, "fault hook fired");
         true
+    }
+
+    /// PostgreSQL refuses to store `job_id`, every time it is saved
+    /// (`FaultPoint::AdmissionSaveRefused` counts the refusals).
+    pub fn refuse_job(&self, job_id: &str) {
+        self.refused_jobs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(job_id.to_string());
+        self.arm(FaultPoint::AdmissionSaveRefused, 0, u64::MAX);
+    }
+
+    /// Whether saving `job_id` is refused (and counts the refusal).
+    pub fn refuses_job(&self, job_id: &str) -> bool {
+        if !self.any_armed.load(Ordering::Relaxed) {
+            return false;
+        }
+        let refused = self
+            .refused_jobs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .contains(job_id);
+        refused && self.hit(FaultPoint::AdmissionSaveRefused)
     }
 
     /// How many times `point` has fired.

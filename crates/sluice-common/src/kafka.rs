@@ -1079,6 +1079,20 @@ async fn consume_as_member(
         // librdkafka's prefetch queue, bounded like ours.
         .set("queued.max.messages.kbytes", (buffer_bytes / 1024).max(1).to_string())
         .set("enable.partition.eof", if options.track_end { "true" } else { "false" })
+        // A member that rejoined while its topic was gone (a broker that
+        // lost its log) is assigned nothing, and only notices the topic
+        // created again on its next metadata refresh, which triggers a
+        // rebalance. librdkafka's 5-minute default would leave the topic
+        // unconsumed that long; refresh as often as topics are checked.
+        .set(
+            "topic.metadata.refresh.interval.ms",
+            kafka
+                .topic_check_interval
+                .0
+                .as_millis()
+                .clamp(1_000, 300_000)
+                .to_string(),
+        )
         .set("statistics.interval.ms", "15000");
     for (key, value) in &kafka.properties {
         client.set(key, value);

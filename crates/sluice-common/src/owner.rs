@@ -77,6 +77,12 @@ pub trait OwnedState: Send + 'static {
     /// A request from this process's gRPC handlers, with its reply channel.
     type Local: Send + 'static;
     type Writes: WriteSet;
+    /// What `OwnedStore::prepare` read for a batch (`()` when nothing).
+    type Prepared: Default + Send;
+
+    /// Take what `OwnedStore::prepare` read for the batch `apply` is about
+    /// to decide on.
+    fn prepared(&mut self, _prepared: Self::Prepared) {}
 
     /// Advance to `now_ms` (timers), then apply `messages` and `locals` in
     /// order, recording writes, effects and replies.
@@ -158,6 +164,26 @@ pub trait OwnedStore: Send + Sync + 'static {
         context: &OwnerContext,
         writes: <Self::State as OwnedState>::Writes,
     ) -> Result<(), sqlx::Error>;
+
+    /// Input that must be set aside can be sent somewhere instead of the
+    /// quarantine table: a message to publish (admission dead-letters a
+    /// producer's request PostgreSQL refuses to store). `None`: quarantine.
+    fn redirect_rejected(&self, _topic: &str, _partition: i32, _rejected: &Rejected) -> Option<OutMsg> {
+        None
+    }
+
+    /// Read what deciding on a batch needs and the in-memory state does not
+    /// hold (rows of finished jobs, say). Runs before `apply`, outside the
+    /// batch's transaction; the default reads nothing.
+    async fn prepare(
+        &self,
+        _pool: &PgPool,
+        _state: &Self::State,
+        _messages: &[InMsg],
+        _locals: &[<Self::State as OwnedState>::Local],
+    ) -> Result<<Self::State as OwnedState>::Prepared, sqlx::Error> {
+        Ok(Default::default())
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -277,6 +303,7 @@ pub fn report_quarantined(service: &'static str, topic: &str, partition: i32, re
 /// Where a local request can reach the partition task that owns it.
 pub struct OwnedPartitionHandle<L> {
     sender: mpsc::Sender<L>,
+    epoch: i64,
 }
 
 /// Partitions this instance owns and is ready to serve. Readiness is the
@@ -286,6 +313,8 @@ pub struct OwnerRegistry<L> {
     service: &'static str,
     partitions: RwLock<HashMap<i32, OwnedPartitionHandle<L>>>,
     readiness: Readiness,
+    /// Woken whenever a partition task starts taking calls here.
+    started: tokio::sync::Notify,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -302,6 +331,7 @@ impl<L: Send + 'static> OwnerRegistry<L> {
             service,
             partitions: RwLock::new(HashMap::new()),
             readiness,
+            started: tokio::sync::Notify::new(),
         })
     }
 
@@ -342,6 +372,12 @@ impl<L: Send + 'static> OwnerRegistry<L> {
             .map_err(|_| LocalCallError::NotOwner(partition))
     }
 
+    /// Completes when a partition task next starts taking calls here. Get
+    /// it before checking `owns`: a start between the two is not missed.
+    pub fn partition_started(&self) -> tokio::sync::futures::Notified<'_> {
+        self.started.notified()
+    }
+
     pub fn owns(&self, partition: i32) -> bool {
         let partitions = self.partitions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
         partitions.contains_key(&partition)
@@ -370,9 +406,22 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         self.readiness.clear(&self.condition(partition));
     }
 
-    fn register(&self, partition: i32, sender: mpsc::Sender<L>) {
+    fn register(&self, partition: i32, epoch: i64, sender: mpsc::Sender<L>) {
         let mut partitions = self.partitions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        partitions.insert(partition, OwnedPartitionHandle { sender });
+        partitions.insert(partition, OwnedPartitionHandle { sender, epoch });
+        drop(partitions);
+        self.started.notify_waiters();
+    }
+
+    /// The partitions this instance owns, with the epoch it owns each at.
+    pub fn owned_with_epochs(&self) -> Vec<(i32, i64)> {
+        let partitions = self.partitions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut owned: Vec<(i32, i64)> = partitions
+            .iter()
+            .map(|(partition, handle)| (*partition, handle.epoch))
+            .collect();
+        owned.sort_unstable();
+        owned
     }
 
     fn unregister(&self, partition: i32, sender: &mpsc::Sender<L>) {
@@ -510,7 +559,7 @@ impl<S: OwnedStore> PartitionTask<S> {
         self.registry.clear_condition(partition);
 
         let (local_sender, mut local_receiver) = mpsc::channel(1024);
-        self.registry.register(partition, local_sender.clone());
+        self.registry.register(partition, context.epoch, local_sender.clone());
         tracing::info!(
             service = self.settings.service,
             partition,
@@ -878,8 +927,27 @@ impl<S: OwnedStore> PartitionTask<S> {
             let mut outbox = Outbox::new();
             let mut replies: Vec<Reply> = Vec::new();
             let mut rejected: Vec<Rejected> = Vec::new();
-            let now_ms = context.clock.now_ms();
             let batch_locals = locals.take().unwrap_or_default();
+            let prepared = match self.store.prepare(&self.pool, state, messages, &batch_locals).await {
+                Ok(prepared) => prepared,
+                Err(error) if classify_sql(&error).is_transient() => {
+                    tracing::warn!(service = self.settings.service, partition, %error, "reading for a batch failed; retrying");
+                    self.note_transient(partition, format!("database: {error}"));
+                    locals = Some(batch_locals);
+                    if input.stop.is_cancelled() {
+                        return Ok(BatchEnd::Stop);
+                    }
+                    backoff.wait().await;
+                    continue;
+                }
+                Err(error) => {
+                    return Ok(BatchEnd::Permanent(format!(
+                        "PostgreSQL refuses the reads this batch needs: {error}"
+                    )));
+                }
+            };
+            state.prepared(prepared);
+            let now_ms = context.clock.now_ms();
             let decided = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 state.apply(
                     now_ms,
@@ -1003,6 +1071,30 @@ impl<S: OwnedStore> PartitionTask<S> {
         new_offset: Option<i64>,
         input: &PartitionInput,
     ) -> Step<()> {
+        // What the store sends elsewhere (dead letters) goes first; the
+        // applied offset is saved after, with the rest.
+        let mut redirected = Outbox::new();
+        let mut kept: Vec<Rejected> = Vec::with_capacity(rejected.len());
+        for entry in rejected {
+            match self.store.redirect_rejected(&input.topic, context.partition, &entry) {
+                Some(message) => {
+                    tracing::error!(
+                        service = self.settings.service,
+                        partition = context.partition,
+                        offset = entry.offset,
+                        reason = %clean_text(&entry.reason, 2048),
+                        topic = %message.topic,
+                        "input that can never be applied, sent on instead of set aside"
+                    );
+                    redirected.push(message);
+                }
+                None => kept.push(entry),
+            }
+        }
+        if let Step::Stop = self.publish_until_done(redirected, input).await {
+            return Step::Stop;
+        }
+        let rejected = kept;
         let mut backoff = Backoff::new();
         loop {
             if input.stop.is_cancelled() {

@@ -77,8 +77,8 @@ pub fn all_topics(config: &SluiceConfig) -> Vec<TopicSpec> {
             internal: true,
         },
         TopicSpec {
-            name: config.topic(&topics.grants),
-            partitions: counts.grants,
+            name: config.topic(&topics.jobs),
+            partitions: counts.jobs,
             internal: true,
         },
         TopicSpec {

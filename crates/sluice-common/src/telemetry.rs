@@ -540,7 +540,12 @@ pub fn trace_context_from_metadata(metadata: &tonic::metadata::MetadataMap) -> T
 
 /// Put the current span's context into outgoing gRPC metadata.
 pub fn inject_current_into_metadata(metadata: &mut tonic::metadata::MetadataMap) {
-    let context = current_trace_context();
+    inject_into_metadata(&current_trace_context(), metadata);
+}
+
+/// Put `context` into outgoing gRPC metadata (a forwarded call keeps its
+/// caller's context).
+pub fn inject_into_metadata(context: &TraceContext, metadata: &mut tonic::metadata::MetadataMap) {
     if let Ok(value) = context.traceparent.parse() {
         if !context.traceparent.is_empty() {
             metadata.insert("traceparent", value);

@@ -35,7 +35,7 @@ pub async fn run(
 ) -> Result<(), LimitGrantError> {
     let topology = Topology {
         limit_partitions: config.kafka.partitions.limit_commands,
-        grants_partitions: config.kafka.partitions.grants,
+        grants_partitions: config.kafka.partitions.jobs,
         refresh_due_topic: Arc::from(config.topic(&config.topics.refresh_due)),
         refresh_due_partitions: config.kafka.partitions.refresh_due,
         max_message_bytes: config.kafka.max_message_bytes,

@@ -1077,6 +1077,7 @@ impl LimitPartition {
 impl OwnedState for LimitPartition {
     type Local = LocalRequest;
     type Writes = LimitWrites;
+    type Prepared = ();
 
     fn apply(
         &mut self,

@@ -37,7 +37,7 @@ pub async fn run(
 ) -> Result<(), ServiceError> {
     let topology = Topology {
         rate_partitions: config.kafka.partitions.rate_commands,
-        grants_partitions: config.kafka.partitions.grants,
+        grants_partitions: config.kafka.partitions.jobs,
         max_message_bytes: config.kafka.max_message_bytes,
         granted_retention_ms: config.rate_window.granted_retention.as_millis_i64(),
         input: sluice_common::validate::InputLimits::from_config(&config),

@@ -961,6 +961,7 @@ fn simulate_slot(state: &WindowState, now_ms: i64, ticket: &TicketKey) -> Option
 impl OwnedState for RatePartition {
     type Local = LocalRequest;
     type Writes = RateWrites;
+    type Prepared = ();
 
     fn apply(
         &mut self,

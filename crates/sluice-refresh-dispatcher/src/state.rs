@@ -492,6 +492,7 @@ fn record_outcome(outcome: &ReportOutcome) {
 impl OwnedState for RefreshPartition {
     type Local = LocalRequest;
     type Writes = RefreshWrites;
+    type Prepared = ();
 
     fn apply(
         &mut self,

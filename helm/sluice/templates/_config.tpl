@@ -70,7 +70,7 @@ requested = {{ .requested | int64 }}
 admitted = {{ .admitted | int64 }}
 limit_commands = {{ .limitCommands | int64 }}
 rate_commands = {{ .rateCommands | int64 }}
-grants = {{ .grants | int64 }}
+jobs = {{ .jobs | int64 }}
 refresh_due = {{ .refreshDue | int64 }}
 refresh_tasks = {{ .refreshTasks | int64 }}
 deadletter = {{ .deadletter | int64 }}
@@ -84,7 +84,7 @@ refresh_tasks = {{ .refreshTasks | toJson }}
 deadletter = {{ .deadletter | toJson }}
 limit_commands = {{ .limitCommands | toJson }}
 rate_commands = {{ .rateCommands | toJson }}
-grants = {{ .grants | toJson }}
+jobs = {{ .jobs | toJson }}
 refresh_due = {{ .refreshDue | toJson }}
 {{- end }}
 
@@ -105,9 +105,13 @@ metrics_listen = {{ printf "0.0.0.0:%d" (int .Values.metrics.port) | toJson }}
 metrics_listen = ""
 {{- end }}
 
+# Partition owners (admission too: it owns the job partitions) advertise
+# http://$POD_IP:<port> (advertised_endpoint empty, listener on 0.0.0.0,
+# POD_IP from the downward API).
 [admission]
 {{- with .Values.admission }}
 listen = {{ printf "0.0.0.0:%d" (int .port) | toJson }}
+advertised_endpoint = ""
 consumer_group = {{ .config.consumerGroup | toJson }}
 {{- end }}
 # Any instance: a non-owner forwards to the key's owner.
@@ -127,8 +131,6 @@ stand_behind_interval = {{ .standBehindInterval | toJson }}
 max_batch = {{ .maxBatch | int64 }}
 {{- end }}
 
-# Partition owners advertise http://$POD_IP:<port> (advertised_endpoint empty,
-# listener on 0.0.0.0, POD_IP from the downward API).
 [limit_grant]
 {{- with .Values.limitGrant }}
 listen = {{ printf "0.0.0.0:%d" (int .port) | toJson }}

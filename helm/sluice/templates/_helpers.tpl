@@ -54,14 +54,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/*
 The four services. valuesKey: their block in values.yaml; section: their
 section of the configuration file; partitionsKey: the kafka.partitions entry
-whose partitions they own (empty for admission, which owns none).
+whose partitions they own.
 */}}
 {{- define "sluice.componentTable" -}}
 admission:
   valuesKey: admission
   binary: sluice-admission
   section: admission
-  partitionsKey: ""
+  partitionsKey: jobs
 limit-grant:
   valuesKey: limitGrant
   binary: sluice-limit-grant

@@ -198,7 +198,7 @@ async fn main() -> anyhow::Result<()> {
         ("kafka.partitions.requested", "4"),
         ("kafka.partitions.admitted", "4"),
         ("kafka.partitions.limit_commands", "8"),
-        ("kafka.partitions.grants", "8"),
+        ("kafka.partitions.jobs", "8"),
         ("postgres.max_connections", "16"),
         ("admission.resend_waiting_after", "60s"),
         ("admission.claim_timeout", "120s"),

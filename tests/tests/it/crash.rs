@@ -77,9 +77,11 @@ async fn run_scenario(name: &str, broken: Break) -> anyhow::Result<()> {
     if let Err(error) = completed {
         // Say where the missing jobs are before failing.
         let statuses = stack.job_statuses().await?;
+        let schema = stack.config.schema("admission");
         let query = format!(
-            "SELECT job_id, status, attempt, step FROM \"{}\".jobs WHERE status <> {} LIMIT 5",
-            stack.config.schema("admission"),
+            "SELECT j.job_id, coalesce(o.status, 0::smallint), j.attempt, j.step FROM \"{schema}\".jobs j
+             LEFT JOIN \"{schema}\".job_outcomes o USING (job_id)
+             WHERE o.status IS DISTINCT FROM {} LIMIT 5",
             pb::JobStatus::Succeeded as i16
         );
         let stuck: Vec<(String, i16, i32, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(query))
@@ -155,7 +157,7 @@ async fn limit_grant_killed_after_publish_before_offset_commit() -> anyhow::Resu
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn admission_killed_after_saving_jobs_before_sending_acquires() -> anyhow::Result<()> {
-    run_scenario("admsave", Break::Admission(FaultPoint::AdmissionAfterSaveBeforeAcquire)).await
+    run_scenario("admsave", Break::Admission(FaultPoint::OwnerAfterCommitBeforePublish)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

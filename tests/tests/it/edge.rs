@@ -17,10 +17,11 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use sluice_admission::chain;
-use sluice_admission::core::{AdmissionCore, Incoming};
+use sluice_admission::partition::{AdmissionPartition, EnqueueConflict, EnqueueOutcome, Incoming, Local, OnConflict};
+use sluice_admission::store::AdmissionStore;
 use sluice_common::clock::AnchoredClock;
-use sluice_common::kafka::{Outbox, Publisher};
-use sluice_common::link::{Link, LinkClient};
+use sluice_common::kafka::Outbox;
+use sluice_common::link::Link;
 use sluice_common::owner::{OwnedState, OwnedStore, OwnerContext};
 use sluice_common::validate::InputLimits;
 use sluice_common::{Faults, SluiceConfig};
@@ -243,36 +244,156 @@ fn link_entries<M: prost::Message + Default>(mut outbox: Outbox, link: Link) -> 
         .collect()
 }
 
+/// When the tests' batches are decided.
+const NOW_MS: i64 = 1_800_000_000_000;
+
+/// One job partition of admission, driven the way its owner runtime drives
+/// it: `prepare`, decide (`apply`), then commit the batch's writes.
+struct JobPartition {
+    store: AdmissionStore,
+    state: AdmissionPartition,
+    pool: PgPool,
+    context: OwnerContext,
+}
+
+impl JobPartition {
+    async fn start(config: &SluiceConfig, pool: PgPool) -> anyhow::Result<Self> {
+        let settings = sluice_admission::partition_settings(&Arc::new(config.clone()), &Faults::none());
+        let store = AdmissionStore { settings };
+        let context = OwnerContext {
+            partition: 0,
+            epoch: 1,
+            clock: AnchoredClock::starting_at(NOW_MS),
+        };
+        let mut connection = pool.acquire().await?;
+        let state = store.load(&mut connection, &context).await?;
+        Ok(JobPartition {
+            store,
+            state,
+            pool,
+            context,
+        })
+    }
+
+    /// Enqueue `jobs` in one batch and commit it. Returns the call's answer,
+    /// the rows inserted and what the batch sends.
+    async fn enqueue(
+        &mut self,
+        jobs: Vec<Incoming>,
+        on_conflict: OnConflict,
+    ) -> Result<
+        (
+            Result<Vec<EnqueueOutcome>, EnqueueConflict>,
+            Vec<sluice_admission::jobs::JobRow>,
+            Outbox,
+        ),
+        String,
+    > {
+        let (mut answers, inserted, outbox) = self.enqueue_calls(vec![jobs], on_conflict).await?;
+        let answer = answers.pop().ok_or("no answer")?;
+        Ok((answer, inserted, outbox))
+    }
+
+    /// Several Enqueue calls decided in one batch, as the owner runtime
+    /// batches calls that arrive together.
+    #[allow(clippy::type_complexity)]
+    async fn enqueue_calls(
+        &mut self,
+        calls: Vec<Vec<Incoming>>,
+        on_conflict: OnConflict,
+    ) -> Result<
+        (
+            Vec<Result<Vec<EnqueueOutcome>, EnqueueConflict>>,
+            Vec<sluice_admission::jobs::JobRow>,
+            Outbox,
+        ),
+        String,
+    > {
+        let mut locals = Vec::new();
+        let mut answers = Vec::new();
+        for jobs in calls {
+            let (reply, answer) = tokio::sync::oneshot::channel();
+            locals.push(Local::Enqueue {
+                jobs,
+                on_conflict,
+                reply,
+            });
+            answers.push(answer);
+        }
+        let prepared = self
+            .store
+            .prepare(&self.pool, &self.state, &[], &locals)
+            .await
+            .map_err(|error| format!("reading for the batch failed: {error}"))?;
+        self.state.prepared(prepared);
+        let mut writes = sluice_admission::partition::AdmissionWrites::default();
+        let mut outbox = Outbox::new();
+        let mut replies = Vec::new();
+        let mut rejected = Vec::new();
+        self.state.apply(
+            NOW_MS,
+            &[],
+            locals,
+            &mut writes,
+            &mut outbox,
+            &mut replies,
+            &mut rejected,
+        );
+        let inserted = writes.inserted.clone();
+        let mut transaction = self.pool.begin().await.map_err(|error| error.to_string())?;
+        self.store
+            .persist(&mut transaction, &self.context, writes)
+            .await
+            .map_err(|error| format!("PostgreSQL refused admission's batch: {error}"))?;
+        transaction.commit().await.map_err(|error| error.to_string())?;
+        for reply in replies {
+            reply();
+        }
+        let mut outcomes = Vec::new();
+        for answer in answers {
+            outcomes.push(answer.await.map_err(|_| "no answer".to_string())?);
+        }
+        Ok((outcomes, inserted, outbox))
+    }
+}
+
 /// Everything downstream of admission, for one accepted request. Errors say
 /// which service refused what.
-async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) -> Result<(), String> {
-    let config = &core.config;
+async fn downstream(
+    config: &SluiceConfig,
+    admission: &mut JobPartition,
+    tables: &Tables,
+    incoming: &Incoming,
+) -> Result<(), String> {
     let input = InputLimits::from_config(config);
-    let now_ms = 1_800_000_000_000;
+    let now_ms = NOW_MS;
     let context = |partition| OwnerContext {
         partition,
         epoch: 1,
         clock: AnchoredClock::starting_at(now_ms),
     };
-    let row = core.new_row(incoming, now_ms);
-    let mut transaction = tables.admission.begin().await.map_err(|error| error.to_string())?;
-    sluice_admission::jobs::insert_jobs(&mut transaction, std::slice::from_ref(&row))
-        .await
-        .map_err(|error| format!("PostgreSQL refused admission's job row: {error}"))?;
-    drop(transaction);
+    let (answer, inserted, _) = admission.enqueue(vec![incoming.clone()], OnConflict::Report).await?;
+    let outcomes = answer.map_err(|conflict| format!("a conflict: {conflict:?}"))?;
+    if outcomes.iter().any(|outcome| outcome.conflict || outcome.deduplicated) {
+        return Err(format!("not a new job: {outcomes:?}"));
+    }
+    let Some(row) = inserted.into_iter().next() else {
+        return Err("no row inserted".to_string());
+    };
+    let routes = sluice_admission::effects::Routes::from_config(config);
 
     for step_index in 0..row.state.chain.len() {
         let mut job = row.clone();
         job.state.step = u32::try_from(step_index).unwrap_or(u32::MAX);
         let mut outbox = Outbox::new();
-        core.routes.push_acquire(&mut outbox, &job);
+        routes.push_acquire(&mut outbox, &job);
         let step = &row.state.chain[step_index];
         if step.is_ticketed() {
             let commands: Vec<(i32, pb::LimitCommand)> = link_entries(outbox, Link::LimitGrant);
             for (partition, command) in commands {
                 let topology = sluice_limit_grant::store::Topology {
                     limit_partitions: config.kafka.partitions.limit_commands,
-                    grants_partitions: config.kafka.partitions.grants,
+                    grants_partitions: config.kafka.partitions.jobs,
                     refresh_due_topic: Arc::from("refresh-due"),
                     refresh_due_partitions: config.kafka.partitions.refresh_due,
                     max_message_bytes: config.kafka.max_message_bytes,
@@ -346,7 +467,7 @@ async fn downstream(core: &AdmissionCore, tables: &Tables, incoming: &Incoming) 
             for (partition, command) in commands {
                 let topology = sluice_rate_window::store::Topology {
                     rate_partitions: config.kafka.partitions.rate_commands,
-                    grants_partitions: config.kafka.partitions.grants,
+                    grants_partitions: config.kafka.partitions.jobs,
                     max_message_bytes: config.kafka.max_message_bytes,
                     granted_retention_ms: 300_000,
                     input,
@@ -388,37 +509,35 @@ fn every_request_admission_accepts_is_accepted_by_every_owner_and_by_postgresql(
         .enable_all()
         .build()?;
     let config = test_config("edgeprop", &[])?;
-    let (core, tables) = runtime.block_on(async {
+    let (admission, tables) = runtime.block_on(async {
         let tables = tables(&config).await?;
-        let core = AdmissionCore::new(
-            Arc::new(config.clone()),
-            tables.admission.clone(),
-            Publisher::new(&config.kafka)?,
-            sluice_admission::core::AdmissionLinks {
-                limit: LinkClient::detached(),
-                rate: LinkClient::detached(),
-            },
-            Faults::none(),
-            sluice_common::readiness::Readiness::new(),
-        );
-        anyhow::Ok((core, tables))
+        let admission = JobPartition::start(&config, tables.admission.clone()).await?;
+        anyhow::Ok((std::cell::RefCell::new(admission), tables))
     })?;
     let accepted = std::sync::atomic::AtomicU64::new(0);
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
         cases: 400,
         ..ProptestConfig::default()
     });
-    let outcome = runner.run(&request(), |request| {
-        let Ok(valid) = chain::validate(&core.config, request.clone()) else {
+    let generated = std::sync::atomic::AtomicU64::new(0);
+    let outcome = runner.run(&request(), |mut request| {
+        // Each case its own idempotency key too: a key repeated from an
+        // earlier case would (rightly) deduplicate.
+        let serial = generated.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if !request.idempotency_key.is_empty() {
+            request.idempotency_key = format!("{}#{serial}", request.idempotency_key);
+        }
+        let Ok(valid) = chain::validate(&config, request.clone()) else {
             return Ok(());
         };
-        accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let case = accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Each case a new job, whatever id the generator picked.
         let incoming = Incoming {
-            job_id: request.job_id.clone().unwrap_or_else(|| "generated-id".to_string()),
+            job_id: format!("{}#{case}", request.job_id.clone().unwrap_or_default()),
             valid,
             trace: pb::TraceContext::default(),
         };
-        let checked = runtime.block_on(downstream(&core, &tables, &incoming));
+        let checked = runtime.block_on(downstream(&config, &mut admission.borrow_mut(), &tables, &incoming));
         prop_assert!(checked.is_ok(), "{}: {request:?}", checked.err().unwrap_or_default());
         Ok(())
     });
@@ -437,22 +556,9 @@ fn every_request_admission_accepts_is_accepted_by_every_owner_and_by_postgresql(
 /// request as the saved one is a duplicate, not a conflict.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_job_id_is_judged_against_the_saved_request() -> anyhow::Result<()> {
-    use sluice_admission::core::OnConflict;
     let config = test_config("repeat", &[])?;
     let tables = tables(&config).await?;
-    // The jobs' acquires are published: their topics must exist.
-    sluice_common::kafka::ensure_topics(&config.kafka, &sluice_common::service::all_topics(&config), true).await?;
-    let core = AdmissionCore::new(
-        Arc::new(config.clone()),
-        tables.admission.clone(),
-        Publisher::new(&config.kafka)?,
-        sluice_admission::core::AdmissionLinks {
-            limit: LinkClient::detached(),
-            rate: LinkClient::detached(),
-        },
-        Faults::none(),
-        sluice_common::readiness::Readiness::new(),
-    );
+    let mut admission = JobPartition::start(&config, tables.admission.clone()).await?;
     let incoming = |payload: &str| -> anyhow::Result<Incoming> {
         let request = pb::JobRequest {
             job_id: Some("same-id".to_string()),
@@ -460,18 +566,24 @@ async fn a_repeated_job_id_is_judged_against_the_saved_request() -> anyhow::Resu
         };
         Ok(Incoming {
             job_id: "same-id".to_string(),
-            valid: chain::validate(&core.config, request)?,
+            valid: chain::validate(&config, request)?,
             trace: pb::TraceContext::default(),
         })
     };
-    let saved = core.enqueue(&[incoming("first")?], OnConflict::Report).await?;
+    let (saved, _, _) = admission
+        .enqueue(vec![incoming("first")?], OnConflict::Report)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let saved = saved.map_err(|conflict| anyhow::anyhow!("{conflict:?}"))?;
     assert!(!saved[0].deduplicated && !saved[0].conflict);
-    let outcomes = core
+    let (outcomes, _, _) = admission
         .enqueue(
-            &[incoming("other")?, incoming("first")?, incoming("other")?],
+            vec![incoming("other")?, incoming("first")?, incoming("other")?],
             OnConflict::Report,
         )
-        .await?;
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let outcomes = outcomes.map_err(|conflict| anyhow::anyhow!("{conflict:?}"))?;
     let seen: Vec<(bool, bool)> = outcomes
         .iter()
         .map(|outcome| (outcome.conflict, outcome.deduplicated))
@@ -481,6 +593,43 @@ async fn a_repeated_job_id_is_judged_against_the_saved_request() -> anyhow::Resu
         vec![(true, false), (false, true), (true, false)],
         "conflict, duplicate, conflict"
     );
+    cleanup(&config, &tables.admission).await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn one_idempotency_key_in_two_calls_of_one_batch_makes_one_job() -> anyhow::Result<()> {
+    let config = test_config("idembatch", &[])?;
+    let tables = tables(&config).await?;
+    let mut admission = JobPartition::start(&config, tables.admission.clone()).await?;
+    let incoming = |job_id: &str| -> anyhow::Result<Incoming> {
+        let request = pb::JobRequest {
+            idempotency_key: "order-7".to_string(),
+            idempotency_window: "1h".to_string(),
+            ..concurrency_job("acme", "idem-key", 1, 0, job_id)
+        };
+        Ok(Incoming {
+            job_id: job_id.to_string(),
+            valid: chain::validate(&config, request)?,
+            trace: pb::TraceContext::default(),
+        })
+    };
+    // Two Kafka requests with one key, handed over in one batch.
+    let (answers, inserted, _) = admission
+        .enqueue_calls(vec![vec![incoming("a")?], vec![incoming("b")?]], OnConflict::Report)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let outcomes: Vec<EnqueueOutcome> = answers
+        .into_iter()
+        .map(|answer| answer.map_err(|conflict| anyhow::anyhow!("{conflict:?}")))
+        .collect::<anyhow::Result<Vec<_>>>()?
+        .into_iter()
+        .flatten()
+        .collect();
+    assert_eq!(inserted.len(), 1, "one job saved");
+    assert!(!outcomes[0].deduplicated);
+    assert!(outcomes[1].deduplicated, "{outcomes:?}");
+    assert_eq!(outcomes[1].job_id, "a", "the second names the first's job");
     cleanup(&config, &tables.admission).await;
     Ok(())
 }

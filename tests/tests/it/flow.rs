@@ -86,7 +86,7 @@ pub fn check_runs(recorder: &Recorder, jobs: usize, max: usize) {
 async fn three_hundred_jobs_on_three_keys_hold_the_limit_and_the_queue_order() -> anyhow::Result<()> {
     // One grant partition: the observer then sees each key's grants in the
     // order the key's owner decided them.
-    let stack = Stack::start(test_config("flow300", &[("kafka.partitions.grants", "1")])?, 1).await?;
+    let stack = Stack::start(test_config("flow300", &[("kafka.partitions.jobs", "1")])?, 1).await?;
     let stop = Shutdown::new();
     let events = Arc::new(Mutex::new(Vec::new()));
     observe_grants(&stack, events.clone(), stop.clone()).await?;

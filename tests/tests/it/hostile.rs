@@ -37,15 +37,22 @@ async fn job_count(stack: &Stack) -> anyhow::Result<i64> {
     Ok(stack.job_statuses().await?.values().sum())
 }
 
+/// The job's status as GetJob says (`None`: no such job).
 async fn status_of(stack: &Stack, job_id: &str) -> anyhow::Result<Option<i16>> {
-    let query = format!(
-        "SELECT status FROM \"{}\".jobs WHERE job_id = $1",
-        stack.config.schema("admission")
-    );
-    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(query))
-        .bind(job_id)
-        .fetch_optional(&stack.pool)
-        .await?)
+    let mut admission = stack.admission_client().await?;
+    match admission
+        .get_job(pb::GetJobRequest {
+            job_id: job_id.to_string(),
+        })
+        .await
+    {
+        Ok(response) => Ok(response
+            .into_inner()
+            .job
+            .map(|job| i16::try_from(job.status).unwrap_or_default())),
+        Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
+        Err(status) => Err(status.into()),
+    }
 }
 
 fn admitted_or_later(status: Option<i16>) -> bool {
@@ -760,14 +767,14 @@ async fn owners_set_aside_internal_input_they_can_never_apply_and_go_on() -> any
 
 /// admission: a request PostgreSQL refuses to store, every time, is
 /// dead-lettered (class `storage`) and the requests around it are saved; an
-/// undecodable grant message is set aside in admission's quarantine table
-/// and grants go on.
+/// undecodable internal message (a hand-over) is set aside in admission's
+/// quarantine table and jobs go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn admission_dead_letters_what_postgresql_refuses_and_sets_aside_bad_grants() -> anyhow::Result<()> {
     let stack = Stack::start(test_config("admrefuse", &[("kafka.partitions.requested", "1")])?, 1).await?;
     let config = stack.config.clone();
-    // Refuse the first save and its request saved alone.
-    stack.admissions[0].faults.arm(FaultPoint::AdmissionSaveRefused, 0, 2);
+    // PostgreSQL refuses to store the first request, every time.
+    stack.admissions[0].faults.refuse_job("refuse-0");
     let requests: Vec<pb::JobRequest> = (0..3)
         .map(|index| {
             with_id(
@@ -792,11 +799,11 @@ async fn admission_dead_letters_what_postgresql_refuses_and_sets_aside_bad_grant
     );
     assert_eq!(letters[0].header("sluice-source-offset"), "0");
 
-    // An undecodable grant message, then the flow goes on.
+    // An undecodable hand-over message (internal input), then the flow goes on.
     publish_raw(
         &config,
         vec![OutMsg {
-            topic: Arc::from(config.topic(&config.topics.grants)),
+            topic: Arc::from(config.topic(&config.topics.jobs)),
             partition: Some(0),
             key: None,
             payload: vec![0x0a, 0x7f],

@@ -56,7 +56,7 @@ async fn start_dev(config: &sluice_common::SluiceConfig, broker: &str, drain_tim
         .env("SLUICE__TELEMETRY__METRICS_LISTEN", "")
         .env("SLUICE__KAFKA__PARTITIONS__LIMIT_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__RATE_COMMANDS", "2")
-        .env("SLUICE__KAFKA__PARTITIONS__GRANTS", "2")
+        .env("SLUICE__KAFKA__PARTITIONS__JOBS", "2")
         .env("SLUICE__PROCESS__DRAIN_TIMEOUT", drain_timeout)
         .env("RUST_LOG", "info,librdkafka=warn,rdkafka=warn,sqlx=warn")
         .env("SLUICE__TELEMETRY__LOG_FORMAT", "json")

@@ -581,7 +581,7 @@ async fn dev_runs_all_four_services_until_sigterm() -> anyhow::Result<()> {
         .env("SLUICE__TELEMETRY__METRICS_LISTEN", "")
         .env("SLUICE__KAFKA__PARTITIONS__LIMIT_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__RATE_COMMANDS", "2")
-        .env("SLUICE__KAFKA__PARTITIONS__GRANTS", "2")
+        .env("SLUICE__KAFKA__PARTITIONS__JOBS", "2")
         .env("RUST_LOG", "warn")
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)

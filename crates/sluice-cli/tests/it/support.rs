@@ -107,7 +107,7 @@ pub fn sluice(stack: &Stack) -> Command {
         ("ADMITTED", counts.admitted),
         ("LIMIT_COMMANDS", counts.limit_commands),
         ("RATE_COMMANDS", counts.rate_commands),
-        ("GRANTS", counts.grants),
+        ("JOBS", counts.jobs),
         ("REFRESH_DUE", counts.refresh_due),
         ("REFRESH_TASKS", counts.refresh_tasks),
         ("DEADLETTER", counts.deadletter),

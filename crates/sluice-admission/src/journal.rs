@@ -1,0 +1,237 @@
+//! What a job partition keeps in PostgreSQL besides the job rows
+//! (docs/hot-path.md): a journal row per committed batch holding the changes
+//! of the batch's jobs, and a snapshot of the partition's active jobs
+//! written when the journal since the last one has outgrown it. Storage
+//! formats, not messages between services.
+
+use prost::Message;
+use sluice_proto::v1 as pb;
+
+use crate::chain::{History, StoredChain};
+use crate::jobs::JobRow;
+use crate::transitions::{JobState, Status};
+
+/// The part of a job that changes after it is saved.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct JobDynamic {
+    #[prost(enumeration = "pb::JobStatus", tag = "1")]
+    pub status: i32,
+    #[prost(uint32, tag = "2")]
+    pub attempt: u32,
+    #[prost(uint32, tag = "3")]
+    pub attempts_used: u32,
+    #[prost(uint32, tag = "4")]
+    pub step: u32,
+    #[prost(int64, optional, tag = "5")]
+    pub due_at_ms: Option<i64>,
+    #[prost(int64, optional, tag = "6")]
+    pub step_started_at_ms: Option<i64>,
+    #[prost(int64, optional, tag = "7")]
+    pub admitted_at_ms: Option<i64>,
+    #[prost(string, optional, tag = "8")]
+    pub claimed_by: Option<String>,
+    #[prost(int64, optional, tag = "9")]
+    pub claimed_at_ms: Option<i64>,
+    #[prost(int64, optional, tag = "10")]
+    pub lease_expires_at_ms: Option<i64>,
+    #[prost(string, optional, tag = "11")]
+    pub cancel_reason: Option<String>,
+    #[prost(string, tag = "12")]
+    pub last_error: String,
+    #[prost(int64, optional, tag = "13")]
+    pub finished_at_ms: Option<i64>,
+}
+
+impl JobDynamic {
+    pub fn of(state: &JobState) -> Self {
+        JobDynamic {
+            status: state.status as i32,
+            attempt: state.attempt,
+            attempts_used: state.attempts_used,
+            step: state.step,
+            due_at_ms: state.due_at_ms,
+            step_started_at_ms: state.step_started_at_ms,
+            admitted_at_ms: state.admitted_at_ms,
+            claimed_by: state.claimed_by.clone(),
+            claimed_at_ms: state.claimed_at_ms,
+            lease_expires_at_ms: state.lease_expires_at_ms,
+            cancel_reason: state.cancel_reason.clone(),
+            last_error: state.last_error.clone(),
+            finished_at_ms: state.finished_at_ms,
+        }
+    }
+
+    /// Overwrite `state`'s changing part with this one.
+    pub fn apply_to(&self, state: &mut JobState) {
+        state.status = Status::try_from(self.status).unwrap_or(Status::Unspecified);
+        state.attempt = self.attempt;
+        state.attempts_used = self.attempts_used;
+        state.step = self.step;
+        state.due_at_ms = self.due_at_ms;
+        state.step_started_at_ms = self.step_started_at_ms;
+        state.admitted_at_ms = self.admitted_at_ms;
+        state.claimed_by = self.claimed_by.clone();
+        state.claimed_at_ms = self.claimed_at_ms;
+        state.lease_expires_at_ms = self.lease_expires_at_ms;
+        state.cancel_reason = self.cancel_reason.clone();
+        state.last_error = self.last_error.clone();
+        state.finished_at_ms = self.finished_at_ms;
+    }
+}
+
+/// One job's change in a batch.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct JobChange {
+    #[prost(string, tag = "1")]
+    pub job_id: String,
+    /// The job was saved in this batch (its row holds what does not change).
+    #[prost(bool, tag = "2")]
+    pub created: bool,
+    /// The job ended in this batch (its outcome row holds the end); it
+    /// leaves the partition's active jobs.
+    #[prost(bool, tag = "3")]
+    pub removed: bool,
+    #[prost(message, optional, tag = "4")]
+    pub state: Option<JobDynamic>,
+    /// Attempt records added in this batch.
+    #[prost(message, repeated, tag = "5")]
+    pub history_added: Vec<pb::AttemptRecord>,
+    /// The whole history, when records were dropped from its front (it is
+    /// bounded) in this batch: it replaces the job's.
+    #[prost(message, optional, tag = "6")]
+    pub history: Option<History>,
+}
+
+/// The journal row of one batch.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct JournalBatch {
+    #[prost(message, repeated, tag = "1")]
+    pub changes: Vec<JobChange>,
+}
+
+/// An active job in a snapshot: its row's content (without the payload,
+/// which stays in the row) and its current state.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SnapshotJob {
+    #[prost(string, tag = "1")]
+    pub job_id: String,
+    #[prost(string, tag = "2")]
+    pub tenant: String,
+    #[prost(string, tag = "3")]
+    pub task_group: String,
+    #[prost(uint32, tag = "4")]
+    pub priority: u32,
+    #[prost(message, optional, tag = "5")]
+    pub spec: Option<pb::JobRequest>,
+    #[prost(message, optional, tag = "6")]
+    pub chain: Option<StoredChain>,
+    #[prost(uint32, tag = "7")]
+    pub max_attempts: u32,
+    #[prost(int64, tag = "8")]
+    pub lease_ms: i64,
+    #[prost(int64, optional, tag = "9")]
+    pub run_timeout_ms: Option<i64>,
+    #[prost(int64, tag = "10")]
+    pub enqueued_at_us: i64,
+    #[prost(int64, optional, tag = "11")]
+    pub run_at_ms: Option<i64>,
+    #[prost(string, optional, tag = "12")]
+    pub idempotency_key: Option<String>,
+    #[prost(message, optional, tag = "13")]
+    pub trace: Option<pb::TraceContext>,
+    #[prost(bytes = "vec", optional, tag = "14")]
+    pub request_hash: Option<Vec<u8>>,
+    #[prost(message, optional, tag = "15")]
+    pub state: Option<JobDynamic>,
+    #[prost(message, optional, tag = "16")]
+    pub history: Option<History>,
+}
+
+/// Every active job of a partition after the batch `seq`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Snapshot {
+    #[prost(message, repeated, tag = "1")]
+    pub jobs: Vec<SnapshotJob>,
+}
+
+impl SnapshotJob {
+    pub fn of(row: &JobRow) -> Self {
+        SnapshotJob {
+            job_id: row.state.job_id.clone(),
+            tenant: row.tenant.clone(),
+            task_group: row.task_group.clone(),
+            priority: row.priority,
+            spec: Some(row.spec.clone()),
+            chain: Some(StoredChain {
+                steps: row.state.chain.clone(),
+            }),
+            max_attempts: row.state.max_attempts,
+            lease_ms: row.state.lease_ms,
+            run_timeout_ms: row.state.run_timeout_ms,
+            enqueued_at_us: row.enqueued_at_us,
+            run_at_ms: row.run_at_ms,
+            idempotency_key: row.idempotency_key.clone(),
+            trace: Some(row.trace.clone()),
+            request_hash: row.request_hash.clone(),
+            state: Some(JobDynamic::of(&row.state)),
+            history: Some(row.state.history.clone()),
+        }
+    }
+
+    /// The job row it describes, without its payload; `job_partition` is
+    /// the snapshot's partition.
+    pub fn into_row(self, job_partition: i32) -> JobRow {
+        let spec = self.spec.unwrap_or_default();
+        let retry =
+            crate::chain::RetrySettings::from_request(spec.retry.as_ref()).unwrap_or(crate::chain::RetrySettings {
+                max_attempts: 1,
+                initial_backoff_ms: 1_000,
+                max_backoff_ms: 300_000,
+                multiplier: 2.0,
+                fail_on_lease_expiry: false,
+            });
+        let mut state = JobState {
+            job_id: self.job_id,
+            status: Status::Unspecified,
+            attempt: 1,
+            attempts_used: 0,
+            max_attempts: self.max_attempts,
+            step: 0,
+            chain: self.chain.unwrap_or_default().steps,
+            retry,
+            lease_ms: self.lease_ms,
+            run_timeout_ms: self.run_timeout_ms,
+            due_at_ms: None,
+            step_started_at_ms: None,
+            admitted_at_ms: None,
+            claimed_by: None,
+            claimed_at_ms: None,
+            lease_expires_at_ms: None,
+            finished_at_ms: None,
+            cancel_reason: None,
+            last_error: String::new(),
+            history: self.history.unwrap_or_default(),
+        };
+        if let Some(dynamic) = &self.state {
+            dynamic.apply_to(&mut state);
+        }
+        JobRow {
+            state,
+            tenant: self.tenant,
+            task_group: self.task_group,
+            priority: self.priority,
+            spec,
+            payload: Vec::new(),
+            job_partition,
+            enqueued_at_us: self.enqueued_at_us,
+            run_at_ms: self.run_at_ms,
+            idempotency_key: self.idempotency_key,
+            trace: self.trace.unwrap_or_default(),
+            request_hash: self.request_hash,
+        }
+    }
+}
+
+pub fn encode<M: Message>(message: &M) -> Vec<u8> {
+    message.encode_to_vec()
+}

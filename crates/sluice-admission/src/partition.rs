@@ -1,0 +1,1405 @@
+//! One job partition, owned (docs/hot-path.md): its active jobs in memory,
+//! and every decision about them — enqueue, grants, claims, heartbeats,
+//! completions, cancels, and what falls due (run_at, retry backoffs, waits
+//! long enough to re-send, unclaimed admitted jobs, leases, run timeouts,
+//! stand-behind statements). Pure: no I/O, an explicit clock; the owner
+//! runtime commits what it decides (`AdmissionWrites`), then sends its
+//! effects. The state machine itself is `transitions`.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+
+use opentelemetry::KeyValue;
+use sluice_common::kafka::{batch_entries, InMsg, Outbox};
+use sluice_common::link::Link;
+use sluice_common::owner::{OwnedState, Rejected, Reply, WriteSet};
+use sluice_common::telemetry::record_span;
+use sluice_common::{FaultPoint, Faults, SluiceConfig};
+use sluice_proto::v1 as pb;
+use tokio::sync::oneshot;
+
+use crate::chain::StoredStep;
+use crate::consumers::{admit_message, Refusal};
+use crate::effects::{count_dead_letters, DeadLetterClass, Routes};
+use crate::jobs::{request_fingerprint, JobRow};
+use crate::journal::{JobChange, JobDynamic, JournalBatch, Snapshot, SnapshotJob};
+use crate::transitions::{self, AttemptEnd, Effect, JobState, Status, Timing};
+
+/// A validated request with its id and trace context.
+#[derive(Clone, Debug)]
+pub struct Incoming {
+    pub job_id: String,
+    pub valid: crate::chain::ValidJob,
+    pub trace: pb::TraceContext,
+}
+
+/// What `enqueue` does with a request whose job id exists with a different
+/// request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnConflict {
+    /// Save nothing of the call; answer a conflict (gRPC ALREADY_EXISTS).
+    Refuse,
+    /// Save the rest; the outcome says `conflict` (Kafka: a dead letter).
+    Report,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnqueueOutcome {
+    pub job_id: String,
+    pub status: Status,
+    /// The job already existed (the same request again, or the same
+    /// idempotency key within its window): nothing new was saved.
+    pub deduplicated: bool,
+    /// The job id exists with a different request: nothing was saved.
+    pub conflict: bool,
+}
+
+/// A refused `Enqueue` call (`OnConflict::Refuse`): the index of the first
+/// request whose job id exists with a different request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnqueueConflict {
+    pub index: usize,
+    pub job_id: String,
+}
+
+/// Requests from this instance's gRPC handlers and links for one job
+/// partition. Each carries its reply, sent once the batch is durable.
+pub enum Local {
+    Enqueue {
+        jobs: Vec<Incoming>,
+        on_conflict: OnConflict,
+        reply: oneshot::Sender<Result<Vec<EnqueueOutcome>, EnqueueConflict>>,
+    },
+    /// The job if it is active here (else the caller reads its rows).
+    Describe {
+        job_id: String,
+        reply: oneshot::Sender<Option<JobRow>>,
+    },
+    Cancel {
+        job_id: String,
+        reason: String,
+        reply: oneshot::Sender<Option<Status>>,
+    },
+    Claim {
+        worker_id: String,
+        attempts: Vec<(String, u32)>,
+        reply: oneshot::Sender<Vec<pb::ClaimResult>>,
+    },
+    Heartbeat {
+        worker_id: String,
+        attempts: Vec<(String, u32)>,
+        reply: oneshot::Sender<Vec<pb::HeartbeatResult>>,
+    },
+    Complete {
+        worker_id: String,
+        completions: Vec<(String, u32, AttemptEnd)>,
+        /// The worker's trace context, when its call carried one.
+        caller_trace: pb::TraceContext,
+        reply: oneshot::Sender<Vec<pb::CompleteResult>>,
+    },
+    /// Grant events from the links.
+    Grants(Vec<pb::GrantEvent>),
+}
+
+/// A job that is not active in this partition, as its rows say.
+#[derive(Clone, Debug)]
+pub struct StoredJob {
+    /// The job, with its outcome's state when it ended.
+    pub row: JobRow,
+    pub finished: bool,
+}
+
+/// What `AdmissionStore::prepare` read for a batch.
+#[derive(Debug, Default)]
+pub struct Prepared {
+    /// Jobs the batch names that are not active here, by id (absent: no
+    /// such job).
+    pub stored: HashMap<String, StoredJob>,
+    /// Holders of the idempotency keys the batch's new jobs name:
+    /// (tenant, key) → (job id, expires_at_ms).
+    pub idempotency: HashMap<(String, String), (String, i64)>,
+    /// Payloads of active jobs whose payload is not in memory.
+    pub payloads: HashMap<String, Vec<u8>>,
+    /// Handed-over requests, checked: by (offset, entry index).
+    pub handovers: HashMap<(i64, usize), HandOver>,
+}
+
+/// A request handed over through `sluice.jobs`, as checked.
+#[derive(Clone, Debug)]
+pub struct HandOver {
+    /// The producer's message as it was read from its topic.
+    pub source_topic: String,
+    pub source: InMsg,
+    pub checked: Result<Incoming, Refusal>,
+}
+
+/// What a batch saves.
+#[derive(Debug, Default)]
+pub struct AdmissionWrites {
+    /// New jobs (their rows).
+    pub inserted: Vec<JobRow>,
+    /// Jobs that ended (their outcome rows).
+    pub finished: Vec<JobRow>,
+    /// Idempotency keys taken: (tenant, key, job id, expires_at_ms).
+    pub idempotency: Vec<(String, String, String, i64)>,
+    /// The batch's journal entry, numbered.
+    pub journal: Option<(i64, JournalBatch)>,
+    /// A snapshot of the partition after this batch, when due.
+    pub snapshot: Option<(i64, Snapshot)>,
+}
+
+impl WriteSet for AdmissionWrites {
+    fn is_empty(&self) -> bool {
+        self.inserted.is_empty()
+            && self.finished.is_empty()
+            && self.idempotency.is_empty()
+            && self.journal.is_none()
+            && self.snapshot.is_none()
+    }
+}
+
+/// What a partition is configured with.
+#[derive(Clone)]
+pub struct PartitionSettings {
+    pub partition: i32,
+    pub config: Arc<SluiceConfig>,
+    pub routes: Arc<Routes>,
+    pub timing: Timing,
+    pub stand_behind_interval_ms: i64,
+    pub ticket_grace_ms: i64,
+    pub faults: Faults,
+}
+
+/// An active job and whether its payload is in memory.
+#[derive(Clone, Debug)]
+struct Active {
+    row: JobRow,
+    payload_loaded: bool,
+}
+
+/// The journal always grows to at least this before a snapshot replaces it.
+const MIN_JOURNAL_BEFORE_SNAPSHOT: usize = 1 << 20;
+
+/// One owned job partition.
+pub struct AdmissionPartition {
+    settings: PartitionSettings,
+    jobs: HashMap<String, Active>,
+    /// (due_at_ms, job id) of every active job that has a due time.
+    timers: BTreeSet<(i64, String)>,
+    /// Admitted jobs to publish once their payload is read.
+    awaiting_payload: BTreeSet<String>,
+    payload_bytes: usize,
+    next_stand_behind_ms: i64,
+    /// The last journal entry's number.
+    journal_seq: i64,
+    journal_bytes_since_snapshot: usize,
+    last_snapshot_bytes: usize,
+    snapshot_due: bool,
+    last_enqueued_at_us: i64,
+    prepared: Prepared,
+    /// Changes of the batch being decided, by job id.
+    changes: HashMap<String, JobChange>,
+}
+
+/// Where a batch's decisions go.
+struct Out<'a> {
+    writes: &'a mut AdmissionWrites,
+    outbox: &'a mut Outbox,
+    replies: &'a mut Vec<Reply>,
+}
+
+impl AdmissionPartition {
+    /// A partition holding `jobs` (loaded), whose journal ends at
+    /// `journal_seq`. `snapshot_bytes` is the size of the snapshot it was
+    /// loaded from (none: a snapshot is written with the first batch).
+    pub fn new(
+        settings: PartitionSettings,
+        jobs: Vec<JobRow>,
+        journal_seq: i64,
+        snapshot_bytes: Option<usize>,
+        journal_bytes: usize,
+    ) -> Self {
+        let mut partition = AdmissionPartition {
+            settings,
+            jobs: HashMap::with_capacity(jobs.len()),
+            timers: BTreeSet::new(),
+            awaiting_payload: BTreeSet::new(),
+            payload_bytes: 0,
+            next_stand_behind_ms: 0,
+            journal_seq,
+            journal_bytes_since_snapshot: journal_bytes,
+            last_snapshot_bytes: snapshot_bytes.unwrap_or(0),
+            snapshot_due: snapshot_bytes.is_none(),
+            last_enqueued_at_us: 0,
+            prepared: Prepared::default(),
+            changes: HashMap::new(),
+        };
+        for row in jobs {
+            partition.last_enqueued_at_us = partition.last_enqueued_at_us.max(row.enqueued_at_us);
+            if row.state.status == Status::Admitted {
+                // A new owner publishes them again (the old one may not have).
+                partition.awaiting_payload.insert(row.state.job_id.clone());
+            }
+            partition.put(row, false);
+        }
+        partition
+    }
+
+    /// A new owner gives every running job one lease from `now_ms`: a worker
+    /// whose heartbeats reached the old owner within its lease keeps it.
+    pub fn grant_lease_grace(&mut self, now_ms: i64) {
+        let running: Vec<String> = self
+            .jobs
+            .values()
+            .filter(|active| matches!(active.row.state.status, Status::Running | Status::Cancelling))
+            .map(|active| active.row.state.job_id.clone())
+            .collect();
+        for job_id in running {
+            self.update(&job_id, |state| {
+                let grace = now_ms.saturating_add(state.lease_ms);
+                state.lease_expires_at_ms = Some(state.lease_expires_at_ms.unwrap_or(grace).max(grace));
+                state.due_at_ms = transitions::running_due_at(state);
+            });
+        }
+        self.changes.clear();
+    }
+
+    pub fn active_jobs(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn job(&self, job_id: &str) -> Option<&JobRow> {
+        self.jobs.get(job_id).map(|active| &active.row)
+    }
+
+    /// Ids of active jobs whose payload is not in memory, among `job_ids`
+    /// and those waiting to be published (`AdmissionStore::prepare`).
+    pub fn payloads_needed<'a>(&'a self, job_ids: impl Iterator<Item = &'a str>) -> Vec<String> {
+        let mut needed: BTreeSet<String> = self.awaiting_payload.clone();
+        for job_id in job_ids {
+            if self.jobs.get(job_id).is_some_and(|active| !active.payload_loaded) {
+                needed.insert(job_id.to_string());
+            }
+        }
+        needed.into_iter().collect()
+    }
+
+    pub fn settings(&self) -> &PartitionSettings {
+        &self.settings
+    }
+
+    // -- keeping jobs, timers and changes -------------------------------
+
+    fn put(&mut self, row: JobRow, payload_loaded: bool) {
+        let job_id = row.state.job_id.clone();
+        if let Some(due) = row.state.due_at_ms {
+            self.timers.insert((due, job_id.clone()));
+        }
+        if payload_loaded {
+            self.payload_bytes += row.payload.len();
+        }
+        self.jobs.insert(job_id, Active { row, payload_loaded });
+    }
+
+    /// Change a job's state, keeping its timer and the batch's changes.
+    fn update(&mut self, job_id: &str, change: impl FnOnce(&mut JobState)) {
+        let Some(active) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        let old_due = active.row.state.due_at_ms;
+        let history_before = active.row.state.history.records.len();
+        change(&mut active.row.state);
+        let state = &active.row.state;
+        if old_due != state.due_at_ms {
+            if let Some(due) = old_due {
+                self.timers.remove(&(due, job_id.to_string()));
+            }
+            if let Some(due) = state.due_at_ms {
+                self.timers.insert((due, job_id.to_string()));
+            }
+        }
+        let entry = self.changes.entry(job_id.to_string()).or_insert_with(|| JobChange {
+            job_id: job_id.to_string(),
+            ..Default::default()
+        });
+        entry.state = Some(JobDynamic::of(state));
+        if state.history.records.len() >= history_before && entry.history.is_none() {
+            entry
+                .history_added
+                .extend(state.history.records[history_before..].iter().cloned());
+        } else {
+            // The oldest records were dropped (the history is bounded): the
+            // journal keeps the whole of it.
+            entry.history_added.clear();
+            entry.history = Some(state.history.clone());
+        }
+    }
+
+    /// Remove a job that ended: its outcome is saved, and it leaves memory.
+    fn finish(&mut self, job_id: &str, out: &mut Out<'_>) {
+        let Some(active) = self.jobs.remove(job_id) else {
+            return;
+        };
+        if let Some(due) = active.row.state.due_at_ms {
+            self.timers.remove(&(due, job_id.to_string()));
+        }
+        if active.payload_loaded {
+            self.payload_bytes = self.payload_bytes.saturating_sub(active.row.payload.len());
+        }
+        self.awaiting_payload.remove(job_id);
+        let entry = self.changes.entry(job_id.to_string()).or_insert_with(|| JobChange {
+            job_id: job_id.to_string(),
+            ..Default::default()
+        });
+        entry.removed = true;
+        entry.state = Some(JobDynamic::of(&active.row.state));
+        out.writes.finished.push(active.row);
+    }
+
+    fn after_transition(&mut self, job_id: &str, effects: &[Effect], out: &mut Out<'_>) {
+        let has_releases = effects.iter().any(|effect| matches!(effect, Effect::Release { .. }));
+        let drop_releases = has_releases && self.settings.faults.hit(FaultPoint::AdmissionDropRelease);
+        let Some(active) = self.jobs.get(job_id) else {
+            return;
+        };
+        let kept: Vec<Effect> = effects
+            .iter()
+            .filter(|effect| !(drop_releases && matches!(effect, Effect::Release { .. })))
+            .cloned()
+            .collect();
+        let wants_publish = kept.iter().any(|effect| matches!(effect, Effect::Admitted));
+        let sendable: Vec<Effect> = kept
+            .into_iter()
+            .filter(|effect| !matches!(effect, Effect::Admitted))
+            .collect();
+        self.settings.routes.push_effects(out.outbox, &active.row, &sendable);
+        let finished = active.row.state.is_finished();
+        if wants_publish {
+            self.publish_admitted(job_id, out);
+        }
+        if finished {
+            self.finish(job_id, out);
+        }
+    }
+
+    /// Publish an admitted job to its task group's workers, now when its
+    /// payload is in memory, else once it is read.
+    fn publish_admitted(&mut self, job_id: &str, out: &mut Out<'_>) {
+        let Some(active) = self.jobs.get(job_id) else {
+            return;
+        };
+        if !active.payload_loaded {
+            self.awaiting_payload.insert(job_id.to_string());
+            return;
+        }
+        // The admitted message carries its own span's context: the worker's
+        // handler span hangs below it.
+        let now = std::time::SystemTime::now();
+        let admitted_trace = record_span(
+            SCOPE,
+            "admission.admit",
+            &active.row.trace,
+            now,
+            now,
+            vec![
+                KeyValue::new("sluice.job_id", job_id.to_string()),
+                KeyValue::new("sluice.attempt", i64::from(active.row.state.attempt)),
+                KeyValue::new("sluice.task_group", active.row.task_group.clone()),
+            ],
+        );
+        let mut published = active.row.clone();
+        published.trace = admitted_trace;
+        self.settings.routes.push_admitted(out.outbox, &published);
+    }
+
+    /// Keep a payload read from PostgreSQL for the job being dispatched.
+    fn keep_payload(&mut self, job_id: &str, payload: Vec<u8>) {
+        let Some(active) = self.jobs.get_mut(job_id) else {
+            return;
+        };
+        if active.payload_loaded {
+            return;
+        }
+        active.row.payload = payload;
+        active.payload_loaded = true;
+        self.payload_bytes += active.row.payload.len();
+    }
+
+    /// Whether a new job's payload stays in memory.
+    fn payload_fits(&self, payload: &[u8]) -> bool {
+        let config = &self.settings.config.admission;
+        payload.len() <= config.memory_payload_max_bytes
+            && self.payload_bytes + payload.len() <= config.memory_payload_budget_bytes
+    }
+
+    /// Close the batch's journal entry (and a snapshot, when due).
+    fn close_batch(&mut self, writes: &mut AdmissionWrites) {
+        if self.changes.is_empty() && !self.snapshot_due {
+            return;
+        }
+        self.journal_seq += 1;
+        let mut changes: Vec<JobChange> = self.changes.drain().map(|(_, change)| change).collect();
+        changes.sort_by(|left, right| left.job_id.cmp(&right.job_id));
+        let batch = JournalBatch { changes };
+        let batch_bytes = prost::Message::encoded_len(&batch);
+        self.journal_bytes_since_snapshot += batch_bytes;
+        if self.snapshot_due
+            || self.journal_bytes_since_snapshot > self.last_snapshot_bytes.max(MIN_JOURNAL_BEFORE_SNAPSHOT)
+        {
+            let snapshot = Snapshot {
+                jobs: self.jobs.values().map(|active| SnapshotJob::of(&active.row)).collect(),
+            };
+            self.last_snapshot_bytes = prost::Message::encoded_len(&snapshot);
+            self.journal_bytes_since_snapshot = 0;
+            self.snapshot_due = false;
+            writes.snapshot = Some((self.journal_seq, snapshot));
+        } else {
+            writes.journal = Some((self.journal_seq, batch));
+        }
+    }
+
+    /// Strictly increasing enqueue times, so equal priorities keep arrival
+    /// order.
+    fn next_enqueue_time_us(&mut self, now_us: i64) -> i64 {
+        let next = now_us.max(self.last_enqueued_at_us + 1);
+        self.last_enqueued_at_us = next;
+        next
+    }
+
+    // -- enqueue ----------------------------------------------------------
+
+    /// The row of a new job (its state decided at `now_ms`).
+    fn new_row(&mut self, incoming: &Incoming, now_ms: i64) -> JobRow {
+        let valid = &incoming.valid;
+        // The job's own span, under the producer's: every span of the job
+        // hangs below it, across services.
+        let now = std::time::SystemTime::now();
+        let job_trace = record_span(
+            SCOPE,
+            "admission.enqueue",
+            &incoming.trace,
+            now,
+            now,
+            vec![
+                KeyValue::new("sluice.job_id", incoming.job_id.clone()),
+                KeyValue::new("sluice.tenant", valid.request.tenant.clone()),
+                KeyValue::new("sluice.task_group", valid.request.task_group.clone()),
+                KeyValue::new("sluice.limits", i64::try_from(valid.chain.len()).unwrap_or(i64::MAX)),
+            ],
+        );
+        let mut spec = valid.request.clone();
+        spec.payload = Vec::new();
+        spec.job_id = Some(incoming.job_id.clone());
+        let request_hash = Some(request_fingerprint(&spec, &valid.request.payload));
+        let mut state = JobState {
+            job_id: incoming.job_id.clone(),
+            status: Status::Scheduled,
+            attempt: 1,
+            attempts_used: 0,
+            max_attempts: valid.retry.max_attempts,
+            step: 0,
+            chain: valid.chain.clone(),
+            retry: valid.retry,
+            lease_ms: valid.lease_ms,
+            run_timeout_ms: valid.run_timeout_ms,
+            due_at_ms: None,
+            step_started_at_ms: None,
+            admitted_at_ms: None,
+            claimed_by: None,
+            claimed_at_ms: None,
+            lease_expires_at_ms: None,
+            finished_at_ms: None,
+            cancel_reason: None,
+            last_error: String::new(),
+            history: Default::default(),
+        };
+        match valid.request.run_at_ms {
+            Some(run_at) if run_at > now_ms => state.due_at_ms = Some(run_at),
+            _ => {
+                transitions::start_acquiring(&mut state, now_ms, self.settings.timing);
+            }
+        }
+        JobRow {
+            state,
+            tenant: valid.request.tenant.clone(),
+            task_group: valid.request.task_group.clone(),
+            priority: valid.priority,
+            spec,
+            payload: valid.request.payload.clone(),
+            job_partition: self.settings.partition,
+            enqueued_at_us: self.next_enqueue_time_us(now_ms.saturating_mul(1000)),
+            run_at_ms: valid.request.run_at_ms,
+            idempotency_key: if valid.request.idempotency_key.is_empty() {
+                None
+            } else {
+                Some(valid.request.idempotency_key.clone())
+            },
+            trace: job_trace,
+            request_hash,
+        }
+    }
+
+    /// The job an id already names, if any: active here, or stored.
+    fn existing(&self, job_id: &str) -> Option<(Status, Option<Vec<u8>>)> {
+        if let Some(active) = self.jobs.get(job_id) {
+            return Some((active.row.state.status, active.row.request_hash.clone()));
+        }
+        self.prepared
+            .stored
+            .get(job_id)
+            .map(|stored| (stored.row.state.status, stored.row.request_hash.clone()))
+    }
+
+    /// Enqueue `jobs`: new ones are saved and start acquiring; the same
+    /// request again is a duplicate (its pending effect is sent again); a
+    /// different request under a saved job id is a conflict.
+    fn enqueue(
+        &mut self,
+        now_ms: i64,
+        jobs: &[Incoming],
+        on_conflict: OnConflict,
+        out: &mut Out<'_>,
+    ) -> Result<Vec<EnqueueOutcome>, EnqueueConflict> {
+        // Decide every outcome first: a refused call changes nothing.
+        let rows: Vec<JobRow> = jobs.iter().map(|incoming| self.new_row(incoming, now_ms)).collect();
+        let mut outcomes: Vec<EnqueueOutcome> = Vec::with_capacity(rows.len());
+        let mut first_in_call: HashMap<String, usize> = HashMap::new();
+        let mut idempotency_in_call: HashMap<(String, String), String> = HashMap::new();
+        let mut new_rows: Vec<(usize, i64)> = Vec::new();
+        for (index, (row, incoming)) in rows.iter().zip(jobs).enumerate() {
+            let job_id = &row.state.job_id;
+            // An idempotency key held by another job inside its window.
+            if let (Some(key), Some(_)) = (&row.idempotency_key, incoming.valid.idempotency_window_ms) {
+                let pair = (row.tenant.clone(), key.clone());
+                let holder = idempotency_in_call.get(&pair).cloned().or_else(|| {
+                    self.prepared
+                        .idempotency
+                        .get(&pair)
+                        .filter(|(_, expires_at_ms)| *expires_at_ms > now_ms)
+                        .map(|(holder, _)| holder.clone())
+                });
+                match holder {
+                    Some(holder) if &holder != job_id => {
+                        let status = self.existing(&holder).map_or(Status::Unspecified, |(status, _)| status);
+                        outcomes.push(EnqueueOutcome {
+                            job_id: holder,
+                            status,
+                            deduplicated: true,
+                            conflict: false,
+                        });
+                        continue;
+                    }
+                    Some(_) => {}
+                    None => {
+                        idempotency_in_call.insert(pair, job_id.clone());
+                    }
+                }
+            }
+            // The same id earlier in this call, or already saved.
+            let earlier = first_in_call
+                .get(job_id)
+                .map(|first| (Status::Unspecified, rows[*first].request_hash.clone()));
+            let existing = earlier.or_else(|| self.existing(job_id));
+            match existing {
+                Some((status, saved_hash)) => {
+                    let same = match (&saved_hash, &row.request_hash) {
+                        (Some(saved), Some(ours)) => saved == ours,
+                        _ => true,
+                    };
+                    if !same && on_conflict == OnConflict::Refuse {
+                        return Err(EnqueueConflict {
+                            index,
+                            job_id: job_id.clone(),
+                        });
+                    }
+                    let status = match first_in_call.get(job_id) {
+                        Some(first) => rows[*first].state.status,
+                        None => status,
+                    };
+                    outcomes.push(EnqueueOutcome {
+                        job_id: job_id.clone(),
+                        status,
+                        deduplicated: same,
+                        conflict: !same,
+                    });
+                }
+                None => {
+                    first_in_call.insert(job_id.clone(), index);
+                    let expires_at_ms = incoming
+                        .valid
+                        .idempotency_window_ms
+                        .map_or(0, |window_ms| now_ms.saturating_add(window_ms));
+                    new_rows.push((index, expires_at_ms));
+                    outcomes.push(EnqueueOutcome {
+                        job_id: job_id.clone(),
+                        status: row.state.status,
+                        deduplicated: false,
+                        conflict: false,
+                    });
+                }
+            }
+        }
+        // Duplicates re-send the effect their job is waiting on.
+        for outcome in &outcomes {
+            if outcome.deduplicated && !first_in_call.contains_key(&outcome.job_id) {
+                self.resend_pending(&outcome.job_id, out);
+            }
+        }
+        let mut rows: Vec<Option<JobRow>> = rows.into_iter().map(Some).collect();
+        for (index, expires_at_ms) in new_rows {
+            let Some(row) = rows.get_mut(index).and_then(Option::take) else {
+                continue;
+            };
+            if let Some(key) = &row.idempotency_key {
+                out.writes
+                    .idempotency
+                    .push((row.tenant.clone(), key.clone(), row.state.job_id.clone(), expires_at_ms));
+                // Later requests of the same batch see the key taken.
+                self.prepared.idempotency.insert(
+                    (row.tenant.clone(), key.clone()),
+                    (row.state.job_id.clone(), expires_at_ms),
+                );
+            }
+            let job_id = row.state.job_id.clone();
+            let effects = match row.state.status {
+                Status::Waiting => vec![Effect::Acquire],
+                Status::Admitted => vec![Effect::Admitted],
+                _ => Vec::new(),
+            };
+            out.writes.inserted.push(row.clone());
+            let keep_payload = self.payload_fits(&row.payload);
+            let mut kept = row;
+            if !keep_payload {
+                kept.payload = Vec::new();
+            }
+            self.put(kept, keep_payload);
+            self.changes.insert(
+                job_id.clone(),
+                JobChange {
+                    job_id: job_id.clone(),
+                    created: true,
+                    ..Default::default()
+                },
+            );
+            self.after_transition(&job_id, &effects, out);
+        }
+        Ok(outcomes)
+    }
+
+    /// Send again the effect an active job is waiting on.
+    fn resend_pending(&mut self, job_id: &str, out: &mut Out<'_>) {
+        let Some(active) = self.jobs.get(job_id) else {
+            return;
+        };
+        match active.row.state.status {
+            Status::Waiting => self.settings.routes.push_acquire(out.outbox, &active.row),
+            Status::Admitted => self.publish_admitted(job_id, out),
+            _ => {}
+        }
+    }
+
+    /// A request handed over through `sluice.jobs`: a new job, a duplicate,
+    /// or a conflict (dead-lettered).
+    fn hand_over(&mut self, now_ms: i64, handover: HandOver, out: &mut Out<'_>) {
+        let refusal = match &handover.checked {
+            Ok(incoming) => match self.enqueue(now_ms, std::slice::from_ref(incoming), OnConflict::Report, out) {
+                Ok(outcomes) if outcomes.iter().any(|outcome| outcome.conflict) => Some(Refusal {
+                    class: DeadLetterClass::Conflict,
+                    reason: format!(
+                        "conflict: job {:?} already exists with a different request (a job id names one request; \
+                         send a new id for a new job)",
+                        incoming.job_id
+                    ),
+                }),
+                Ok(_) => None,
+                Err(conflict) => Some(Refusal {
+                    class: DeadLetterClass::Conflict,
+                    reason: format!(
+                        "conflict: job {:?} already exists with a different request",
+                        conflict.job_id
+                    ),
+                }),
+            },
+            Err(refusal) => Some(refusal.clone()),
+        };
+        if let Some(refusal) = refusal {
+            tracing::warn!(topic = %handover.source_topic, partition = handover.source.partition, offset = handover.source.offset, reason = %refusal.reason, "dead-lettering a job request");
+            self.settings.routes.push_deadletter(
+                out.outbox,
+                &handover.source_topic,
+                &handover.source,
+                refusal.class,
+                &refusal.reason,
+            );
+            count_dead_letters(&handover.source_topic, refusal.class, 1);
+        }
+    }
+
+    // -- grants -----------------------------------------------------------
+
+    /// Apply grant events: advance the job to its next step, or admit it. A
+    /// duplicate re-sends its effect; a grant nobody wants is released.
+    fn grants(&mut self, now_ms: i64, events: Vec<pb::GrantEvent>, out: &mut Out<'_>) {
+        for event in events {
+            let Some(ticket) = event.ticket.clone() else {
+                continue;
+            };
+            let job_id = ticket.job_id.clone();
+            let current = self
+                .jobs
+                .get(&job_id)
+                .map(|active| (active.row.state.status, active.row.state.attempt, active.row.state.step));
+            match current {
+                Some((Status::Waiting, attempt, step)) if attempt == ticket.attempt && step == ticket.step => {
+                    self.advance(now_ms, &job_id, &event, out);
+                }
+                _ => self.answer_unmatched_grant(&ticket, &event, out),
+            }
+        }
+    }
+
+    fn advance(&mut self, now_ms: i64, job_id: &str, event: &pb::GrantEvent, out: &mut Out<'_>) {
+        let timing = self.settings.timing;
+        if let Some(active) = self.jobs.get(job_id) {
+            record_wait_span(&active.row, active.row.state.step, event);
+        }
+        let mut effects = Vec::new();
+        self.update(job_id, |state| {
+            if event.unthrottled {
+                state.history.records.push(pb::AttemptRecord {
+                    attempt: state.attempt,
+                    outcome: "unthrottled".to_string(),
+                    detail: format!(
+                        "rate limit {} names no stored resource: not throttled",
+                        event.key.as_ref().map(|key| key.key.as_str()).unwrap_or_default()
+                    ),
+                    at_ms: event.granted_at_ms,
+                });
+            }
+            state.step += 1;
+            state.step_started_at_ms = Some(now_ms);
+            if state.step >= state.chain_len() {
+                state.status = Status::Admitted;
+                state.admitted_at_ms = Some(now_ms);
+                state.due_at_ms = Some(now_ms + timing.claim_timeout_ms);
+                effects.push(Effect::Admitted);
+            } else {
+                state.due_at_ms = Some(now_ms + timing.resend_waiting_after_ms);
+                effects.push(Effect::Acquire);
+            }
+        });
+        self.after_transition(job_id, &effects, out);
+    }
+
+    fn answer_unmatched_grant(&mut self, ticket: &pb::TicketId, event: &pb::GrantEvent, out: &mut Out<'_>) {
+        let current_attempt_wants_it = self.jobs.get(&ticket.job_id).is_some_and(|active| {
+            let state = &active.row.state;
+            state.attempt == ticket.attempt
+                && match state.status {
+                    Status::Waiting => state.step > ticket.step,
+                    Status::Admitted | Status::Running | Status::Cancelling => true,
+                    _ => false,
+                }
+        });
+        if current_attempt_wants_it {
+            // A duplicate: its effect was the next step's acquire or the
+            // admitted message; send it again if it is still the pending one.
+            let was_last_grant = self
+                .jobs
+                .get(&ticket.job_id)
+                .is_some_and(|active| ticket.step + 1 == active.row.state.step);
+            if was_last_grant {
+                self.resend_pending(&ticket.job_id, out);
+            }
+            return;
+        }
+        let kind = pb::LimitKind::try_from(event.kind).unwrap_or(pb::LimitKind::Unspecified);
+        if kind == pb::LimitKind::Rate {
+            // Rate grants hold nothing to give back.
+            return;
+        }
+        let Some(key_ref) = &event.key else {
+            return;
+        };
+        tracing::debug!(job_id = %ticket.job_id, attempt = ticket.attempt, step = ticket.step, "releasing a grant nobody wants");
+        let step = StoredStep {
+            tenant: key_ref.tenant.clone(),
+            key: key_ref.key.clone(),
+            kind: event.kind,
+            ..Default::default()
+        };
+        let trace = event.trace.clone().unwrap_or_default();
+        self.settings.routes.push_release_of(
+            out.outbox,
+            &ticket.job_id,
+            &trace,
+            ticket.attempt,
+            ticket.step,
+            &step,
+            pb::ReleaseReason::UnwantedGrant,
+        );
+    }
+
+    // -- the worker protocol ----------------------------------------------
+
+    /// Claim admitted attempts for `worker_id`: exactly one claim per
+    /// attempt wins.
+    fn claim(&mut self, now_ms: i64, worker_id: &str, attempts: &[(String, u32)]) -> Vec<pb::ClaimResult> {
+        let mut results = Vec::with_capacity(attempts.len());
+        let mut answered: HashSet<(String, u32)> = HashSet::with_capacity(attempts.len());
+        for (job_id, attempt) in attempts {
+            let mut result = pb::ClaimResult {
+                job_id: job_id.clone(),
+                attempt: *attempt,
+                ..Default::default()
+            };
+            let first_entry = answered.insert((job_id.clone(), *attempt));
+            let state = self
+                .jobs
+                .get(job_id)
+                .map(|active| (active.row.state.status, active.row.state.attempt));
+            result.outcome = match state {
+                Some((Status::Admitted, current)) if current == *attempt && first_entry => {
+                    if let Some(payload) = self.prepared.payloads.remove(job_id) {
+                        self.keep_payload(job_id, payload);
+                    }
+                    if self.jobs.get(job_id).is_some_and(|active| !active.payload_loaded) {
+                        // `prepare` reads it; a worker must never run an
+                        // empty payload. The job is published again after
+                        // claim_timeout.
+                        tracing::error!(%job_id, "a claim found the payload unread; answering taken");
+                        result.outcome = pb::ClaimOutcome::Taken as i32;
+                        results.push(result);
+                        continue;
+                    }
+                    let worker = worker_id.to_string();
+                    self.update(job_id, |state| {
+                        state.status = Status::Running;
+                        state.claimed_by = Some(worker);
+                        state.claimed_at_ms = Some(now_ms);
+                        state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
+                        state.due_at_ms = transitions::running_due_at(state);
+                    });
+                    self.awaiting_payload.remove(job_id);
+                    if let Some(active) = self.jobs.get(job_id) {
+                        result.lease_expires_at_ms = active.row.state.lease_expires_at_ms.unwrap_or_default();
+                        result.lease_ms = u64::try_from(active.row.state.lease_ms).unwrap_or_default();
+                        result.payload = active.row.payload.clone();
+                    }
+                    pb::ClaimOutcome::Claimed
+                }
+                // A claim wins once, even for the worker that won it: a
+                // second delivery of the same attempt must not run twice.
+                Some((Status::Running | Status::Cancelling | Status::Admitted, current)) if current == *attempt => {
+                    pb::ClaimOutcome::Taken
+                }
+                Some(_) => pb::ClaimOutcome::Stale,
+                None if self.prepared.stored.contains_key(job_id) => pb::ClaimOutcome::Stale,
+                None => pb::ClaimOutcome::NotFound,
+            } as i32;
+            results.push(result);
+        }
+        results
+    }
+
+    /// Extend leases; name the jobs to stop. Not saved: a new owner gives
+    /// every running job one lease from its takeover.
+    fn heartbeat(&mut self, now_ms: i64, worker_id: &str, attempts: &[(String, u32)]) -> Vec<pb::HeartbeatResult> {
+        attempts
+            .iter()
+            .map(|(job_id, attempt)| {
+                let holds = self.jobs.get(job_id).is_some_and(|active| {
+                    let state = &active.row.state;
+                    matches!(state.status, Status::Running | Status::Cancelling)
+                        && state.attempt == *attempt
+                        && state.claimed_by.as_deref() == Some(worker_id)
+                        && state.lease_expires_at_ms.is_some_and(|lease| lease > now_ms)
+                });
+                let mut result = pb::HeartbeatResult {
+                    job_id: job_id.clone(),
+                    attempt: *attempt,
+                    outcome: pb::HeartbeatOutcome::LeaseLost as i32,
+                    lease_expires_at_ms: 0,
+                };
+                if !holds {
+                    return result;
+                }
+                if let Some(active) = self.jobs.get_mut(job_id) {
+                    let state = &mut active.row.state;
+                    let old_due = state.due_at_ms;
+                    state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
+                    state.due_at_ms = transitions::running_due_at(state);
+                    if old_due != state.due_at_ms {
+                        if let Some(due) = old_due {
+                            self.timers.remove(&(due, job_id.clone()));
+                        }
+                        if let Some(due) = state.due_at_ms {
+                            self.timers.insert((due, job_id.clone()));
+                        }
+                    }
+                    result.outcome = if state.status == Status::Cancelling {
+                        pb::HeartbeatOutcome::Cancelled
+                    } else {
+                        pb::HeartbeatOutcome::Extended
+                    } as i32;
+                    result.lease_expires_at_ms = state.lease_expires_at_ms.unwrap_or_default();
+                }
+                result
+            })
+            .collect()
+    }
+
+    /// End attempts as their workers report. A duplicate of an accepted
+    /// completion is accepted again and re-sends its releases.
+    fn complete(
+        &mut self,
+        now_ms: i64,
+        worker_id: &str,
+        completions: Vec<(String, u32, AttemptEnd)>,
+        caller_trace: &pb::TraceContext,
+        out: &mut Out<'_>,
+    ) -> Vec<pb::CompleteResult> {
+        let timing = self.settings.timing;
+        let mut results = Vec::with_capacity(completions.len());
+        for (job_id, attempt, end) in completions {
+            let mut result = pb::CompleteResult {
+                job_id: job_id.clone(),
+                attempt,
+                ..Default::default()
+            };
+            let holds_it = self.jobs.get(&job_id).is_some_and(|active| {
+                let state = &active.row.state;
+                matches!(state.status, Status::Running | Status::Cancelling)
+                    && state.attempt == attempt
+                    && state.claimed_by.as_deref() == Some(worker_id)
+            });
+            let trace = self
+                .jobs
+                .get(&job_id)
+                .map(|active| active.row.trace.clone())
+                .or_else(|| self.prepared.stored.get(&job_id).map(|stored| stored.row.trace.clone()));
+            if holds_it {
+                let mut effects = Vec::new();
+                self.update(&job_id, |state| {
+                    effects = transitions::end_attempt(state, now_ms, end, timing);
+                });
+                result.outcome = pb::CompleteOutcome::Accepted as i32;
+                result.status =
+                    self.jobs
+                        .get(&job_id)
+                        .map_or(Status::Unspecified, |active| active.row.state.status) as i32;
+                self.after_transition(&job_id, &effects, out);
+            } else if let Some(stored) = self.prepared.stored.get(&job_id).filter(|stored| stored.finished) {
+                if is_duplicate_completion(&stored.row.state, attempt) {
+                    // Already saved: change nothing, re-send the releases.
+                    let finished = JobState {
+                        status: Status::Running,
+                        attempt,
+                        ..stored.row.state.clone()
+                    };
+                    let effects = finished.release_everything(pb::ReleaseReason::Succeeded);
+                    self.settings.routes.push_effects(out.outbox, &stored.row, &effects);
+                    result.outcome = pb::CompleteOutcome::Accepted as i32;
+                } else {
+                    result.outcome = pb::CompleteOutcome::Stale as i32;
+                }
+                result.status = stored.row.state.status as i32;
+            } else if let Some(active) = self.jobs.get(&job_id) {
+                result.outcome = pb::CompleteOutcome::Stale as i32;
+                result.status = active.row.state.status as i32;
+            } else {
+                result.outcome = pb::CompleteOutcome::NotFound as i32;
+            }
+            if let Some(trace) = trace {
+                record_complete_span(&result, caller_trace, &trace);
+            }
+            results.push(result);
+        }
+        results
+    }
+
+    /// Cancel a job (`transitions::cancel`). `None`: no such job.
+    fn cancel(&mut self, now_ms: i64, job_id: &str, reason: &str, out: &mut Out<'_>) -> Option<Status> {
+        if !self.jobs.contains_key(job_id) {
+            return self.prepared.stored.get(job_id).map(|stored| stored.row.state.status);
+        }
+        let mut effects = Vec::new();
+        let mut status = Status::Unspecified;
+        self.update(job_id, |state| {
+            effects = transitions::cancel(state, now_ms, reason);
+            status = state.status;
+        });
+        self.after_transition(job_id, &effects, out);
+        Some(status)
+    }
+
+    // -- time ---------------------------------------------------------------
+
+    /// Act on every job due by `now_ms`, and on the partition's own timers.
+    fn run_timers(&mut self, now_ms: i64, out: &mut Out<'_>) {
+        let timing = self.settings.timing;
+        // Each due job once per batch, whatever its next due time.
+        let due: Vec<String> = self
+            .timers
+            .iter()
+            .take_while(|(due, _)| *due <= now_ms)
+            .map(|(_, job_id)| job_id.clone())
+            .collect();
+        for job_id in due {
+            let mut effects = Vec::new();
+            self.update(&job_id, |state| {
+                effects = transitions::on_due(state, now_ms, timing);
+            });
+            self.after_transition(&job_id, &effects, out);
+        }
+        if now_ms >= self.next_stand_behind_ms {
+            self.next_stand_behind_ms = now_ms + self.settings.stand_behind_interval_ms;
+            self.stand_behind(now_ms, out.outbox);
+        }
+    }
+
+    /// Tell every limit partition which tickets this job partition stands
+    /// behind, as of now. Sent to every limit partition, even with nothing
+    /// to list, so tickets nobody stands behind expire there (a lost release
+    /// then costs one grace period, not a slot for ever).
+    pub fn stand_behind(&self, now_ms: i64, outbox: &mut Outbox) {
+        let routes = &self.settings.routes;
+        let mut by_partition: Vec<Vec<pb::TicketId>> =
+            vec![Vec::new(); usize::try_from(routes.limit_partitions).unwrap_or_default()];
+        for active in self.jobs.values() {
+            let state = &active.row.state;
+            let held_through = match state.status {
+                Status::Waiting => state.step.saturating_add(1),
+                Status::Admitted | Status::Running | Status::Cancelling => state.chain_len(),
+                _ => 0,
+            };
+            for (index, step) in state.chain.iter().enumerate() {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                if index >= held_through || !step.is_ticketed() {
+                    continue;
+                }
+                let partition =
+                    sluice_common::partition::key_partition(&step.tenant, &step.key, routes.limit_partitions);
+                if let Some(tickets) = by_partition.get_mut(usize::try_from(partition).unwrap_or(usize::MAX)) {
+                    tickets.push(pb::TicketId {
+                        job_id: state.job_id.clone(),
+                        attempt: state.attempt,
+                        step: index,
+                    });
+                }
+            }
+        }
+        const TICKETS_PER_PART: usize = 10_000;
+        let sweep_id = format!("{}-{}-{now_ms}", self.settings.partition, self.journal_seq);
+        let covered = vec![u32::try_from(self.settings.partition).unwrap_or_default()];
+        for (partition, tickets) in by_partition.into_iter().enumerate() {
+            let chunks: Vec<Vec<pb::TicketId>> = if tickets.is_empty() {
+                vec![Vec::new()]
+            } else {
+                tickets.chunks(TICKETS_PER_PART).map(<[pb::TicketId]>::to_vec).collect()
+            };
+            let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
+            for (part, chunk) in chunks.into_iter().enumerate() {
+                let command = pb::LimitCommand {
+                    trace: None,
+                    sent_at_ms: now_ms,
+                    command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+                        sweep_id: sweep_id.clone(),
+                        snapshot_at_ms: now_ms,
+                        job_partitions: covered.clone(),
+                        part: u32::try_from(part).unwrap_or(u32::MAX),
+                        parts,
+                        tickets: chunk,
+                        grace_ms: u64::try_from(self.settings.ticket_grace_ms).unwrap_or_default(),
+                    })),
+                };
+                outbox.push_link(Link::LimitGrant, i32::try_from(partition).unwrap_or_default(), &command);
+            }
+        }
+    }
+
+    /// Publish admitted jobs whose payload was read.
+    fn publish_read_payloads(&mut self, out: &mut Out<'_>) {
+        let payloads = std::mem::take(&mut self.prepared.payloads);
+        for (job_id, payload) in payloads {
+            self.keep_payload(&job_id, payload);
+            if self.awaiting_payload.remove(&job_id) {
+                let admitted = self
+                    .jobs
+                    .get(&job_id)
+                    .is_some_and(|active| active.row.state.status == Status::Admitted);
+                if admitted {
+                    self.publish_admitted(&job_id, out);
+                }
+            }
+        }
+    }
+
+    fn apply_local(&mut self, now_ms: i64, local: Local, out: &mut Out<'_>) {
+        match local {
+            Local::Enqueue {
+                jobs,
+                on_conflict,
+                reply,
+            } => {
+                let outcome = self.enqueue(now_ms, &jobs, on_conflict, out);
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(outcome);
+                }));
+            }
+            Local::Describe { job_id, reply } => {
+                let job = self.jobs.get(&job_id).map(|active| active.row.clone());
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(job);
+                }));
+            }
+            Local::Cancel { job_id, reason, reply } => {
+                let status = self.cancel(now_ms, &job_id, &reason, out);
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(status);
+                }));
+            }
+            Local::Claim {
+                worker_id,
+                attempts,
+                reply,
+            } => {
+                let results = self.claim(now_ms, &worker_id, &attempts);
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(results);
+                }));
+            }
+            Local::Heartbeat {
+                worker_id,
+                attempts,
+                reply,
+            } => {
+                let results = self.heartbeat(now_ms, &worker_id, &attempts);
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(results);
+                }));
+            }
+            Local::Complete {
+                worker_id,
+                completions,
+                caller_trace,
+                reply,
+            } => {
+                let results = self.complete(now_ms, &worker_id, completions, &caller_trace, out);
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(results);
+                }));
+            }
+            Local::Grants(events) => self.grants(now_ms, events, out),
+        }
+    }
+
+    /// A hand-over entry checked now (when `prepare` did not).
+    fn check_handover(&self, entry: &[u8]) -> Result<HandOver, String> {
+        let handover: pb::JobHandOver =
+            prost::Message::decode(entry).map_err(|error| format!("undecodable job hand-over: {error}"))?;
+        Ok(checked_handover(&self.settings.config, handover))
+    }
+}
+
+/// Decode and check a handed-over request as it was read from its topic.
+pub fn checked_handover(config: &SluiceConfig, handover: pb::JobHandOver) -> HandOver {
+    let source = InMsg {
+        partition: handover.source_partition,
+        offset: handover.source_offset,
+        key: None,
+        payload: Some(handover.payload),
+        headers: handover
+            .headers
+            .into_iter()
+            .map(|header| (header.name, header.value))
+            .collect(),
+        timestamp_ms: (handover.source_timestamp_ms != 0).then_some(handover.source_timestamp_ms),
+    };
+    let checked = admit_message(config, &handover.source_topic, &source).map(|mut incoming| {
+        // The id the edge derived (a request without one gets one from where
+        // it was read), whatever re-deriving it here would give.
+        if !handover.job_id.is_empty() {
+            incoming.job_id = handover.job_id.clone();
+        }
+        incoming
+    });
+    HandOver {
+        source_topic: handover.source_topic,
+        source,
+        checked,
+    }
+}
+
+impl OwnedState for AdmissionPartition {
+    type Local = Local;
+    type Writes = AdmissionWrites;
+    type Prepared = Prepared;
+
+    fn prepared(&mut self, prepared: Prepared) {
+        self.prepared = prepared;
+    }
+
+    fn apply(
+        &mut self,
+        now_ms: i64,
+        messages: &[InMsg],
+        locals: Vec<Local>,
+        writes: &mut AdmissionWrites,
+        outbox: &mut Outbox,
+        replies: &mut Vec<Reply>,
+        rejected: &mut Vec<Rejected>,
+    ) {
+        self.changes.clear();
+        let mut out = Out {
+            writes,
+            outbox,
+            replies,
+        };
+        self.publish_read_payloads(&mut out);
+        self.run_timers(now_ms, &mut out);
+        for message in messages {
+            let payload = message.payload.as_deref().unwrap_or_default();
+            let entries = match batch_entries(payload) {
+                Ok(entries) => entries,
+                Err(error) => {
+                    rejected.push(Rejected {
+                        offset: message.offset,
+                        entry: payload.to_vec(),
+                        reason: format!("undecodable job hand-over batch: {error}"),
+                    });
+                    continue;
+                }
+            };
+            for (index, entry) in entries.into_iter().enumerate() {
+                let handover = match self.prepared.handovers.remove(&(message.offset, index)) {
+                    Some(handover) => handover,
+                    None => match self.check_handover(entry) {
+                        Ok(handover) => handover,
+                        Err(reason) => {
+                            rejected.push(Rejected {
+                                offset: message.offset,
+                                entry: entry.to_vec(),
+                                reason,
+                            });
+                            continue;
+                        }
+                    },
+                };
+                self.hand_over(now_ms, handover, &mut out);
+            }
+        }
+        for local in locals {
+            self.apply_local(now_ms, local, &mut out);
+        }
+        self.prepared = Prepared::default();
+        self.close_batch(out.writes);
+    }
+
+    fn resend_all(&self, now_ms: i64, outbox: &mut Outbox) {
+        for active in self.jobs.values() {
+            if active.row.state.status == Status::Waiting {
+                self.settings.routes.push_acquire(outbox, &active.row);
+            }
+        }
+        self.stand_behind(now_ms, outbox);
+    }
+
+    fn next_wakeup_ms(&self) -> Option<i64> {
+        if !self.awaiting_payload.is_empty() || self.snapshot_due {
+            return Some(0);
+        }
+        let timer = self.timers.first().map(|(due, _)| *due);
+        Some(timer.map_or(self.next_stand_behind_ms, |due| due.min(self.next_stand_behind_ms)))
+    }
+}
+
+/// The tracer scope of admission's spans.
+const SCOPE: &str = "sluice-admission";
+
+/// The span covering a job's wait on one limit, from when the key's owner
+/// queued it to the grant.
+fn record_wait_span(row: &JobRow, step_index: u32, event: &pb::GrantEvent) {
+    use sluice_common::clock::system_time_at_ms as at_ms;
+    let step = row.state.chain.get(usize::try_from(step_index).unwrap_or(usize::MAX));
+    let kind = pb::LimitKind::try_from(event.kind).unwrap_or(pb::LimitKind::Unspecified);
+    let key = event.key.clone().unwrap_or_default();
+    let outcome = if event.unthrottled { "unthrottled" } else { "granted" };
+    let start_ms = if event.waiting_since_ms > 0 {
+        event.waiting_since_ms
+    } else {
+        event.granted_at_ms
+    };
+    record_span(
+        SCOPE,
+        "sluice.wait",
+        &row.trace,
+        at_ms(start_ms),
+        at_ms(event.granted_at_ms.max(start_ms)),
+        vec![
+            KeyValue::new("sluice.job_id", row.state.job_id.clone()),
+            KeyValue::new("sluice.step", i64::from(step_index)),
+            KeyValue::new("sluice.tenant", key.tenant),
+            KeyValue::new("sluice.key", key.key),
+            KeyValue::new("sluice.limit_kind", kind.as_str_name()),
+            KeyValue::new("sluice.max", event.max),
+            KeyValue::new("sluice.position_at_enqueue", i64::from(event.position_at_enqueue)),
+            KeyValue::new("sluice.outcome", outcome),
+            KeyValue::new(
+                "sluice.origin",
+                step.map(|step| step.origin.clone()).unwrap_or_default(),
+            ),
+        ],
+    );
+}
+
+/// Under the worker's handler span when the call carries one of this job's
+/// trace, else under the job's own span.
+fn record_complete_span(result: &pb::CompleteResult, caller_trace: &pb::TraceContext, job_trace: &pb::TraceContext) {
+    let parent = if same_trace(caller_trace, job_trace) {
+        caller_trace
+    } else {
+        job_trace
+    };
+    let now = std::time::SystemTime::now();
+    record_span(
+        SCOPE,
+        "admission.complete",
+        parent,
+        now,
+        now,
+        vec![
+            KeyValue::new("sluice.job_id", result.job_id.clone()),
+            KeyValue::new("sluice.attempt", i64::from(result.attempt)),
+            KeyValue::new(
+                "sluice.outcome",
+                pb::CompleteOutcome::try_from(result.outcome)
+                    .map(|outcome| outcome.as_str_name().to_string())
+                    .unwrap_or_default(),
+            ),
+            KeyValue::new(
+                "sluice.status",
+                Status::try_from(result.status)
+                    .map(|status| status.as_str_name().to_string())
+                    .unwrap_or_default(),
+            ),
+        ],
+    );
+}
+
+/// Whether two W3C contexts belong to one trace.
+fn same_trace(left: &pb::TraceContext, right: &pb::TraceContext) -> bool {
+    let trace_id = |context: &pb::TraceContext| context.traceparent.split('-').nth(1).map(str::to_string);
+    match (trace_id(left), trace_id(right)) {
+        (Some(left), Some(right)) => left == right && left.len() == 32,
+        _ => false,
+    }
+}
+
+/// The same worker completing an attempt whose completion is already saved.
+fn is_duplicate_completion(state: &JobState, attempt: u32) -> bool {
+    let last = state.history.records.last();
+    last.is_some_and(|record| record.attempt == attempt && record.outcome == "succeeded")
+        && state.status == Status::Succeeded
+        && state.attempt == attempt
+}
