@@ -2,10 +2,12 @@
 //! `jobs.requested`, and the grant events that come down the links.
 //!
 //! A request is checked where it is read (decoded, validated, its job id
-//! derived) and handed over through `sluice.jobs` to the owner of its job's
-//! partition, which decides on it (`partition::AdmissionPartition`). One
-//! task per assigned partition of `jobs.requested`; offsets are stored only
-//! after the batch's hand-overs and dead letters are acknowledged.
+//! derived) and handed over to the owner of its job's partition, which
+//! decides on it (`partition::AdmissionPartition`): in process when this
+//! instance owns that partition, else through `sluice.jobs`. One task per
+//! assigned partition of `jobs.requested`; offsets are stored only after the
+//! batch's hand-overs are saved or acknowledged, and its dead letters
+//! acknowledged.
 //!
 //! No message stops a partition. A producer message that is not a valid job
 //! request goes to the dead-letter topic with the reason (the owner
@@ -15,6 +17,7 @@
 //! (the broker) are retried with backoff while readiness is NOT_SERVING
 //! (`sluice_common::fault` decides which is which).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +39,7 @@ use sluice_proto::v1 as pb;
 use crate::chain;
 use crate::effects::{count_dead_letters, DeadLetterClass, Routes};
 use crate::json_request::decode_json_request;
-use crate::partition::{Incoming, Local};
+use crate::partition::{HandOver, Incoming, Local};
 
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
@@ -154,6 +157,9 @@ pub struct RequestConsumer {
     pub topic: Arc<str>,
     /// Where requests are handed over (`sluice.jobs`).
     pub jobs_topic: Arc<str>,
+    /// This instance's job partitions: requests for them are handed over
+    /// in process.
+    pub registry: Arc<OwnerRegistry<Local>>,
 }
 
 impl PartitionTaskFactory for RequestConsumer {
@@ -166,6 +172,7 @@ impl PartitionTaskFactory for RequestConsumer {
             faults: self.faults.clone(),
             topic: self.topic.clone(),
             jobs_topic: self.jobs_topic.clone(),
+            registry: self.registry.clone(),
         };
         async move { context.run(input).await }.boxed()
     }
@@ -185,6 +192,7 @@ struct RequestContext {
     faults: Faults,
     topic: Arc<str>,
     jobs_topic: Arc<str>,
+    registry: Arc<OwnerRegistry<Local>>,
 }
 
 impl RequestContext {
@@ -194,14 +202,19 @@ impl RequestContext {
         while let Some(batch) = next_batch(&mut input, max_batch).await {
             let mut handovers = Outbox::new();
             let mut handed: Vec<&InMsg> = Vec::new();
+            let mut local: BTreeMap<i32, Vec<(&InMsg, Incoming)>> = BTreeMap::new();
             let mut dead_letters: Vec<(OutMsg, DeadLetterClass)> = Vec::new();
             for message in &batch {
                 match admit_message(&self.config, &self.topic, message) {
                     Ok(incoming) => {
-                        let handover = self.handover_of(message, &incoming.job_id);
                         let partition = job_partition(&incoming.job_id, self.routes.jobs_partitions);
-                        handovers.push_entry(&self.jobs_topic, partition, &handover, self.routes.max_message_bytes);
-                        handed.push(message);
+                        if self.registry.owns(partition) {
+                            local.entry(partition).or_default().push((message, incoming));
+                        } else {
+                            let handover = self.handover_of(message, &incoming.job_id);
+                            handovers.push_entry(&self.jobs_topic, partition, &handover, self.routes.max_message_bytes);
+                            handed.push(message);
+                        }
                     }
                     Err(refusal) => {
                         tracing::warn!(topic = %self.topic, partition = message.partition, offset = message.offset, reason = %refusal.reason, "dead-lettering a job request");
@@ -211,6 +224,17 @@ impl RequestContext {
                             refusal.class,
                         ));
                     }
+                }
+            }
+            // Requests for partitions this instance owns go to their task
+            // directly; those whose partition moved meanwhile go through
+            // `sluice.jobs` like the others (a request that was saved after
+            // all is a duplicate there: same job id).
+            for (partition, missed) in self.hand_over_locally(local).await {
+                for (message, job_id) in missed {
+                    let handover = self.handover_of(message, &job_id);
+                    handovers.push_entry(&self.jobs_topic, partition, &handover, self.routes.max_message_bytes);
+                    handed.push(message);
                 }
             }
             match self.hand_over(handovers, &input, &condition).await {
@@ -243,6 +267,38 @@ impl RequestContext {
             }
         }
         Ok(())
+    }
+
+    /// Hand requests to this instance's partition tasks, one call per
+    /// partition, answered once saved. Returns the requests of partitions
+    /// that could not take them (no longer owned here).
+    async fn hand_over_locally<'a>(
+        &self,
+        local: BTreeMap<i32, Vec<(&'a InMsg, Incoming)>>,
+    ) -> Vec<(i32, Vec<(&'a InMsg, String)>)> {
+        let calls = local.into_iter().map(|(partition, items)| async move {
+            let mut sources = Vec::with_capacity(items.len());
+            let mut handovers = Vec::with_capacity(items.len());
+            for (message, incoming) in items {
+                sources.push((message, incoming.job_id.clone()));
+                handovers.push(HandOver {
+                    source_topic: self.topic.to_string(),
+                    source: message.clone(),
+                    checked: Ok(incoming),
+                });
+            }
+            let answered = self
+                .registry
+                .call(partition, |reply| Local::HandOver { handovers, reply })
+                .await
+                .is_ok();
+            (partition, if answered { Vec::new() } else { sources })
+        });
+        futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .filter(|(_, missed)| !missed.is_empty())
+            .collect()
     }
 
     fn handover_of(&self, message: &InMsg, job_id: &str) -> pb::JobHandOver {

@@ -218,6 +218,7 @@ pub async fn run(
             faults,
             topic: Arc::from(requested_topic.as_str()),
             jobs_topic: Arc::from(jobs_topic.as_str()),
+            registry: registry.clone(),
         });
         let options = ConsumerOptions {
             group: config.group(&format!("{}-requests", config.admission.consumer_group)),

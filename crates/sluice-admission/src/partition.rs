@@ -99,6 +99,13 @@ pub enum Local {
     },
     /// Grant events from the links.
     Grants(Vec<pb::GrantEvent>),
+    /// Requests read from `jobs.requested` by this instance, for a partition
+    /// it owns: the same as their hand-over through `sluice.jobs`, without
+    /// the broker round trip. Answered once they are saved.
+    HandOver {
+        handovers: Vec<HandOver>,
+        reply: oneshot::Sender<()>,
+    },
 }
 
 /// A job that is not active in this partition, as its rows say.
@@ -1191,6 +1198,14 @@ impl AdmissionPartition {
                 }));
             }
             Local::Grants(events) => self.grants(now_ms, events, out),
+            Local::HandOver { handovers, reply } => {
+                for handover in handovers {
+                    self.hand_over(now_ms, handover, out);
+                }
+                out.replies.push(Box::new(move || {
+                    let _ = reply.send(());
+                }));
+            }
         }
     }
 

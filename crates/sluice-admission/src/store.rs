@@ -304,6 +304,13 @@ impl OwnedStore for AdmissionStore {
                         job_ids.insert(job_id.clone());
                     }
                 }
+                Local::HandOver { handovers, .. } => {
+                    for handover in handovers {
+                        if let Ok(incoming) = &handover.checked {
+                            note_incoming(incoming, &mut job_ids, &mut idempotency);
+                        }
+                    }
+                }
                 Local::Describe { .. } | Local::Heartbeat { .. } | Local::Grants(_) => {}
             }
         }

@@ -230,6 +230,22 @@ async fn main() -> anyhow::Result<()> {
         cpu.broker_us
     );
 
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "main") {
+        println!(
+            "{}",
+            serde_json::json!({
+                "admitted_jobs_per_s": main_run.jobs_per_s.round(),
+                "cpu_us_per_job": {
+                    "sluice": cpu.sluice_us.round(),
+                    "postgres": cpu.postgres_us.round(),
+                    "broker": cpu.broker_us.round(),
+                },
+                "pg_rows_per_job": (pg_rows_per_job * 100.0).round() / 100.0,
+                "wal_bytes_per_job": wal_bytes_per_job.round(),
+            })
+        );
+        return Ok(());
+    }
     eprintln!("bench: end to end, {wide_jobs} jobs over 100000 keys with limit {limit}");
     let wide_stack = Stack::start(bench_config("benchwide", &overrides)?, 1).await?;
     let wide_run = run_throughput(&wide_stack, wide_jobs, 100_000, limit).await?;

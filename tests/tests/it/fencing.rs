@@ -2,14 +2,14 @@
 
 use std::time::Duration;
 
-use sluice_common::owner::{bump_epoch, check_epoch, CommitError};
+use sluice_common::owner::{bump_epoch, fence_and_advance, CommitError};
 use sluice_common::partition::key_partition;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 use sqlx::Connection;
 
 #[tokio::test]
-async fn check_epoch_refuses_an_older_owner() -> anyhow::Result<()> {
+async fn the_fence_refuses_an_older_owner_and_moves_the_offset_only_for_the_current_one() -> anyhow::Result<()> {
     init_logging();
     let config = test_config("epochunit", &[])?;
     let schema = config.schema("limit_grant");
@@ -19,17 +19,29 @@ async fn check_epoch_refuses_an_older_owner() -> anyhow::Result<()> {
     let (first_epoch, _) = bump_epoch(&mut connection, 3, "owner-a", "http://a").await?;
     let (second_epoch, _) = bump_epoch(&mut connection, 3, "owner-b", "http://b").await?;
     assert_eq!(second_epoch, first_epoch + 1);
+    let applied = "SELECT applied_offset FROM owners WHERE partition = 3";
 
     let mut stale = connection.begin().await?;
-    let refused = check_epoch(&mut stale, 3, first_epoch).await;
+    let refused = fence_and_advance(&mut stale, 3, first_epoch, Some(40)).await;
     assert!(
         matches!(refused, Err(CommitError::Fenced { ours, current, .. }) if ours == first_epoch && current == second_epoch),
         "{refused:?}"
     );
     stale.rollback().await?;
+    let offset: i64 = sqlx::query_scalar(applied).fetch_one(&mut *connection).await?;
+    assert_eq!(offset, -1, "a refused batch moves no offset");
+
     let mut current = connection.begin().await?;
-    check_epoch(&mut current, 3, second_epoch).await?;
+    fence_and_advance(&mut current, 3, second_epoch, Some(40)).await?;
     current.commit().await?;
+    // A batch without consumed input (a local call) and an older offset
+    // leave the offset where it is.
+    let mut current = connection.begin().await?;
+    fence_and_advance(&mut current, 3, second_epoch, None).await?;
+    fence_and_advance(&mut current, 3, second_epoch, Some(12)).await?;
+    current.commit().await?;
+    let offset: i64 = sqlx::query_scalar(applied).fetch_one(&mut *connection).await?;
+    assert_eq!(offset, 40);
     Ok(())
 }
 

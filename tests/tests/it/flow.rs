@@ -157,3 +157,59 @@ async fn three_hundred_jobs_on_three_keys_hold_the_limit_and_the_queue_order() -
     stack.stop().await;
     Ok(())
 }
+
+/// The sum of the high watermarks of `topic`'s partitions: how many messages
+/// were ever written to it.
+async fn messages_written(stack: &Stack, topic: &str, partitions: i32) -> anyhow::Result<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let consumer: BaseConsumer = sluice_common::kafka::client_config(&stack.config.kafka).create()?;
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut total = 0;
+        for partition in 0..partitions {
+            let (_, high) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
+            total += high;
+        }
+        Ok(total)
+    })
+    .await?
+}
+
+/// An admission instance that owns a request's job partition takes the
+/// request straight to its partition task: nothing goes through the
+/// hand-over topic (`sluice.jobs`), and every job is saved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_for_partitions_owned_here_skip_the_hand_over_topic() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("localhand", &[])?, 1).await?;
+    let partitions = stack.config.kafka.partitions.jobs;
+    let owners = format!("SELECT count(*) FROM \"{}\".owners", stack.config.schema("admission"));
+    eventually(
+        Duration::from_secs(60),
+        "admission owns every job partition",
+        || async {
+            let owned: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(owners.clone()))
+                .fetch_one(&stack.pool)
+                .await?;
+            Ok(owned == i64::from(partitions))
+        },
+    )
+    .await?;
+    // Serving once every owned partition is loaded.
+    wait_serving(&stack.admissions[0].endpoint, Duration::from_secs(60)).await?;
+    let requests: Vec<pb::JobRequest> = (0..30)
+        .map(|index| concurrency_job("acme", &format!("local-{}", index % 3), 2, 0, &format!("local/{index}")))
+        .collect();
+    RequestProducer::new(&stack.config)?.send(&requests).await?;
+    eventually(Duration::from_secs(60), "30 jobs saved", || async {
+        Ok(stack.job_statuses().await?.values().sum::<i64>() == 30)
+    })
+    .await?;
+    let jobs_topic = stack.config.topic(&stack.config.topics.jobs);
+    assert_eq!(
+        messages_written(&stack, &jobs_topic, partitions).await?,
+        0,
+        "requests went through the hand-over topic"
+    );
+    stack.stop().await;
+    Ok(())
+}
