@@ -209,6 +209,16 @@ async fn main() -> anyhow::Result<()> {
     let hot_jobs = env_number("BENCH_HOT_JOBS", 3_000);
     let wide_jobs = env_number("BENCH_WIDE_JOBS", 20_000);
     eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit} (fetch.wait.max.ms={fetch_wait_ms})");
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "hot") {
+        let hot_stack = Stack::start(bench_config("benchhot", &overrides)?, 1).await?;
+        let hot_run = run_throughput(&hot_stack, hot_jobs, 1, limit).await?;
+        let hot_config = hot_stack.config.clone();
+        let hot_pool = hot_stack.pool.clone();
+        hot_stack.stop().await;
+        cleanup(&hot_config, &hot_pool).await;
+        println!("{}", serde_json::json!({"hot_key_jobs_per_s": hot_run.jobs_per_s.round()}));
+        return Ok(());
+    }
     let mut stack = Stack::start(bench_config("bench", &overrides)?, 1).await?;
     let writes_before = pg_writes(&stack).await?;
     let wal_before = wal_position(&stack.pool).await?;
