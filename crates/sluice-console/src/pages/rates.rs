@@ -166,15 +166,22 @@ fn next_free(described: &pb::DescribeRateKeyResponse, now: i64) -> Markup {
     }
 }
 
-fn usage(described: &pb::DescribeRateKeyResponse) -> Markup {
-    let percent = if described.limit > 0 {
-        (described.used.saturating_mul(100) / described.limit).clamp(0, 100)
+/// Units used against the limit. A window nothing was granted in yet
+/// reports no limit: the stored resource's is the one that will apply.
+fn usage(described: &pb::DescribeRateKeyResponse, stored_limit: Option<i64>) -> Markup {
+    let limit = if described.limit > 0 {
+        described.limit
+    } else {
+        stored_limit.unwrap_or(0)
+    };
+    let percent = if limit > 0 {
+        (described.used.saturating_mul(100) / limit).clamp(0, 100)
     } else {
         0
     };
     html! {
-        meter min="0" max=(described.limit) value=(described.used) title=(format!("{percent}%")) {}
-        " " (described.used) " / " (described.limit)
+        meter min="0" max=(limit) value=(described.used) title=(format!("{percent}%")) {}
+        " " (described.used) " / " (limit)
     }
 }
 
@@ -186,8 +193,8 @@ fn window_state(described: &Result<pb::DescribeRateKeyResponse, ApiError>, now: 
                 Err(error) => (problem(&error.to_string())),
                 Ok(described) => {
                     dl {
-                        dt { "used in the window" } dd #window-used { (usage(described)) }
-                        dt { "window" } dd { (duration_text(described.window_ms)) }
+                        dt { "used in the window" } dd #window-used { (usage(described, None)) }
+                        @if described.window_ms > 0 { dt { "window" } dd { (duration_text(described.window_ms)) } }
                         dt { "waiting" } dd { (described.waiting) }
                         dt { "next free slot" } dd #window-next { (next_free(described, now)) }
                         @if described.stored_resource_missing { dt { "note" } dd { "no stored rate limit of that key: jobs naming it are not throttled" } }
@@ -220,7 +227,7 @@ fn resources_table(
                                 td { (resource.max_count) " per " (duration_text(resource.window_seconds.saturating_mul(1000))) }
                                 @match state {
                                     Ok(state) => {
-                                        td { (usage(state)) }
+                                        td { (usage(state, Some(resource.max_count))) }
                                         td { (state.waiting) }
                                         td { (next_free(state, now)) }
                                     }
