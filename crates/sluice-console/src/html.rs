@@ -138,6 +138,8 @@ pub fn duration_text(ms: i64) -> String {
         format!("{ms} ms")
     } else if ms < 60_000 {
         format!("{:.1} s", ms as f64 / 1000.0)
+    } else if ms < 3_600_000 && ms % 60_000 < 1000 {
+        format!("{} min", ms / 60_000)
     } else if ms < 3_600_000 {
         format!("{} min {} s", ms / 60_000, (ms % 60_000) / 1000)
     } else if ms < 86_400_000 {
@@ -215,13 +217,15 @@ pub fn problem(text: &str) -> Markup {
 }
 
 const CHART_WIDTH: f64 = 640.0;
+/// The shortest time a chart spans.
+const MIN_CHART_SPAN_MS: i64 = 30_000;
 const CHART_HEIGHT: f64 = 180.0;
 const CHART_LEFT: f64 = 40.0;
 const CHART_RIGHT: f64 = 8.0;
 const CHART_TOP: f64 = 10.0;
 const CHART_BOTTOM: f64 = 22.0;
 
-/// Holders, waiters and grants per second over `[now - window, now]`, as an
+/// Holders, waiters and grants per second over at most `[now - window, now]`, as an
 /// inline SVG drawn on the server (no script needed; the live refresh
 /// redraws it).
 pub fn key_chart(
@@ -231,8 +235,23 @@ pub fn key_chart(
     now_ms: i64,
     window_ms: i64,
 ) -> Markup {
-    let window_ms = window_ms.max(1);
-    let start_ms = now_ms - window_ms;
+    let longest_ms = window_ms.max(1);
+    // Span what there is to show: from the first sample or grant (a key
+    // just opened has seconds of data, not minutes), at least 30 s, at most
+    // the window.
+    let first_data_ms = samples
+        .iter()
+        .map(|sample| sample.at_ms)
+        .chain(
+            grants_per_second
+                .iter()
+                .position(|count| *count > 0)
+                .map(|index| (first_second + i64::try_from(index).unwrap_or(0)) * 1000),
+        )
+        .min()
+        .unwrap_or(now_ms);
+    let span_ms = (now_ms - first_data_ms + 1_000).clamp(MIN_CHART_SPAN_MS.min(longest_ms), longest_ms);
+    let start_ms = now_ms - span_ms;
     let highest = samples
         .iter()
         .map(|sample| u64::from(sample.holders.max(sample.waiting)))
@@ -242,7 +261,7 @@ pub fn key_chart(
         .max(1);
     let plot_width = CHART_WIDTH - CHART_LEFT - CHART_RIGHT;
     let plot_height = CHART_HEIGHT - CHART_TOP - CHART_BOTTOM;
-    let x = |at_ms: i64| CHART_LEFT + ((at_ms - start_ms).clamp(0, window_ms) as f64 / window_ms as f64) * plot_width;
+    let x = |at_ms: i64| CHART_LEFT + ((at_ms - start_ms).clamp(0, span_ms) as f64 / span_ms as f64) * plot_width;
     let y = |value: u64| CHART_TOP + plot_height - (value as f64 / highest as f64) * plot_height;
     let line = |values: Vec<(i64, u64)>| -> String {
         values
@@ -285,7 +304,7 @@ pub fn key_chart(
                 line.axis x1=(CHART_LEFT) y1=(CHART_TOP) x2=(CHART_LEFT) y2=(bottom) {}
                 text.label x=(CHART_LEFT - 6.0) y=(CHART_TOP + 8.0) text-anchor="end" { (highest) }
                 text.label x=(CHART_LEFT - 6.0) y=(bottom) text-anchor="end" { "0" }
-                text.label x=(CHART_LEFT) y=(CHART_HEIGHT - 6.0) { "−" (duration_text(window_ms)) }
+                text.label x=(CHART_LEFT) y=(CHART_HEIGHT - 6.0) { "−" (duration_text(span_ms)) }
                 text.label x=(CHART_WIDTH - CHART_RIGHT) y=(CHART_HEIGHT - 6.0) text-anchor="end" { "now" }
                 polyline.series.grants points=(grants) { title { "grants per second" } }
                 polyline.series.waiting points=(waiting) { title { "waiting" } }
@@ -328,6 +347,7 @@ mod tests {
         assert_eq!(duration_text(850), "850 ms");
         assert_eq!(duration_text(3_200), "3.2 s");
         assert_eq!(duration_text(250_000), "4 min 10 s");
+        assert_eq!(duration_text(300_000), "5 min");
         assert_eq!(duration_text(7_500_000), "2 h 5 min");
         assert_eq!(relative(10_000, 7_000), "3.0 s ago");
         assert_eq!(relative(10_000, 14_000), "in 4.0 s");
@@ -360,6 +380,10 @@ mod tests {
             },
         ];
         let chart = key_chart(&samples, &[0, 3], 0, 2_000, 2_000).into_string();
+        assert!(
+            chart.contains("−2.0 s"),
+            "a window shorter than the shortest span is the span: {chart}"
+        );
         assert!(chart.contains("data-samples=\"2\""), "{chart}");
         assert!(
             chart.contains(">4</text>"),

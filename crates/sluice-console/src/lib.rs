@@ -193,7 +193,10 @@ async fn security_headers(mut response: Response) -> Response {
         ),
     );
     headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    // Not "no-referrer": under it browsers send `Origin: null` with the
+    // console's own form posts, and the origin check could not tell them
+    // from another site's. "same-origin" still tells other sites nothing.
+    headers.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     response
 }

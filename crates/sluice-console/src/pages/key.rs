@@ -124,7 +124,7 @@ pub async fn page(
             }
         }
         section {
-            h2 { "Last " (duration_text(window_ms)) }
+            h2 { "Recent activity" }
             (key_chart(&samples, &grants, first_second, now, window_ms))
         }
         (holders_table(&state, &holder_jobs, now))
