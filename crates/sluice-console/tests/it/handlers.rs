@@ -371,3 +371,59 @@ async fn overview_keys_list_and_dead_letters_follow_the_stack() -> anyhow::Resul
     .await?;
     console.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_floating_key_page_shows_the_floating_max_and_the_refreshes_seen() -> anyhow::Result<()> {
+    let console = ConsoleStack::start("consolefloating").await?;
+    let stop = sluice_common::Shutdown::new();
+    let records = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dispatcher: DispatcherAddress = std::sync::Arc::new(std::sync::Mutex::new(
+        console.stack.refresh_dispatchers[0].endpoint.clone(),
+    ));
+    tokio::spawn(run_refresh_worker(
+        console.stack.config.clone(),
+        dispatcher,
+        std::sync::Arc::new(|_task: &pb::RefreshTask| Ok(3)),
+        records.clone(),
+        stop.clone(),
+    ));
+    let http = console.http();
+    let path = sluice_console::html::key_link(&console.tenant, "gpu");
+    // Opened before the key exists: the console watches it from now on.
+    assert_eq!(http.get(&path).await?.status, 200);
+    let mut admission = console.stack.admission_client().await?;
+    for index in 0..3 {
+        let mut request = floating_job(&console.tenant, "gpu", 1, 100, &format!("gpu-{index}"));
+        request.job_id = Some(format!("{}gpu-{index}", console.stack.config.kafka.topic_prefix));
+        admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    }
+    // The first waiter makes a refresh due; the worker answers 3, which
+    // admits all three.
+    eventually(Duration::from_secs(60), "the refreshed max on the key page", || async {
+        let page = http.get_live(&path).await?;
+        let max = element(&page.body, "effective-max", "</dd>")
+            .unwrap_or_default()
+            .to_string();
+        let origin = element(&page.body, "max-origin", "</dd>")
+            .unwrap_or_default()
+            .to_string();
+        let refreshes = element(&page.body, "refreshes", "</table>")
+            .unwrap_or_default()
+            .to_string();
+        Ok(max.contains(">3<")
+            && origin.contains("floating value")
+            && refreshes.contains("<td>3</td><td>succeeded</td>")
+            && element(&page.body, "holders", "</table>")
+                .is_some_and(|holders| attribute_values(holders, "data-job-id").len() == 3))
+    })
+    .await?;
+    let page = http.get(&path).await?;
+    let floating = element(&page.body, "floating", "</section>").expect("the floating section");
+    assert!(floating.contains("pool=gpu"), "the key's metadata: {floating}");
+    assert!(!records
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .is_empty());
+    stop.trigger();
+    console.stop().await
+}
