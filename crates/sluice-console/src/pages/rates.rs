@@ -156,13 +156,27 @@ fn known_tenants(console: &Console) -> Vec<String> {
     tenants
 }
 
-/// "now", or when the next unit frees up.
-fn next_free(described: &pb::DescribeRateKeyResponse, now: i64) -> Markup {
-    let full = described.used >= described.limit || described.waiting > 0;
+/// When the next unit frees up. The owner's timer for its head waiter is the
+/// exact time; with nobody waiting the API tells only that the window is
+/// full, so the page says the bound it knows (within one window).
+fn next_free(described: &pb::DescribeRateKeyResponse, stored: Option<&pb::RateLimitResource>, now: i64) -> Markup {
+    let limit = if described.limit > 0 {
+        described.limit
+    } else {
+        stored.map_or(0, |resource| resource.max_count)
+    };
+    let window_ms = if described.window_ms > 0 {
+        described.window_ms
+    } else {
+        stored.map_or(0, |resource| resource.window_seconds.saturating_mul(1000))
+    };
     match described.next_slot_at_ms {
-        Some(at) if full || at > now => when(now, at),
-        _ if described.stored_resource_missing => html! { "not throttled" },
-        _ => html! { "now" },
+        Some(at) => when(now, at),
+        None if described.stored_resource_missing => html! { "not throttled" },
+        None if limit > 0 && described.used >= limit => {
+            html! { "full; a unit frees up within " (duration_text(window_ms)) }
+        }
+        None => html! { "now" },
     }
 }
 
@@ -196,7 +210,7 @@ fn window_state(described: &Result<pb::DescribeRateKeyResponse, ApiError>, now: 
                         dt { "used in the window" } dd #window-used { (usage(described, None)) }
                         @if described.window_ms > 0 { dt { "window" } dd { (duration_text(described.window_ms)) } }
                         dt { "waiting" } dd { (described.waiting) }
-                        dt { "next free slot" } dd #window-next { (next_free(described, now)) }
+                        dt { "next free slot" } dd #window-next { (next_free(described, None, now)) }
                         @if described.stored_resource_missing { dt { "note" } dd { "no stored rate limit of that key: jobs naming it are not throttled" } }
                         dt { "owner" } dd { "partition " (described.partition) }
                     }
@@ -229,7 +243,7 @@ fn resources_table(
                                     Ok(state) => {
                                         td { (usage(state, Some(resource.max_count))) }
                                         td { (state.waiting) }
-                                        td { (next_free(state, now)) }
+                                        td { (next_free(state, Some(resource), now)) }
                                     }
                                     Err(error) => { td colspan="3" { (error.message) } }
                                 }

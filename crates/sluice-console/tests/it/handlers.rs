@@ -247,6 +247,58 @@ async fn actions_apply_only_after_their_own_confirmation() -> anyhow::Result<()>
     let table = element(&page.body, "rate-limits", "</table>").expect("the rate limits");
     assert_eq!(attribute_values(table, "data-resource-key"), vec!["stripe"]);
     assert!(table.contains("0 / 7"), "nothing used yet: {table}");
+    // Use the whole window: the page shows it full, and when a unit frees up.
+    let taken = rates
+        .try_acquire(pb::TryAcquireRequest {
+            tenant: tenant.clone(),
+            limit: Some(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::RateLimitKey("stripe".to_string())),
+            }),
+            cost: 7,
+        })
+        .await?
+        .into_inner();
+    assert!(taken.allowed, "{taken:?}");
+    let window = http
+        .get(&sluice_console::html::link(
+            "/rate-limits",
+            &[("tenant", &tenant), ("window", "resource:stripe")],
+        ))
+        .await?;
+    let used = element(&window.body, "window-used", "</dd>").expect("the window's use");
+    assert!(used.contains("7 / 7"), "{used}");
+    let next = element(&window.body, "window-next", "</dd>").expect("the next free slot");
+    // Nobody waits, so the owner keeps no timer: the bound it knows.
+    assert!(next.contains("full; a unit frees up within 1 min"), "{next}");
+    // A job waiting on the full window: its page says when its slot opens,
+    // and the window now has an exact next slot.
+    let throttled = format!("{prefix}throttled");
+    let request = pb::JobRequest {
+        job_id: Some(throttled.clone()),
+        tenant: tenant.clone(),
+        task_group: "default".to_string(),
+        limits: vec![pb::Limit {
+            kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::RateLimitKey("stripe".to_string())),
+            })),
+        }],
+        ..Default::default()
+    };
+    let mut admission = console.stack.admission_client().await?;
+    admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    eventually(Duration::from_secs(60), "the job waiting on the window", || async {
+        let job = http.get_live(&sluice_console::html::job_link(&throttled)).await?;
+        Ok(element(&job.body, "wait-retry", "</dd>").is_some_and(|retry| retry.contains(">in ")))
+    })
+    .await?;
+    let window = http
+        .get(&sluice_console::html::link(
+            "/rate-limits",
+            &[("tenant", &tenant), ("window", "resource:stripe")],
+        ))
+        .await?;
+    let next = element(&window.body, "window-next", "</dd>").expect("the next free slot");
+    assert!(next.contains(">in "), "the head waiter's slot: {next}");
     let delete = [
         ("action", "delete-rate-limit"),
         ("tenant", tenant.as_str()),
