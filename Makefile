@@ -6,7 +6,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup python-tools run build test fmt-check clippy unit-and-integration helm-check bench fmt
+.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench fmt
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
@@ -22,8 +22,13 @@ setup:
 python-tools:
 	@scripts/install-python-tools.sh >/dev/null
 
+# The console's browser tests drive headless Chromium through chromedriver
+# (Debian packages, installed when missing).
+browser-tools:
+	@scripts/dev-env.sh browser
+
 build: setup
-	$(CARGO) build --release --locked -p sluice-cli -p sluice-admission -p sluice-limit-grant -p sluice-rate-window -p sluice-refresh-dispatcher
+	$(CARGO) build --release --locked -p sluice-cli -p sluice-admission -p sluice-limit-grant -p sluice-rate-window -p sluice-refresh-dispatcher -p sluice-console
 
 run: build
 	@scripts/run-banner.sh
@@ -39,7 +44,7 @@ clippy: setup
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
 # Against a fresh broker of their own (scripts/with-test-broker.sh).
-unit-and-integration: setup python-tools
+unit-and-integration: setup python-tools browser-tools
 ifeq ($(NEXTEST),yes)
 	scripts/with-test-broker.sh $(CARGO) nextest run --locked --workspace --no-fail-fast
 	$(CARGO) test --locked --workspace --doc

@@ -5,6 +5,8 @@
 #   scripts/dev-env.sh postgres   PostgreSQL on 127.0.0.1:5432 with trust auth for local tests
 #   scripts/dev-env.sh broker     tansu (a Kafka-protocol broker) on 127.0.0.1:9092
 #   scripts/dev-env.sh tansu      install tansu only; prints the binary's path
+#   scripts/dev-env.sh browser    Chromium and chromedriver (Debian packages) for the
+#                                 console's headless browser tests
 #   scripts/dev-env.sh all        tools, postgres and broker
 # Environment: SLUICE_BROKER_PORT (9092), SLUICE_STATE_DIR ($HOME/.cache/sluice),
 # SLUICE_TOOLS_DIR ($HOME/.cache/sluice/tools).
@@ -150,11 +152,27 @@ ensure_broker() {
   port_open "$BROKER_PORT" || { echo "tansu did not start; see $STATE_DIR/tansu.log" >&2; exit 1; }
 }
 
+# The console's browser tests drive a real headless Chromium through
+# chromedriver (WebDriver). Both come from Debian; nothing is downloaded at run
+# time.
+ensure_browser() {
+  local missing=()
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v chromedriver >/dev/null || missing+=(chromium-driver)
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "installing a headless browser for the console's browser tests"
+    apt_install "${missing[@]}"
+  else
+    say "chromium and chromedriver present"
+  fi
+}
+
 case "${1:-all}" in
   tools) ensure_tools ;;
   postgres) ensure_postgres ;;
   broker) ensure_broker ;;
+  browser) ensure_browser ;;
   tansu) ensure_tansu; echo "$TANSU" ;;
   all) ensure_tools; ensure_postgres; ensure_broker ;;
-  *) echo "usage: $0 [tools|postgres|broker|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [tools|postgres|broker|browser|all]" >&2; exit 2 ;;
 esac

@@ -314,14 +314,14 @@ class SecurityContextTest(ChartTestCase):
         return own if own is not None else (pod.get("securityContext") or {}).get(field)
 
     def test_every_container_is_hardened(self):
-        # values: (arguments, hook Jobs, containers in all)
+        # values: (arguments, Deployments, hook Jobs, containers in all)
         cases = {
             # 4 services + 4 migrations + topics + 4 health checks.
-            **{name: (args, 2, 13) for name, args in VALUE_SETS.items()},
-            # No hook Jobs.
-            "options": (("--values", str(OPTIONS_VALUES)), 0, 8),
+            **{name: (args, 4, 2, 13) for name, args in VALUE_SETS.items()},
+            # No hook Jobs; the console on.
+            "options": (("--values", str(OPTIONS_VALUES)), 5, 0, 9),
         }
-        for name, (args, expected_jobs, expected_containers) in cases.items():
+        for name, (args, expected_deployments, expected_jobs, expected_containers) in cases.items():
             with self.subTest(values=name):
                 documents = render(*args)
                 seen = {"Deployment": 0, "Job": 0, "Pod": 0}
@@ -347,7 +347,7 @@ class SecurityContextTest(ChartTestCase):
                     self.assertIs(spec.get("automountServiceAccountToken"), False,
                                   f"{document['metadata']['name']} mounts an API token")
                 # Deployments, the hook Jobs and the test pod were all checked.
-                self.assertEqual(seen["Deployment"], 4)
+                self.assertEqual(seen["Deployment"], expected_deployments)
                 self.assertEqual(seen["Job"], expected_jobs)
                 self.assertEqual(seen["Pod"], 1)
                 self.assertEqual(containers_checked, expected_containers)
@@ -902,6 +902,97 @@ class SchemaTest(ChartTestCase):
                 # A documented passthrough object (resources, strategy, ...).
                 passthrough_depth = indent
         self.assertEqual(undocumented, [])
+
+
+class ConsoleTest(ChartTestCase):
+    """The web console: off by default; on, a Deployment, a Service and an
+    optional Ingress, with the services' probes and security context, reading
+    the services through their Services, with no PostgreSQL credentials."""
+
+    ON = ("--set", "console.enabled=true")
+
+    def test_off_by_default(self):
+        for name, args in VALUE_SETS.items():
+            with self.subTest(values=name):
+                documents = render(*args)
+                names = {(doc["kind"], doc["metadata"]["name"]) for doc in documents}
+                for kind in ("Deployment", "Service", "Ingress"):
+                    self.assertNotIn((kind, component_name("console")), names)
+                self.assertNotIn("console", config_toml(documents))
+
+    def test_same_probes_and_security_context_as_the_services(self):
+        documents = render(*self.ON)
+        console = named(documents, "Deployment", component_name("console"))
+        for component in COMPONENTS:
+            with self.subTest(component=component):
+                service = named(documents, "Deployment", component_name(component))
+                container = pod_spec(console)["containers"][0]
+                service_container = pod_spec(service)["containers"][0]
+                self.assertEqual(pod_spec(console)["securityContext"], pod_spec(service)["securityContext"])
+                self.assertEqual(container["securityContext"], service_container["securityContext"])
+                self.assertEqual(pod_spec(console)["automountServiceAccountToken"], False)
+                console_port = {port["name"]: port["containerPort"] for port in container["ports"]}["http"]
+                service_port = {port["name"]: port["containerPort"] for port in service_container["ports"]}["grpc"]
+                for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                    expected = json.loads(json.dumps(service_container[probe]).replace(
+                        f'"port": {service_port}', f'"port": {console_port}'))
+                    self.assertEqual(container[probe], expected, probe)
+                self.assertEqual(container["volumeMounts"], service_container["volumeMounts"])
+        container = pod_spec(console)["containers"][0]
+        self.assertEqual(container["command"], ["/usr/local/bin/sluice-console"])
+        self.assertEqual(container["args"][-1], "run")
+        self.assertNotIn("SLUICE__POSTGRES__URL", env_by_name(container), "the console owns no tables")
+        with_sasl = render(*self.ON, *EXISTING_SECRETS)
+        env = env_by_name(pod_spec(named(with_sasl, "Deployment", component_name("console")))["containers"][0])
+        self.assertIn("SLUICE__KAFKA__SASL_PASSWORD", env, "it reads Kafka with the release's credentials")
+        self.assertNotIn("SLUICE__POSTGRES__URL", env)
+
+    def test_config_points_the_console_at_the_services(self):
+        documents = render(*self.ON, "--set", "console.port=9000")
+        config = config_toml(documents)
+        self.assertEqual(config_contract_errors(config), [])
+        console = config["console"]
+        self.assertEqual(console["listen"], "0.0.0.0:9000")
+        for key, component in (("admission_endpoint", "admission"), ("limit_grant_endpoint", "limit-grant"),
+                               ("rate_window_endpoint", "rate-window"),
+                               ("refresh_dispatcher_endpoint", "refresh-dispatcher")):
+            service = named(documents, "Service", component_name(component))
+            port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
+            self.assertEqual(console[key], f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
+        service = named(documents, "Service", component_name("console"))
+        deployment = named(documents, "Deployment", component_name("console"))
+        self.assertTrue(selects(service["spec"]["selector"], pod_spec_labels(deployment)))
+        self.assertEqual([(p["name"], p["port"]) for p in service["spec"]["ports"]], [("http", 9000)])
+        with_metrics = render(*self.ON, "--set", "metrics.enabled=true")
+        ports = named(with_metrics, "Service", component_name("console"))["spec"]["ports"]
+        self.assertEqual([p["name"] for p in ports], ["http", "metrics"], "scraped like the services")
+        self.assertRenderFails(*self.ON, "--set", "metrics.enabled=true", "--set", "console.port=9090",
+                               message="collides with console.port")
+        for component in COMPONENTS:
+            other = named(documents, "Deployment", component_name(component))
+            self.assertFalse(selects(service["spec"]["selector"], pod_spec_labels(other)), component)
+            other_service = named(documents, "Service", component_name(component))
+            self.assertFalse(selects(other_service["spec"]["selector"], pod_spec_labels(deployment)), component)
+
+    def test_ingress_routes_to_the_console_service(self):
+        self.assertEqual(of_kind(render(*self.ON), "Ingress"), [])
+        documents = render(*self.ON, "--set", "console.ingress.enabled=true",
+                           "--set", "console.ingress.host=console.example.com")
+        ingress = named(documents, "Ingress", component_name("console"))
+        rule = ingress["spec"]["rules"][0]
+        self.assertEqual(rule["host"], "console.example.com")
+        path = rule["http"]["paths"][0]
+        self.assertEqual(path["path"], "/")
+        self.assertEqual(path["backend"]["service"], {"name": component_name("console"), "port": {"name": "http"}})
+
+    def test_invalid_console_values_are_refused(self):
+        for case in (("--set", "console.port=70000"), ("--set", "console.enabled=yes"),
+                     ("--set", "console.config.refreshInterval=soon"), ("--set", "console.ingress.path=console"),
+                     ("--set", "console.config.traceUrlTemplate=javascript:alert(1)"),
+                     ("--set", "console.replicaz=2")):
+            with self.subTest(case=case):
+                with self.assertRaises(RenderError):
+                    render(*self.ON, *case)
 
 
 def main() -> int:

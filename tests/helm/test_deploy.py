@@ -166,7 +166,7 @@ class DockerfileTest(unittest.TestCase):
         self.assertIsNotNone(copied, "no loop copying the binaries out")
         copied_binaries = set(copied.group(1).split())
         shipped = shipped_packages()
-        self.assertEqual(set(shipped), {"sluice-cli", *(f"sluice-{service}" for service in SERVICES)})
+        self.assertEqual(set(shipped), {"sluice-cli", "sluice-console", *(f"sluice-{service}" for service in SERVICES)})
         for package, binaries in shipped.items():
             if "--workspace" not in build:
                 self.assertRegex(build, rf"-p\s+{re.escape(package)}\b", f"{package} is not built")
@@ -190,6 +190,8 @@ class DockerfileTest(unittest.TestCase):
                 needed.append(str(member.relative_to(ROOT)) + "/build.rs")
         for path in needed:
             self.assertFalse(excluded_from_context(path), f"{path} is left out of the build context")
+        # The console's page assets are compiled in (include_str!).
+        self.assertFalse(excluded_from_context("crates/sluice-console/assets/console.js"))
         for path in (".git", "target", "helm/sluice/values.yaml", "crates/sluice-cli/target/x"):
             self.assertTrue(excluded_from_context(path), f"{path} should stay out of the build context")
 

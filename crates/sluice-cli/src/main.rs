@@ -322,6 +322,15 @@ async fn health(checks: Vec<(&'static str, String)>, service: &str) -> HealthRep
     HealthReport { services }
 }
 
+/// `http://` and the address, with 127.0.0.1 for a listener on every interface.
+fn local_endpoint(address: std::net::SocketAddr) -> String {
+    if address.ip().is_unspecified() {
+        format!("http://127.0.0.1:{}", address.port())
+    } else {
+        format!("http://{address}")
+    }
+}
+
 async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -> anyhow::Result<()> {
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals(config.process.drain_timeout.0);
@@ -330,6 +339,8 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
     let limit_grant = grpc::bind(&config.limit_grant.listen).await?;
     let rate_window = grpc::bind(&config.rate_window.listen).await?;
     let refresh_dispatcher = grpc::bind(&config.refresh_dispatcher.listen).await?;
+    let console = grpc::bind(&config.console.listen).await?;
+    let console_address = console.local_addr()?;
     let addresses = [
         ("admission", admission.local_addr()?),
         ("limit-grant", limit_grant.local_addr()?),
@@ -359,10 +370,21 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
         "admission",
         sluice_admission::run(Arc::new(admission_config), admission, shutdown.clone(), faults),
     );
+    // The console reads the services where they listen in this process.
+    let mut console_config = (*config).clone();
+    console_config.console.admission_endpoint = local_endpoint(addresses[0].1);
+    console_config.console.limit_grant_endpoint = local_endpoint(addresses[1].1);
+    console_config.console.rate_window_endpoint = local_endpoint(addresses[2].1);
+    console_config.console.refresh_dispatcher_endpoint = local_endpoint(addresses[3].1);
+    supervisor.spawn(
+        "console",
+        sluice_console::run(Arc::new(console_config), console, shutdown.clone()),
+    );
     println!("sluice dev: all four services in one process");
     for (name, address) in addresses {
         println!("  {name:<20} grpc://{address}");
     }
+    println!("  console              http://{console_address}/");
     if let Some(metrics) = metrics {
         println!("  metrics              http://{metrics}/metrics");
     }

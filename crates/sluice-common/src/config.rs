@@ -91,6 +91,41 @@ pub struct SluiceConfig {
     pub refresh_dispatcher: RefreshDispatcherConfig,
     pub task_groups: BTreeMap<String, TaskGroupConfig>,
     pub process: ProcessConfig,
+    pub console: ConsoleConfig,
+}
+
+/// The web console (`sluice-console`): where it listens, the services it
+/// reads and steers through their public gRPC APIs, and the bounds of what it
+/// keeps in memory.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsoleConfig {
+    pub listen: String,
+    pub admission_endpoint: String,
+    pub limit_grant_endpoint: String,
+    pub rate_window_endpoint: String,
+    pub refresh_dispatcher_endpoint: String,
+    /// Tenants the overview always shows; tenants seen in grants, admitted
+    /// jobs and dead letters are added.
+    #[serde(default, deserialize_with = "list_or_comma_separated")]
+    pub tenants: Vec<String>,
+    /// A job's trace in the tracing UI; `{job_id}` and `{tenant}` are
+    /// replaced (URL-encoded). Empty: no link.
+    pub trace_url_template: String,
+    /// How often pages refresh their live parts (doubling on errors).
+    pub refresh_interval: HumanDuration,
+    /// How often the keys being looked at are sampled for their chart.
+    pub sample_interval: HumanDuration,
+    /// How far back charts and rates go.
+    pub chart_window: HumanDuration,
+    pub max_watched_keys: usize,
+    /// Read `jobs.admitted.*` and `deadletter` (admitted/s, dead letters).
+    pub watch_kafka: bool,
+    /// The consumer group named on the console's reads (it commits nothing).
+    pub consumer_group: String,
+    pub dead_letters_kept: usize,
+    /// Keys of a tenant the overview reads (ListKeys pages) per refresh.
+    pub overview_scan_keys: usize,
 }
 
 /// How a service process stops.
@@ -478,6 +513,24 @@ impl SluiceConfig {
                 "admission.stand_behind_interval",
                 "must be at most half of limit_grant.ticket_grace (a third is the default)",
             ));
+        }
+        for (field, value) in [
+            ("console.refresh_interval", self.console.refresh_interval),
+            ("console.sample_interval", self.console.sample_interval),
+            ("console.chart_window", self.console.chart_window),
+        ] {
+            if value.0 < Duration::from_millis(100) {
+                return Err(invalid(field, "must be at least 100ms"));
+            }
+        }
+        for (field, value) in [
+            ("console.max_watched_keys", self.console.max_watched_keys),
+            ("console.dead_letters_kept", self.console.dead_letters_kept),
+            ("console.overview_scan_keys", self.console.overview_scan_keys),
+        ] {
+            if !(1..=1_000_000).contains(&value) {
+                return Err(invalid(field, "must be between 1 and 1000000"));
+            }
         }
         if self.task_groups.is_empty() {
             return Err(invalid("task_groups", "declare at least one task group"));

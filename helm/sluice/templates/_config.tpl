@@ -159,6 +159,25 @@ task_timeout = {{ .config.taskTimeout | toJson }}
 initial_backoff = {{ .config.initialBackoff | toJson }}
 max_backoff = {{ .config.maxBackoff | toJson }}
 {{- end }}
+{{- if .Values.console.enabled }}
+
+# The web console reads the services through their Services.
+[console]
+{{- with .Values.console }}
+listen = {{ printf "0.0.0.0:%d" (int .port) | toJson }}
+tenants = {{ .config.tenants | default list | toJson }}
+trace_url_template = {{ .config.traceUrlTemplate | toJson }}
+refresh_interval = {{ .config.refreshInterval | toJson }}
+chart_window = {{ .config.chartWindow | toJson }}
+watch_kafka = {{ .config.watchKafka }}
+consumer_group = {{ .config.consumerGroup | toJson }}
+dead_letters_kept = {{ .config.deadLettersKept | int64 }}
+{{- end }}
+admission_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "component" "admission") | toJson }}
+limit_grant_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "component" "limit-grant") | toJson }}
+rate_window_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "component" "rate-window") | toJson }}
+refresh_dispatcher_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "component" "refresh-dispatcher") | toJson }}
+{{- end }}
 {{- range $name := keys .Values.taskGroups | sortAlpha }}
 {{- $group := index $.Values.taskGroups $name }}
 

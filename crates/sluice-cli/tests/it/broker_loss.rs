@@ -53,6 +53,7 @@ async fn start_dev(config: &sluice_common::SluiceConfig, broker: &str, drain_tim
         .env("SLUICE__LIMIT_GRANT__LISTEN", "127.0.0.1:0")
         .env("SLUICE__RATE_WINDOW__LISTEN", "127.0.0.1:0")
         .env("SLUICE__REFRESH_DISPATCHER__LISTEN", "127.0.0.1:0")
+        .env("SLUICE__CONSOLE__LISTEN", "127.0.0.1:0")
         .env("SLUICE__TELEMETRY__METRICS_LISTEN", "")
         .env("SLUICE__KAFKA__PARTITIONS__LIMIT_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__RATE_COMMANDS", "2")

@@ -561,8 +561,20 @@ async fn health_topics_migrate_try_and_errors() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A plain HTTP/1.1 GET; the whole answer, head and body.
+async fn http_get(address: &str, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(address).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer)).await??;
+    Ok(String::from_utf8_lossy(&answer).into_owned())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dev_runs_all_four_services_until_sigterm() -> anyhow::Result<()> {
+async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::Result<()> {
     use tokio::io::{AsyncBufReadExt, BufReader};
 
     init_logging();
@@ -578,6 +590,7 @@ async fn dev_runs_all_four_services_until_sigterm() -> anyhow::Result<()> {
         .env("SLUICE__LIMIT_GRANT__LISTEN", "127.0.0.1:0")
         .env("SLUICE__RATE_WINDOW__LISTEN", "127.0.0.1:0")
         .env("SLUICE__REFRESH_DISPATCHER__LISTEN", "127.0.0.1:0")
+        .env("SLUICE__CONSOLE__LISTEN", "127.0.0.1:0")
         .env("SLUICE__TELEMETRY__METRICS_LISTEN", "")
         .env("SLUICE__KAFKA__PARTITIONS__LIMIT_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__RATE_COMMANDS", "2")
@@ -588,7 +601,8 @@ async fn dev_runs_all_four_services_until_sigterm() -> anyhow::Result<()> {
         .spawn()?;
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut endpoints = std::collections::HashMap::new();
-    while endpoints.len() < 4 {
+    let mut console = None;
+    while endpoints.len() < 4 || console.is_none() {
         let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
             .await??
             .unwrap_or_default();
@@ -597,8 +611,20 @@ async fn dev_runs_all_four_services_until_sigterm() -> anyhow::Result<()> {
             if let Some(address) = address.strip_prefix("grpc://") {
                 endpoints.insert(name.to_string(), format!("http://{address}"));
             }
+            if name == "console" {
+                console = address
+                    .strip_prefix("http://")
+                    .map(|address| address.trim_end_matches('/').to_string());
+            }
         }
     }
+    // The console answers at the address printed.
+    let console = console.unwrap_or_default();
+    let overview = http_get(&console, "/").await?;
+    assert!(
+        overview.starts_with("HTTP/1.1 200") && overview.contains("<h1>Tenants</h1>"),
+        "{overview}"
+    );
     let mut health = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
     health
         .arg("health")
