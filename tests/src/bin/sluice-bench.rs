@@ -216,7 +216,10 @@ async fn main() -> anyhow::Result<()> {
         let hot_pool = hot_stack.pool.clone();
         hot_stack.stop().await;
         cleanup(&hot_config, &hot_pool).await;
-        println!("{}", serde_json::json!({"hot_key_jobs_per_s": hot_run.jobs_per_s.round()}));
+        println!(
+            "{}",
+            serde_json::json!({"hot_key_jobs_per_s": hot_run.jobs_per_s.round()})
+        );
         return Ok(());
     }
     let mut stack = Stack::start(bench_config("bench", &overrides)?, 1).await?;

@@ -515,10 +515,16 @@ fn every_request_admission_accepts_is_accepted_by_every_owner_and_by_postgresql(
         anyhow::Ok((std::cell::RefCell::new(admission), tables))
     })?;
     let accepted = std::sync::atomic::AtomicU64::new(0);
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
-        cases: 400,
-        ..ProptestConfig::default()
-    });
+    // A fixed seed: the coverage check below counts how many generated
+    // requests are valid (about one in eight), and with a random seed it
+    // fell under its bound about one run in ten.
+    let mut runner = proptest::test_runner::TestRunner::new_with_rng(
+        ProptestConfig {
+            cases: 400,
+            ..ProptestConfig::default()
+        },
+        proptest::test_runner::TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
+    );
     let generated = std::sync::atomic::AtomicU64::new(0);
     let outcome = runner.run(&request(), |mut request| {
         // Each case its own idempotency key too: a key repeated from an
