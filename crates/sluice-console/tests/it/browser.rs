@@ -274,7 +274,16 @@ async fn browser_override_set_from_the_key_page_changes_the_max() -> anyhow::Res
         .click()
         .await?;
 
-    // Back on the key page: the max is the override, and it granted both waiters.
+    // Back on the key page: the max is the override, and it granted both
+    // waiters. The click returns before the browser has followed the
+    // redirect: wait for the key page's address first.
+    browser
+        .wait_for(
+            "the key page after the confirmation",
+            "return location.pathname;",
+            serde_json::json!("/key"),
+        )
+        .await?;
     let landed = browser.client.current_url().await?;
     assert_eq!(landed.path(), "/key");
     assert!(
