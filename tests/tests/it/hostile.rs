@@ -75,9 +75,9 @@ async fn thousands_of_hostile_messages_each_become_a_job_or_a_dead_letter_and_va
     // rare payload of max_payload_bytes plus long fields (or base64 in
     // JSON) can pass the broker's limit, so such messages are not sent.
     let broker_limit = stack.config.kafka.max_message_bytes - 4096;
-    let messages: Vec<RawRequest> = (0..3_000)
+    let messages: Vec<RawRequest> = (0..3_000i64)
         .map(|index| {
-            let message = generator.message(i64::try_from(index).unwrap());
+            let message = generator.message(index);
             RawRequest {
                 partition: None,
                 key: message.key,
