@@ -1418,3 +1418,7 @@ fn is_duplicate_completion(state: &JobState, attempt: u32) -> bool {
         && state.status == Status::Succeeded
         && state.attempt == attempt
 }
+
+#[cfg(test)]
+#[path = "partition_tests.rs"]
+mod tests;

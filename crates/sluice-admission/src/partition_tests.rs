@@ -1,0 +1,275 @@
+//! Property test of the admission core: any interleaving of claims,
+//! heartbeats, completions (success, failure, hand-back) from several
+//! workers and of time passing (leases expiring, backoffs ending) keeps one
+//! running attempt per job: a claim wins only for the job's current attempt
+//! and only once, only the holder's completion is accepted, and a worker that
+//! lost its lease can no longer complete.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use sluice_common::kafka::Outbox;
+use sluice_common::owner::{OwnedState, Rejected, Reply};
+use sluice_common::{Faults, SluiceConfig};
+use sluice_proto::v1 as pb;
+use tokio::sync::oneshot;
+
+use super::*;
+
+const JOBS: usize = 3;
+const WORKERS: usize = 3;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Claim {
+        worker: usize,
+        job: usize,
+        attempt: u32,
+    },
+    Heartbeat {
+        worker: usize,
+        job: usize,
+        attempt: u32,
+    },
+    Complete {
+        worker: usize,
+        job: usize,
+        attempt: u32,
+        end: u8,
+    },
+    Advance {
+        ms: i64,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..WORKERS, 0..JOBS, 1u32..4).prop_map(|(worker, job, attempt)| Op::Claim { worker, job, attempt }),
+        1 => (0..WORKERS, 0..JOBS, 1u32..4).prop_map(|(worker, job, attempt)| Op::Heartbeat { worker, job, attempt }),
+        3 => (0..WORKERS, 0..JOBS, 1u32..4, 0u8..3)
+            .prop_map(|(worker, job, attempt, end)| Op::Complete { worker, job, attempt, end }),
+        2 => (0i64..40_000).prop_map(|ms| Op::Advance { ms }),
+    ]
+}
+
+fn job_id(job: usize) -> String {
+    format!("job-{job}")
+}
+
+fn worker_id(worker: usize) -> String {
+    format!("worker-{worker}")
+}
+
+struct Harness {
+    partition: AdmissionPartition,
+    now_ms: i64,
+}
+
+impl Harness {
+    fn new() -> Self {
+        let config = Arc::new(SluiceConfig::load_with(None, &[]).expect("default configuration"));
+        let settings = crate::partition_settings(&config, &Faults::none());
+        let mut harness = Harness {
+            partition: AdmissionPartition::new(settings, Vec::new(), 0, None, 0),
+            now_ms: 1_800_000_000_000,
+        };
+        // Jobs with no limits and three attempts: admitted at once.
+        let jobs: Vec<Incoming> = (0..JOBS)
+            .map(|job| {
+                let request = pb::JobRequest {
+                    job_id: Some(job_id(job)),
+                    tenant: "acme".to_string(),
+                    task_group: "default".to_string(),
+                    payload: b"x".to_vec(),
+                    retry: Some(pb::RetryPolicy {
+                        max_attempts: 3,
+                        initial_backoff: "1s".to_string(),
+                        max_backoff: "2s".to_string(),
+                        ..pb::RetryPolicy::default()
+                    }),
+                    ..pb::JobRequest::default()
+                };
+                Incoming {
+                    job_id: job_id(job),
+                    valid: crate::chain::validate(&config, request).expect("a valid request"),
+                    trace: pb::TraceContext::default(),
+                }
+            })
+            .collect();
+        let (reply, mut answer) = oneshot::channel();
+        harness.apply(vec![Local::Enqueue {
+            jobs,
+            on_conflict: OnConflict::Refuse,
+            reply,
+        }]);
+        let outcomes = answer.try_recv().expect("answered").expect("no conflict");
+        assert!(
+            outcomes.iter().all(|outcome| outcome.status == Status::Admitted),
+            "{outcomes:?}"
+        );
+        harness
+    }
+
+    fn apply(&mut self, locals: Vec<Local>) {
+        let mut writes = AdmissionWrites::default();
+        let mut outbox = Outbox::new();
+        let mut replies: Vec<Reply> = Vec::new();
+        let mut rejected: Vec<Rejected> = Vec::new();
+        self.partition.apply(
+            self.now_ms,
+            &[],
+            locals,
+            &mut writes,
+            &mut outbox,
+            &mut replies,
+            &mut rejected,
+        );
+        for reply in replies {
+            reply();
+        }
+    }
+
+    fn state(&self, job: usize) -> Option<&JobState> {
+        self.partition.job(&job_id(job)).map(|row| &row.state)
+    }
+}
+
+/// The model: who holds each job's current attempt, as the answers said.
+#[derive(Default)]
+struct Model {
+    holder: HashMap<usize, (u32, usize)>,
+    won: HashSet<(usize, u32)>,
+}
+
+fn check(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), TestCaseError> {
+    match *op {
+        Op::Claim { worker, job, attempt } => {
+            let before = harness.state(job).map(|state| (state.status, state.attempt));
+            let (reply, mut answer) = oneshot::channel();
+            harness.apply(vec![Local::Claim {
+                worker_id: worker_id(worker),
+                attempts: vec![(job_id(job), attempt)],
+                reply,
+            }]);
+            let results = answer.try_recv().map_err(|_| TestCaseError::fail("claim unanswered"))?;
+            let outcome = results.first().map(|result| result.outcome);
+            if outcome == Some(pb::ClaimOutcome::Claimed as i32) {
+                prop_assert_eq!(
+                    before,
+                    Some((Status::Admitted, attempt)),
+                    "won a claim of an attempt not admitted"
+                );
+                prop_assert!(
+                    model.won.insert((job, attempt)),
+                    "two claims of job {} attempt {} won",
+                    job,
+                    attempt
+                );
+                model.holder.insert(job, (attempt, worker));
+                let state = harness.state(job).expect("active");
+                prop_assert_eq!(state.status, Status::Running);
+                prop_assert_eq!(state.claimed_by.clone(), Some(worker_id(worker)));
+            }
+        }
+        Op::Heartbeat { worker, job, attempt } => {
+            let (reply, mut answer) = oneshot::channel();
+            harness.apply(vec![Local::Heartbeat {
+                worker_id: worker_id(worker),
+                attempts: vec![(job_id(job), attempt)],
+                reply,
+            }]);
+            let results = answer
+                .try_recv()
+                .map_err(|_| TestCaseError::fail("heartbeat unanswered"))?;
+            let extended = results
+                .first()
+                .is_some_and(|result| result.outcome == pb::HeartbeatOutcome::Extended as i32);
+            if extended {
+                prop_assert_eq!(
+                    model.holder.get(&job).copied(),
+                    Some((attempt, worker)),
+                    "a non-holder's lease extended"
+                );
+            }
+        }
+        Op::Complete {
+            worker,
+            job,
+            attempt,
+            end,
+        } => {
+            let end = match end {
+                0 => AttemptEnd::Succeeded,
+                1 => AttemptEnd::Failed {
+                    error: "boom".to_string(),
+                    non_retryable: false,
+                },
+                _ => AttemptEnd::HandedBack {
+                    reason: "busy".to_string(),
+                },
+            };
+            let (reply, mut answer) = oneshot::channel();
+            harness.apply(vec![Local::Complete {
+                worker_id: worker_id(worker),
+                completions: vec![(job_id(job), attempt, end)],
+                caller_trace: pb::TraceContext::default(),
+                reply,
+            }]);
+            let results = answer
+                .try_recv()
+                .map_err(|_| TestCaseError::fail("complete unanswered"))?;
+            let accepted = results
+                .first()
+                .is_some_and(|result| result.outcome == pb::CompleteOutcome::Accepted as i32);
+            if accepted {
+                prop_assert_eq!(
+                    model.holder.remove(&job),
+                    Some((attempt, worker)),
+                    "a non-holder's completion accepted"
+                );
+            }
+        }
+        Op::Advance { ms } => {
+            harness.now_ms += ms;
+            harness.apply(Vec::new());
+        }
+    }
+    // One running attempt per job, held by the worker the answers named;
+    // an attempt that is no longer running has no holder.
+    for job in 0..JOBS {
+        let running = harness
+            .state(job)
+            .filter(|state| state.status == Status::Running)
+            .map(|state| (state.attempt, state.claimed_by.clone()));
+        match running {
+            Some((attempt, claimed_by)) => {
+                let holder = model.holder.get(&job).copied();
+                prop_assert_eq!(
+                    holder.map(|(held, _)| held),
+                    Some(attempt),
+                    "job {} runs an attempt nobody won",
+                    job
+                );
+                prop_assert_eq!(claimed_by, holder.map(|(_, worker)| worker_id(worker)));
+            }
+            None => {
+                model.holder.remove(&job);
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn one_running_attempt_per_job_whatever_the_workers_and_the_clock_do(ops in proptest::collection::vec(op(), 1..80)) {
+        let mut harness = Harness::new();
+        let mut model = Model::default();
+        for op in &ops {
+            check(&mut harness, &mut model, op)?;
+        }
+    }
+}
