@@ -68,13 +68,18 @@ struct Harness {
 
 impl Harness {
     fn new() -> Self {
+        Harness::with_limits(Vec::new())
+    }
+
+    /// Jobs that each list `limits` (none: admitted at once).
+    fn with_limits(limits: Vec<pb::Limit>) -> Self {
         let config = Arc::new(SluiceConfig::load_with(None, &[]).expect("default configuration"));
         let settings = crate::partition_settings(&config, &Faults::none());
         let mut harness = Harness {
             partition: AdmissionPartition::new(settings, Vec::new(), 0, None, 0),
             now_ms: 1_800_000_000_000,
         };
-        // Jobs with no limits and three attempts: admitted at once.
+        // Three attempts each.
         let jobs: Vec<Incoming> = (0..JOBS)
             .map(|job| {
                 let request = pb::JobRequest {
@@ -82,6 +87,7 @@ impl Harness {
                     tenant: "acme".to_string(),
                     task_group: "default".to_string(),
                     payload: b"x".to_vec(),
+                    limits: limits.clone(),
                     retry: Some(pb::RetryPolicy {
                         max_attempts: 3,
                         initial_backoff: "1s".to_string(),
@@ -104,8 +110,13 @@ impl Harness {
             reply,
         }]);
         let outcomes = answer.try_recv().expect("answered").expect("no conflict");
+        let expected = if limits.is_empty() {
+            Status::Admitted
+        } else {
+            Status::Waiting
+        };
         assert!(
-            outcomes.iter().all(|outcome| outcome.status == Status::Admitted),
+            outcomes.iter().all(|outcome| outcome.status == expected),
             "{outcomes:?}"
         );
         harness
@@ -270,6 +281,156 @@ proptest! {
         let mut model = Model::default();
         for op in &ops {
             check(&mut harness, &mut model, op)?;
+        }
+    }
+}
+
+/// A grant event, as limit-grant sends it, for one step of one attempt.
+fn grant(job: usize, attempt: u32, step: u32) -> pb::GrantEvent {
+    pb::GrantEvent {
+        ticket: Some(pb::TicketId {
+            job_id: job_id(job),
+            attempt,
+            step,
+        }),
+        key: Some(pb::KeyRef {
+            tenant: "acme".to_string(),
+            key: format!("k{step}"),
+        }),
+        kind: pb::LimitKind::Concurrency as i32,
+        holders: 1,
+        max: 1,
+        ..pb::GrantEvent::default()
+    }
+}
+
+#[derive(Clone, Debug)]
+enum GrantOp {
+    /// A grant for (job, attempt, step), maybe a duplicate or stale one.
+    Grant {
+        job: usize,
+        attempt: u32,
+        step: u32,
+    },
+    /// The grant the job waits for now.
+    Pending {
+        job: usize,
+    },
+    /// The holder finishes: success, or failure (a retry).
+    Run {
+        job: usize,
+        fail: bool,
+    },
+    Advance {
+        ms: i64,
+    },
+}
+
+fn grant_op() -> impl Strategy<Value = GrantOp> {
+    prop_oneof![
+        3 => (0..JOBS, 1u32..4, 0u32..3).prop_map(|(job, attempt, step)| GrantOp::Grant { job, attempt, step }),
+        3 => (0..JOBS).prop_map(|job| GrantOp::Pending { job }),
+        2 => (0..JOBS, any::<bool>()).prop_map(|(job, fail)| GrantOp::Run { job, fail }),
+        1 => (0i64..5_000).prop_map(|ms| GrantOp::Advance { ms }),
+    ]
+}
+
+fn two_limits() -> Vec<pb::Limit> {
+    (0..2)
+        .map(|step| pb::Limit {
+            kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                key: format!("k{step}"),
+                max_concurrency: 1,
+            })),
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Jobs with two limits under duplicated, stale and out-of-order grants:
+    /// a job moves a step only on the grant of the step it waits on (so it
+    /// is admitted only holding every limit of its chain), and that grant
+    /// always moves it (no lost wake-up).
+    #[test]
+    fn a_job_advances_exactly_on_the_grant_of_its_pending_step(ops in proptest::collection::vec(grant_op(), 1..80)) {
+        let mut harness = Harness::with_limits(two_limits());
+        for op in &ops {
+            match *op {
+                GrantOp::Grant { job, attempt, step } => {
+                    let before = harness.state(job).map(|state| (state.status, state.attempt, state.step));
+                    harness.apply(vec![Local::Grants(vec![grant(job, attempt, step)])]);
+                    let after = harness.state(job).map(|state| (state.status, state.attempt, state.step));
+                    match before {
+                        Some((Status::Waiting, current, pending)) if current == attempt && pending == step => {
+                            let moved = if step + 1 >= 2 {
+                                Some((Status::Admitted, attempt, step + 1))
+                            } else {
+                                Some((Status::Waiting, attempt, step + 1))
+                            };
+                            prop_assert_eq!(after, moved, "the pending step's grant must move the job");
+                        }
+                        _ => prop_assert_eq!(after, before, "a grant for another step or attempt moved the job"),
+                    }
+                }
+                GrantOp::Pending { job } => {
+                    let Some((Status::Waiting, attempt, step)) =
+                        harness.state(job).map(|state| (state.status, state.attempt, state.step))
+                    else {
+                        continue;
+                    };
+                    harness.apply(vec![Local::Grants(vec![grant(job, attempt, step)])]);
+                    let after = harness.state(job).map(|state| (state.status, state.step));
+                    prop_assert!(
+                        after == Some((Status::Waiting, step + 1)) || after == Some((Status::Admitted, step + 1)),
+                        "job {} waiting on step {} did not move: {:?}", job, step, after
+                    );
+                }
+                GrantOp::Run { job, fail } => {
+                    let Some((Status::Admitted, attempt)) =
+                        harness.state(job).map(|state| (state.status, state.attempt))
+                    else {
+                        continue;
+                    };
+                    prop_assert_eq!(harness.state(job).map(|state| state.step), Some(2), "admitted without every grant");
+                    let (reply, mut answer) = oneshot::channel();
+                    harness.apply(vec![Local::Claim {
+                        worker_id: worker_id(0),
+                        attempts: vec![(job_id(job), attempt)],
+                        reply,
+                    }]);
+                    let claimed = answer.try_recv().map_err(|_| TestCaseError::fail("claim unanswered"))?;
+                    prop_assert_eq!(claimed.first().map(|result| result.outcome), Some(pb::ClaimOutcome::Claimed as i32));
+                    let end = if fail {
+                        AttemptEnd::Failed { error: "boom".to_string(), non_retryable: false }
+                    } else {
+                        AttemptEnd::Succeeded
+                    };
+                    let (reply, mut answer) = oneshot::channel();
+                    harness.apply(vec![Local::Complete {
+                        worker_id: worker_id(0),
+                        completions: vec![(job_id(job), attempt, end)],
+                        caller_trace: pb::TraceContext::default(),
+                        reply,
+                    }]);
+                    let completed = answer.try_recv().map_err(|_| TestCaseError::fail("complete unanswered"))?;
+                    prop_assert_eq!(completed.first().map(|result| result.outcome), Some(pb::CompleteOutcome::Accepted as i32));
+                }
+                GrantOp::Advance { ms } => {
+                    harness.now_ms += ms;
+                    harness.apply(Vec::new());
+                }
+            }
+            // A waiting or admitted job's step never passes its chain.
+            for job in 0..JOBS {
+                if let Some(state) = harness.state(job) {
+                    prop_assert!(state.step <= 2);
+                    if state.status == Status::Admitted || state.status == Status::Running {
+                        prop_assert_eq!(state.step, 2, "job {} admitted without every grant", job);
+                    }
+                }
+            }
         }
     }
 }
