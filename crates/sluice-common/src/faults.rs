@@ -28,6 +28,9 @@ pub enum FaultPoint {
     /// The Kafka producer turns fatal (as an idempotent producer does when
     /// the broker lost its state): every send fails until it is rebuilt.
     ProducerFatal,
+    /// An owner committed grants, and the stream that takes them (the job
+    /// partition's admission link) breaks before they are written to it.
+    LinkBrokenBeforeGrants,
 }
 
 /// The error an armed `OwnerCommitRefused` or `AdmissionSaveRefused` gives:

@@ -74,18 +74,20 @@ pub struct GrantRouter {
     routes: Mutex<HashMap<i32, Route>>,
     next_stream: AtomicU64,
     watchers: tokio::sync::broadcast::Sender<Arc<Vec<Vec<u8>>>>,
+    faults: crate::faults::Faults,
 }
 
 /// Grant batches a watcher may fall behind by before it misses some.
 const WATCH_BUFFER: usize = 1024;
 
 impl GrantRouter {
-    pub fn new() -> Arc<Self> {
+    pub fn new(faults: crate::faults::Faults) -> Arc<Self> {
         let (watchers, _) = tokio::sync::broadcast::channel(WATCH_BUFFER);
         Arc::new(GrantRouter {
             routes: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(0),
             watchers,
+            faults,
         })
     }
 
@@ -132,6 +134,20 @@ impl GrantRouter {
         routes.retain(|_, route| route.stream != stream);
     }
 
+    /// End the stream that takes `partition`'s grants, as a broken
+    /// connection would (fault hook): the client sees an error and connects
+    /// again, and nothing is routed to the stream meanwhile.
+    fn break_stream_of(&self, partition: i32) {
+        let broken = {
+            let routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            routes.get(&partition).map(|route| (route.stream, route.sender.clone()))
+        };
+        if let Some((stream, sender)) = broken {
+            self.forget(stream);
+            let _ = sender.try_send(Err(Status::unavailable("fault hook: the link broke")));
+        }
+    }
+
     fn sender_for(&self, partition: i32) -> Option<DownSender> {
         let routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         routes.get(&partition).map(|route| route.sender.clone())
@@ -153,6 +169,11 @@ impl LinkSink for GrantRouter {
                 }
                 if self.watchers.receiver_count() > 0 {
                     let _ = self.watchers.send(Arc::new(events.clone()));
+                }
+                if self.faults.hit(crate::faults::FaultPoint::LinkBrokenBeforeGrants) {
+                    tracing::warn!(partition, grants = events.len(), "fault hook: the link breaks before these committed grants are written");
+                    self.break_stream_of(partition);
+                    continue;
                 }
                 let Some(sender) = self.sender_for(partition) else {
                     // Admission re-sends the acquire when it connects and

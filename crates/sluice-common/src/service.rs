@@ -288,14 +288,14 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
             endpoint: endpoint.clone(),
             max_batch: spec.max_batch,
         },
-        faults,
+        faults.clone(),
     );
     let mut grpc_services = vec![spec.grpc_service];
     let mut runtime = runtime;
     let link_service = match link_local {
         Some(make_local) => {
             // The hot path: commands in from admission's links, grants out.
-            let router = crate::link::GrantRouter::new();
+            let router = crate::link::GrantRouter::new(faults.clone());
             runtime = runtime.with_links(router.clone());
             grpc_services.push("sluice.v1.OwnerLink");
             Some(crate::link::LinkService {

@@ -173,3 +173,50 @@ async fn admission_killed_after_publish_before_offset_commit() -> anyhow::Result
 async fn one_of_two_limit_grants_killed_mid_run() -> anyhow::Result<()> {
     run_scenario("lgkill", Break::KillSecondLimitGrant { after: 80 }).await
 }
+
+/// limit-grant commits grants and the stream that takes them breaks before
+/// they are written (three times, mid-run). Admission re-sends acquires only
+/// after 10 minutes here, so only the link's own recovery can deliver them:
+/// admission connects again, claims its job partitions, and the owner sends
+/// the grants of their held tickets again. Every job runs once, no key is
+/// overrun, and no ticket is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_link_that_breaks_between_commit_and_grant_delivery_loses_no_grant() -> anyhow::Result<()> {
+    let stack = Stack::start(
+        test_config(
+            "linkbreak",
+            &[
+                ("admission.resend_waiting_after", "10m"),
+                ("admission.claim_timeout", "10m"),
+            ],
+        )?,
+        1,
+    )
+    .await?;
+    stack.limit_grants[0]
+        .faults
+        .arm(FaultPoint::LinkBrokenBeforeGrants, 5, 3);
+    let stop = Shutdown::new();
+    let recorder = Arc::new(Recorder::default());
+    crate::flow::start_workers(&stack, &recorder, &stop, 2);
+    RequestProducer::new(&stack.config)?
+        .send(&three_hundred_requests())
+        .await?;
+    eventually(Duration::from_secs(120), "300 completions", || async {
+        Ok(recorder.completed() == 300)
+    })
+    .await?;
+    assert_eq!(
+        stack.limit_grants[0].faults.fired(FaultPoint::LinkBrokenBeforeGrants),
+        3,
+        "the link broke three times"
+    );
+    check_runs(&recorder, 300, 2);
+    eventually(Duration::from_secs(60), "no ticket left", || async {
+        Ok(stack.tickets_left().await? == 0)
+    })
+    .await?;
+    stop.trigger();
+    stack.stop().await;
+    Ok(())
+}
