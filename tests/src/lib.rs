@@ -907,7 +907,10 @@ pub async fn run_worker(
                     .await;
                 tries += 1;
                 match &completed {
-                    Err(status) if status.code() == tonic::Code::Unavailable && tries < 20 => {
+                    // UNAVAILABLE, or a connection that broke mid-call.
+                    Err(status)
+                        if matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown) && tries < 20 =>
+                    {
                         tracing::info!(job_id = %admitted.job_id, %status, "test worker: complete failed; sending it again");
                         tokio::time::sleep(Duration::from_millis(250)).await;
                     }

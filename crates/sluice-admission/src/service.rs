@@ -76,6 +76,20 @@ const OWNER_WAIT: Duration = Duration::from_secs(5);
 /// How often a waiting call looks at the owner directory again.
 const OWNER_RECHECK: Duration = Duration::from_millis(100);
 
+/// Whether a forwarded call's error says the owner could not be reached or
+/// could not answer (it stopped, it is handing the partition over, or the
+/// connection broke mid-call), so the call may go to the next owner.
+fn owner_unreachable(status: &Status) -> bool {
+    use std::error::Error as _;
+    match status.code() {
+        tonic::Code::Unavailable => true,
+        tonic::Code::Unknown | tonic::Code::Cancelled => status
+            .source()
+            .is_some_and(|source| source.downcast_ref::<tonic::transport::Error>().is_some()),
+        _ => false,
+    }
+}
+
 /// Items of one call grouped by job partition, each with its place in the call.
 fn by_partition<T>(items: Vec<T>, partition_of: impl Fn(&T) -> i32) -> BTreeMap<i32, Vec<(usize, T)>> {
     let mut groups: BTreeMap<i32, Vec<(usize, T)>> = BTreeMap::new();
@@ -142,7 +156,7 @@ impl AdmissionApi {
                 match owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await {
                     Ok(endpoint) => match forward(AdmissionClient::new(self.channels.channel(&endpoint)?)).await {
                         Ok(answer) => return Ok(OwnerAnswer::Forwarded(answer)),
-                        Err(status) if status.code() == tonic::Code::Unavailable => {
+                        Err(status) if owner_unreachable(&status) => {
                             tracing::debug!(partition, %endpoint, error = %status.message(), "owner unavailable; waiting for the directory to change");
                             status
                         }
