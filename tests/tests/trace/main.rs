@@ -173,9 +173,20 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
         fetch_wait_max_ms: 25,
         ..Default::default()
     };
-    let worker = sluice_client::Worker::builder(options, |_job: sluice_client::Job| async move {
-        tokio::time::sleep(Duration::from_millis(1_000)).await;
-        Ok(())
+    // The blocker runs until the test releases it, once the traced job is
+    // seen waiting behind it; the traced job works for 1 s.
+    let (release_blocker, blocker_released) = tokio::sync::watch::channel(false);
+    let worker = sluice_client::Worker::builder(options, move |job: sluice_client::Job| {
+        let mut released = blocker_released.clone();
+        async move {
+            if job.job_id() == "blocker" {
+                let _ = released.wait_for(|released| *released).await;
+            } else {
+                // The traced job's work: its handler span lasts 1 s.
+                tokio::time::sleep(Duration::from_millis(1_000)).await;
+            }
+            Ok(())
+        }
     })
     .task_group("default")
     .worker_id("tracer")
@@ -183,10 +194,10 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     let stop = tokio_util::sync::CancellationToken::new();
     let worker_task = tokio::spawn(worker.run(stop.clone()));
 
-    // The blocker holds the concurrency key for 1 s, and a TryAcquire made
-    // just before the traced job is produced holds the only unit of its rate
-    // window for 3 s: the traced job waits on both, in that order, however
-    // long the blocker took to reach its worker.
+    // The blocker holds the concurrency key until the traced job waits
+    // behind it, and a TryAcquire made just before the traced job is
+    // produced holds the only unit of its rate window for 3 s: the traced
+    // job waits on both, in that order.
     let job = |payload: &str| {
         let mut request = concurrency_job("acme", "traced", 1, 0, payload);
         request
@@ -242,6 +253,18 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
             headers: telemetry::trace_headers(&producer),
         }])
         .await?;
+    eventually(
+        Duration::from_secs(60),
+        "the traced job waiting behind the blocker",
+        || async {
+            Ok(job_view(&admission, "traced")
+                .await
+                .is_ok_and(|job| job.status == pb::JobStatus::Waiting as i32 && job.step == 0))
+        },
+    )
+    .await?;
+    let seen_waiting_ns = unix_nanos();
+    release_blocker.send_replace(true);
     wait_status(&admission, "traced", pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
 
     // Everything of the job's trace reaches the receiver. Spans arrive in the
@@ -328,10 +351,11 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     assert_eq!(rate_wait.attributes["sluice.key"], "inline:traced-rate:");
     assert_eq!(rate_wait.attributes["sluice.max"], "1");
     let millis = |span: &Received| (span.end_ns.saturating_sub(span.start_ns)) / 1_000_000;
+    // The wait spans the moment the test saw the job waiting, up to the
+    // blocker's release (clocks of one process; 5 ms of rounding to ms).
     assert!(
-        millis(concurrency_wait) >= 200,
-        "waited behind the blocker: {} ms",
-        millis(concurrency_wait)
+        concurrency_wait.start_ns <= seen_waiting_ns + 5_000_000 && concurrency_wait.end_ns + 5_000_000 >= seen_waiting_ns,
+        "the concurrency wait covers the time the job was seen waiting behind the blocker: {concurrency_wait:?}, seen at {seen_waiting_ns}"
     );
     assert!(
         millis(rate_wait) >= 1_000,
@@ -375,4 +399,11 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     stack.stop().await;
     drop(guard);
     Ok(())
+}
+
+fn unix_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
 }
