@@ -175,6 +175,39 @@ impl AdmissionApi {
         }
     }
 
+    /// A worker's call about attempts (claim, heartbeat): each job
+    /// partition's attempts go to its owner (`ask`), and the results come
+    /// back in the call's order.
+    async fn ask_per_partition<R, Fut>(
+        &self,
+        forwarded: bool,
+        attempts: Vec<(String, u32)>,
+        make: impl Fn(Vec<(String, u32)>, oneshot::Sender<Vec<R>>) -> Local,
+        forward: impl Fn(AdmissionClient<Channel>, Vec<pb::JobAttempt>) -> Fut,
+    ) -> Result<Vec<R>, Status>
+    where
+        Fut: std::future::Future<Output = Result<Vec<R>, Status>>,
+    {
+        let count = attempts.len();
+        let mut answered = Vec::new();
+        for (partition, group) in by_partition(attempts, |(job_id, _)| self.partition_of(job_id)) {
+            let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
+            let results = match self
+                .ask(
+                    partition,
+                    forwarded,
+                    |reply| make(attempts.clone(), reply),
+                    |owner| forward(owner, job_attempts(&attempts)),
+                )
+                .await?
+            {
+                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
+            };
+            answered.push((indexes, results));
+        }
+        in_call_order(count, answered)
+    }
+
     fn incoming(
         &self,
         field_prefix: Option<String>,
@@ -581,36 +614,26 @@ impl pb::admission_server::Admission for AdmissionApi {
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
-        let count = attempts.len();
-        let mut answered = Vec::new();
-        for (partition, group) in by_partition(attempts, |(job_id, _)| self.partition_of(job_id)) {
-            let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
-            let results = match self
-                .ask(
-                    partition,
-                    forwarded,
-                    |reply| Local::Claim {
-                        worker_id: message.worker_id.clone(),
-                        attempts: attempts.clone(),
-                        reply,
-                    },
-                    |mut owner| {
-                        let request = forwarded_request(pb::ClaimRequest {
-                            worker_id: message.worker_id.clone(),
-                            jobs: job_attempts(&attempts),
-                        });
-                        async move { Ok(owner.claim(request).await?.into_inner().results) }
-                    },
-                )
-                .await?
-            {
-                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
-            };
-            answered.push((indexes, results));
-        }
-        Ok(Response::new(pb::ClaimResponse {
-            results: in_call_order(count, answered)?,
-        }))
+        let worker_id = &message.worker_id;
+        let results = self
+            .ask_per_partition(
+                forwarded,
+                attempts,
+                |attempts, reply| Local::Claim {
+                    worker_id: worker_id.clone(),
+                    attempts,
+                    reply,
+                },
+                |mut owner, jobs| {
+                    let request = forwarded_request(pb::ClaimRequest {
+                        worker_id: worker_id.clone(),
+                        jobs,
+                    });
+                    async move { Ok(owner.claim(request).await?.into_inner().results) }
+                },
+            )
+            .await?;
+        Ok(Response::new(pb::ClaimResponse { results }))
     }
 
     async fn heartbeat(
@@ -621,36 +644,26 @@ impl pb::admission_server::Admission for AdmissionApi {
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
-        let count = attempts.len();
-        let mut answered = Vec::new();
-        for (partition, group) in by_partition(attempts, |(job_id, _)| self.partition_of(job_id)) {
-            let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
-            let results = match self
-                .ask(
-                    partition,
-                    forwarded,
-                    |reply| Local::Heartbeat {
-                        worker_id: message.worker_id.clone(),
-                        attempts: attempts.clone(),
-                        reply,
-                    },
-                    |mut owner| {
-                        let request = forwarded_request(pb::HeartbeatRequest {
-                            worker_id: message.worker_id.clone(),
-                            jobs: job_attempts(&attempts),
-                        });
-                        async move { Ok(owner.heartbeat(request).await?.into_inner().results) }
-                    },
-                )
-                .await?
-            {
-                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
-            };
-            answered.push((indexes, results));
-        }
-        Ok(Response::new(pb::HeartbeatResponse {
-            results: in_call_order(count, answered)?,
-        }))
+        let worker_id = &message.worker_id;
+        let results = self
+            .ask_per_partition(
+                forwarded,
+                attempts,
+                |attempts, reply| Local::Heartbeat {
+                    worker_id: worker_id.clone(),
+                    attempts,
+                    reply,
+                },
+                |mut owner, jobs| {
+                    let request = forwarded_request(pb::HeartbeatRequest {
+                        worker_id: worker_id.clone(),
+                        jobs,
+                    });
+                    async move { Ok(owner.heartbeat(request).await?.into_inner().results) }
+                },
+            )
+            .await?;
+        Ok(Response::new(pb::HeartbeatResponse { results }))
     }
 
     async fn complete(&self, request: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
