@@ -198,12 +198,9 @@ impl Routes {
     }
 
     /// Publish the job to its task group's workers.
-    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow) {
-        let Some(topic) = self.admitted.get(&job.task_group) else {
-            tracing::error!(job_id = %job.state.job_id, task_group = %job.task_group, "no admitted topic for task group");
-            return;
-        };
-        let admitted = pb::AdmittedJob {
+    /// What a worker gets of an admitted job (Kafka message or stream push).
+    pub fn admitted_job(&self, job: &JobRow) -> pb::AdmittedJob {
+        pb::AdmittedJob {
             job_id: job.state.job_id.clone(),
             attempt: job.state.attempt,
             tenant: job.tenant.clone(),
@@ -214,7 +211,15 @@ impl Routes {
             admitted_at_ms: job.state.admitted_at_ms.unwrap_or_else(wall_clock_ms),
             max_attempts: job.state.max_attempts,
             lease_ms: u64::try_from(job.state.lease_ms).unwrap_or_default(),
+        }
+    }
+
+    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow) {
+        let Some(topic) = self.admitted.get(&job.task_group) else {
+            tracing::error!(job_id = %job.state.job_id, task_group = %job.task_group, "no admitted topic for task group");
+            return;
         };
+        let admitted = self.admitted_job(job);
         let mut headers = trace_headers(&job.trace);
         headers.push(("content-type".to_string(), b"application/x-protobuf".to_vec()));
         // Keyed by attempt: a job handed back (a new attempt) may land on

@@ -126,6 +126,7 @@ impl JobRow {
             cancel_reason: row.try_get("cancel_reason")?,
             last_error: row.try_get("last_error")?,
             history,
+            confirmed: false,
         };
         Ok(JobRow {
             state,

@@ -211,6 +211,7 @@ impl SnapshotJob {
             cancel_reason: None,
             last_error: String::new(),
             history: self.history.unwrap_or_default(),
+            confirmed: false,
         };
         if let Some(dynamic) = &self.state {
             dynamic.apply_to(&mut state);

@@ -19,6 +19,8 @@ pub mod partition;
 pub mod service;
 pub mod store;
 pub mod transitions;
+pub mod work;
+pub mod work_stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,7 +99,7 @@ impl LinkSink for AdmissionLinks {
 }
 
 /// The settings every job partition of this instance shares.
-pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults) -> PartitionSettings {
+pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults, hub: Arc<work::WorkerHub>) -> PartitionSettings {
     PartitionSettings {
         partition: 0,
         config: config.clone(),
@@ -109,6 +111,7 @@ pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults) -> Partit
         stand_behind_interval_ms: config.admission.stand_behind_interval.as_millis_i64(),
         ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),
         faults: faults.clone(),
+        hub,
     }
 }
 
@@ -152,7 +155,9 @@ pub async fn run(
         ),
     };
 
-    let settings = partition_settings(&config, &faults);
+    // Workers on streams: dispatch is the claim (docs/worker-protocol.md).
+    let (hub, undelivered) = work::WorkerHub::new();
+    let settings = partition_settings(&config, &faults, hub.clone());
     let routes = settings.routes.clone();
     let registry: Arc<OwnerRegistry<Local>> = OwnerRegistry::new(SERVICE, readiness.clone());
     let runtime = OwnerRuntime::new(
@@ -172,18 +177,19 @@ pub async fn run(
 
     let jobs_partitions = config.kafka.partitions.jobs;
     let (mut grpc_routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"])?;
-    grpc_routes.add_service(sluice_proto::v1::admission_server::AdmissionServer::new(
-        service::AdmissionApi {
-            config: config.clone(),
-            registry: registry.clone(),
-            pool: pool.clone(),
-            own_endpoint: endpoint.clone(),
-            channels: sluice_common::forward::ChannelCache::default(),
-            jobs_partitions,
-            limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
-            rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
-        },
-    ));
+    let api = service::AdmissionApi {
+        config: config.clone(),
+        registry: registry.clone(),
+        pool: pool.clone(),
+        own_endpoint: endpoint.clone(),
+        channels: Arc::default(),
+        jobs_partitions,
+        limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
+        rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
+        hub,
+        shutdown: shutdown.clone(),
+    };
+    grpc_routes.add_service(sluice_proto::v1::admission_server::AdmissionServer::new(api.clone()));
 
     let mut supervisor = Supervisor::new(shutdown.clone());
     let jobs_topic = config.topic(&config.topics.jobs);
@@ -251,6 +257,10 @@ pub async fn run(
         ),
     );
     supervisor.spawn(
+        "undelivered pushes",
+        work_stream::hand_back_undelivered(api, undelivered, shutdown.clone()),
+    );
+    supervisor.spawn(
         "job partition claims",
         claim_job_partitions(links, registry, shutdown.clone()),
     );
@@ -275,8 +285,11 @@ pub async fn run(
     tracing::info!(%endpoint, "admission started");
     let outcome = supervisor.wait().await;
     health.set_serving(false).await;
+    tracing::debug!("admission tasks ended; flushing the producer");
     publisher.flush(Duration::from_secs(5));
+    tracing::debug!("closing the database pool");
     pool.close().await;
+    tracing::debug!("admission stopped");
     outcome.map_err(AdmissionServiceError::Stopped)
 }
 

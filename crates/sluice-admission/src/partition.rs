@@ -6,7 +6,7 @@
 //! runtime commits what it decides (`AdmissionWrites`), then sends its
 //! effects. The state machine itself is `transitions`.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
@@ -24,6 +24,7 @@ use crate::effects::{count_dead_letters, DeadLetterClass, Routes};
 use crate::jobs::{request_fingerprint, JobRow};
 use crate::journal::{JobChange, JobDynamic, JournalBatch, Snapshot, SnapshotJob};
 use crate::transitions::{self, AttemptEnd, Effect, JobState, Status, Timing};
+use crate::work::{Push, WorkerHub};
 
 /// A validated request with its id and trace context.
 #[derive(Clone, Debug)]
@@ -99,6 +100,9 @@ pub enum Local {
     },
     /// Grant events from the links.
     Grants(Vec<pb::GrantEvent>),
+    /// Stream workers have credits again: push the admitted jobs that wait
+    /// for them.
+    Dispatch,
     /// Requests read from `jobs.requested` by this instance, for a partition
     /// it owns: the same as their hand-over through `sluice.jobs`, without
     /// the broker round trip. Answered once they are saved.
@@ -175,6 +179,8 @@ pub struct PartitionSettings {
     pub stand_behind_interval_ms: i64,
     pub ticket_grace_ms: i64,
     pub faults: Faults,
+    /// This instance's `Work` stream sessions (dispatch is the claim).
+    pub hub: Arc<WorkerHub>,
 }
 
 /// An active job and whether its payload is in memory.
@@ -183,6 +189,9 @@ struct Active {
     row: JobRow,
     payload_loaded: bool,
 }
+
+/// `unclaimed` queues shorter than this are never compacted.
+const UNCLAIMED_COMPACT_FROM: usize = 1024;
 
 /// The journal always grows to at least this before a snapshot replaces it.
 const MIN_JOURNAL_BEFORE_SNAPSHOT: usize = 1 << 20;
@@ -206,6 +215,18 @@ pub struct AdmissionPartition {
     prepared: Prepared,
     /// Changes of the batch being decided, by job id.
     changes: HashMap<String, JobChange>,
+    /// Admitted jobs that wait for a stream worker's credit, by task group,
+    /// oldest first (an entry whose job moved on is skipped).
+    unclaimed: HashMap<String, VecDeque<String>>,
+    /// Entries `unclaimed` kept at its last compaction.
+    unclaimed_kept: usize,
+    /// Jobs the batch being decided claimed for stream workers, by session.
+    pushes: HashMap<u64, Push>,
+    /// The time the batch being decided is decided at.
+    now_ms: i64,
+    /// A crash-point fault hook fired in this batch: the runtime stops the
+    /// partition as a crash would, right after the commit.
+    crash_after_commit: bool,
 }
 
 /// Where a batch's decisions go.
@@ -240,6 +261,11 @@ impl AdmissionPartition {
             last_enqueued_at_us: 0,
             prepared: Prepared::default(),
             changes: HashMap::new(),
+            unclaimed: HashMap::new(),
+            unclaimed_kept: 0,
+            pushes: HashMap::new(),
+            now_ms: 0,
+            crash_after_commit: false,
         };
         for row in jobs {
             partition.last_enqueued_at_us = partition.last_enqueued_at_us.max(row.enqueued_at_us);
@@ -263,6 +289,8 @@ impl AdmissionPartition {
             .collect();
         for job_id in running {
             self.update(&job_id, |state| {
+                // Confirmed again by the worker's next heartbeat.
+                state.confirmed = false;
                 let grace = now_ms.saturating_add(state.lease_ms);
                 state.lease_expires_at_ms = Some(state.lease_expires_at_ms.unwrap_or(grace).max(grace));
                 state.due_at_ms = transitions::running_due_at(state);
@@ -389,8 +417,10 @@ impl AdmissionPartition {
         }
     }
 
-    /// Publish an admitted job to its task group's workers, now when its
-    /// payload is in memory, else once it is read.
+    /// Hand an admitted job to its task group's workers once its payload is
+    /// in memory: claimed for a stream worker that has a credit (pushed
+    /// after the commit), else kept for one while stream workers of the
+    /// group are connected, else published to `jobs.admitted.<group>`.
     fn publish_admitted(&mut self, job_id: &str, out: &mut Out<'_>) {
         let Some(active) = self.jobs.get(job_id) else {
             return;
@@ -399,24 +429,164 @@ impl AdmissionPartition {
             self.awaiting_payload.insert(job_id.to_string());
             return;
         }
+        let task_group = active.row.task_group.clone();
+        let hub = self.settings.hub.clone();
+        if let Some(session) = hub.take(&task_group) {
+            self.dispatch(job_id, session);
+            return;
+        }
+        // Ask to be woken by the next credit, then look once more: a credit
+        // that came in between is not missed.
+        hub.want(&task_group, self.settings.partition);
+        if let Some(session) = hub.take(&task_group) {
+            self.dispatch(job_id, session);
+            return;
+        }
+        self.remember_unclaimed(&task_group, job_id);
+        if hub.has_sessions(&task_group) {
+            // Stream workers of the group are connected: the job waits for
+            // their credit.
+            return;
+        }
         // The admitted message carries its own span's context: the worker's
         // handler span hangs below it.
+        let published = self.with_admitted_span(job_id);
+        if let Some(published) = published {
+            self.settings.routes.push_admitted(out.outbox, &published);
+        }
+    }
+
+    /// Keep an admitted job nobody claimed for the next stream credit (a
+    /// job published to Kafka too: whichever claim comes first wins).
+    /// Entries of jobs that moved on are dropped now and then, so the queue
+    /// stays within twice what it must hold.
+    fn remember_unclaimed(&mut self, task_group: &str, job_id: &str) {
+        let queue = self.unclaimed.entry(task_group.to_string()).or_default();
+        queue.push_back(job_id.to_string());
+        if queue.len() < UNCLAIMED_COMPACT_FROM || queue.len() < 2 * self.unclaimed_kept {
+            return;
+        }
+        let jobs = &self.jobs;
+        let mut seen = HashSet::with_capacity(queue.len());
+        queue.retain(|job_id| {
+            jobs.get(job_id)
+                .is_some_and(|active| active.row.state.status == Status::Admitted)
+                && seen.insert(job_id.clone())
+        });
+        self.unclaimed_kept = queue.len();
+    }
+
+    /// The job's row with the trace context of its `admission.admit` span.
+    fn with_admitted_span(&self, job_id: &str) -> Option<JobRow> {
+        let active = self.jobs.get(job_id)?;
         let now = std::time::SystemTime::now();
-        let admitted_trace = record_span(
-            SCOPE,
-            "admission.admit",
-            &active.row.trace,
-            now,
-            now,
+        let admitted_trace = record_span(SCOPE, "admission.admit", &active.row.trace, now, now, || {
             vec![
                 KeyValue::new("sluice.job_id", job_id.to_string()),
                 KeyValue::new("sluice.attempt", i64::from(active.row.state.attempt)),
                 KeyValue::new("sluice.task_group", active.row.task_group.clone()),
-            ],
-        );
+            ]
+        });
         let mut published = active.row.clone();
         published.trace = admitted_trace;
-        self.settings.routes.push_admitted(out.outbox, &published);
+        Some(published)
+    }
+
+    /// Claim an admitted job for a stream session's worker (a credit taken)
+    /// and queue its push for after the commit.
+    fn dispatch(&mut self, job_id: &str, session: Arc<crate::work::WorkSession>) {
+        let worker_id = session.worker_id.clone();
+        // Not confirmed until the worker heartbeats: a push can be lost.
+        if !self.claim_admitted(job_id, &worker_id, self.now_ms, false) {
+            return;
+        }
+        let Some(dispatched) = self.with_admitted_span(job_id).map(|row| pb::DispatchedJob {
+            lease_expires_at_ms: row.state.lease_expires_at_ms.unwrap_or_default(),
+            job: Some(self.settings.routes.admitted_job(&row)),
+            trace: Some(row.trace),
+        }) else {
+            return;
+        };
+        let hub = self.settings.hub.clone();
+        self.pushes
+            .entry(session.id)
+            .or_insert_with(|| Push::new(hub, session))
+            .add(dispatched);
+    }
+
+    /// The one claim transition (a `Claim` that wins, or a dispatch):
+    /// running under `worker_id` with a lease from `now_ms`. False when the
+    /// job is not admitted.
+    fn claim_admitted(&mut self, job_id: &str, worker_id: &str, now_ms: i64, confirmed: bool) -> bool {
+        let admitted = self
+            .jobs
+            .get(job_id)
+            .is_some_and(|active| active.row.state.status == Status::Admitted);
+        if !admitted {
+            return false;
+        }
+        let worker = worker_id.to_string();
+        self.update(job_id, |state| {
+            state.status = Status::Running;
+            state.claimed_by = Some(worker);
+            state.confirmed = confirmed;
+            state.claimed_at_ms = Some(now_ms);
+            state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
+            state.due_at_ms = transitions::running_due_at(state);
+        });
+        self.awaiting_payload.remove(job_id);
+        true
+    }
+
+    /// Stream workers have credits again: push the admitted jobs that wait
+    /// for them, oldest first, while credits last.
+    fn dispatch_unclaimed(&mut self) {
+        let groups: Vec<String> = self.unclaimed.keys().cloned().collect();
+        for task_group in groups {
+            while let Some(job_id) = self.unclaimed.get_mut(&task_group).and_then(VecDeque::pop_front) {
+                let still_admitted = self
+                    .jobs
+                    .get(&job_id)
+                    .is_some_and(|active| active.row.state.status == Status::Admitted && active.payload_loaded);
+                if !still_admitted {
+                    continue;
+                }
+                match self.settings.hub.take(&task_group) {
+                    Some(session) => self.dispatch(&job_id, session),
+                    None => {
+                        if let Some(queue) = self.unclaimed.get_mut(&task_group) {
+                            queue.push_front(job_id);
+                        }
+                        self.settings.hub.want(&task_group, self.settings.partition);
+                        break;
+                    }
+                }
+            }
+            if self.unclaimed.get(&task_group).is_some_and(VecDeque::is_empty) {
+                self.unclaimed.remove(&task_group);
+            }
+        }
+    }
+
+    /// Turn the batch's pushes into replies: written to the workers' streams
+    /// once the batch is committed.
+    fn queue_pushes(&mut self, out: &mut Out<'_>) {
+        if self.pushes.is_empty() {
+            return;
+        }
+        let pushes: Vec<Push> = self.pushes.drain().map(|(_, push)| push).collect();
+        if self.settings.faults.hit(FaultPoint::AdmissionAfterCommitBeforePush) {
+            // The crash point between the commit and the push: the claims
+            // are committed, the pushes are lost with the instance.
+            for push in pushes {
+                push.lose();
+            }
+            self.crash_after_commit = true;
+            return;
+        }
+        for push in pushes {
+            out.replies.push(Box::new(move || push.send()));
+        }
     }
 
     /// Keep a payload read from PostgreSQL for the job being dispatched.
@@ -481,19 +651,14 @@ impl AdmissionPartition {
         // The job's own span, under the producer's: every span of the job
         // hangs below it, across services.
         let now = std::time::SystemTime::now();
-        let job_trace = record_span(
-            SCOPE,
-            "admission.enqueue",
-            &incoming.trace,
-            now,
-            now,
+        let job_trace = record_span(SCOPE, "admission.enqueue", &incoming.trace, now, now, || {
             vec![
                 KeyValue::new("sluice.job_id", incoming.job_id.clone()),
                 KeyValue::new("sluice.tenant", valid.request.tenant.clone()),
                 KeyValue::new("sluice.task_group", valid.request.task_group.clone()),
                 KeyValue::new("sluice.limits", i64::try_from(valid.chain.len()).unwrap_or(i64::MAX)),
-            ],
-        );
+            ]
+        });
         let mut spec = valid.request.clone();
         spec.payload = Vec::new();
         spec.job_id = Some(incoming.job_id.clone());
@@ -519,6 +684,7 @@ impl AdmissionPartition {
             cancel_reason: None,
             last_error: String::new(),
             history: Default::default(),
+            confirmed: false,
         };
         match valid.request.run_at_ms {
             Some(run_at) if run_at > now_ms => state.due_at_ms = Some(run_at),
@@ -879,15 +1045,8 @@ impl AdmissionPartition {
                         results.push(result);
                         continue;
                     }
-                    let worker = worker_id.to_string();
-                    self.update(job_id, |state| {
-                        state.status = Status::Running;
-                        state.claimed_by = Some(worker);
-                        state.claimed_at_ms = Some(now_ms);
-                        state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
-                        state.due_at_ms = transitions::running_due_at(state);
-                    });
-                    self.awaiting_payload.remove(job_id);
+                    // The worker's own claim: it holds the attempt.
+                    self.claim_admitted(job_id, worker_id, now_ms, true);
                     if let Some(active) = self.jobs.get(job_id) {
                         result.lease_expires_at_ms = active.row.state.lease_expires_at_ms.unwrap_or_default();
                         result.lease_ms = u64::try_from(active.row.state.lease_ms).unwrap_or_default();
@@ -935,6 +1094,7 @@ impl AdmissionPartition {
                     let state = &mut active.row.state;
                     let old_due = state.due_at_ms;
                     state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
+                    state.confirmed = true;
                     state.due_at_ms = transitions::running_due_at(state);
                     if old_due != state.due_at_ms {
                         if let Some(due) = old_due {
@@ -1198,6 +1358,7 @@ impl AdmissionPartition {
                 }));
             }
             Local::Grants(events) => self.grants(now_ms, events, out),
+            Local::Dispatch => self.dispatch_unclaimed(),
             Local::HandOver { handovers, reply } => {
                 for handover in handovers {
                     self.hand_over(now_ms, handover, out);
@@ -1266,6 +1427,8 @@ impl OwnedState for AdmissionPartition {
         rejected: &mut Vec<Rejected>,
     ) {
         self.changes.clear();
+        self.pushes.clear();
+        self.now_ms = now_ms;
         let mut out = Out {
             writes,
             outbox,
@@ -1308,7 +1471,12 @@ impl OwnedState for AdmissionPartition {
             self.apply_local(now_ms, local, &mut out);
         }
         self.prepared = Prepared::default();
+        self.queue_pushes(&mut out);
         self.close_batch(out.writes);
+    }
+
+    fn crash_after_commit(&mut self) -> bool {
+        std::mem::take(&mut self.crash_after_commit)
     }
 
     fn resend_all(&self, now_ms: i64, outbox: &mut Outbox) {
@@ -1351,20 +1519,22 @@ fn record_wait_span(row: &JobRow, step_index: u32, event: &pb::GrantEvent) {
         &row.trace,
         at_ms(start_ms),
         at_ms(event.granted_at_ms.max(start_ms)),
-        vec![
-            KeyValue::new("sluice.job_id", row.state.job_id.clone()),
-            KeyValue::new("sluice.step", i64::from(step_index)),
-            KeyValue::new("sluice.tenant", key.tenant),
-            KeyValue::new("sluice.key", key.key),
-            KeyValue::new("sluice.limit_kind", kind.as_str_name()),
-            KeyValue::new("sluice.max", event.max),
-            KeyValue::new("sluice.position_at_enqueue", i64::from(event.position_at_enqueue)),
-            KeyValue::new("sluice.outcome", outcome),
-            KeyValue::new(
-                "sluice.origin",
-                step.map(|step| step.origin.clone()).unwrap_or_default(),
-            ),
-        ],
+        || {
+            vec![
+                KeyValue::new("sluice.job_id", row.state.job_id.clone()),
+                KeyValue::new("sluice.step", i64::from(step_index)),
+                KeyValue::new("sluice.tenant", key.tenant),
+                KeyValue::new("sluice.key", key.key),
+                KeyValue::new("sluice.limit_kind", kind.as_str_name()),
+                KeyValue::new("sluice.max", event.max),
+                KeyValue::new("sluice.position_at_enqueue", i64::from(event.position_at_enqueue)),
+                KeyValue::new("sluice.outcome", outcome),
+                KeyValue::new(
+                    "sluice.origin",
+                    step.map(|step| step.origin.clone()).unwrap_or_default(),
+                ),
+            ]
+        },
     );
 }
 
@@ -1377,12 +1547,7 @@ fn record_complete_span(result: &pb::CompleteResult, caller_trace: &pb::TraceCon
         job_trace
     };
     let now = std::time::SystemTime::now();
-    record_span(
-        SCOPE,
-        "admission.complete",
-        parent,
-        now,
-        now,
+    record_span(SCOPE, "admission.complete", parent, now, now, || {
         vec![
             KeyValue::new("sluice.job_id", result.job_id.clone()),
             KeyValue::new("sluice.attempt", i64::from(result.attempt)),
@@ -1398,8 +1563,8 @@ fn record_complete_span(result: &pb::CompleteResult, caller_trace: &pb::TraceCon
                     .map(|status| status.as_str_name().to_string())
                     .unwrap_or_default(),
             ),
-        ],
-    );
+        ]
+    });
 }
 
 /// Whether two W3C contexts belong to one trace.

@@ -73,8 +73,13 @@ impl Harness {
 
     /// Jobs that each list `limits` (none: admitted at once).
     fn with_limits(limits: Vec<pb::Limit>) -> Self {
+        Harness::with_hub(limits, crate::work::WorkerHub::without_workers())
+    }
+
+    /// Jobs that each list `limits`, with `hub`'s stream workers.
+    fn with_hub(limits: Vec<pb::Limit>, hub: Arc<crate::work::WorkerHub>) -> Self {
         let config = Arc::new(SluiceConfig::load_with(None, &[]).expect("default configuration"));
-        let settings = crate::partition_settings(&config, &Faults::none());
+        let settings = crate::partition_settings(&config, &Faults::none(), hub);
         let mut harness = Harness {
             partition: AdmissionPartition::new(settings, Vec::new(), 0, None, 0),
             now_ms: 1_800_000_000_000,
@@ -154,6 +159,12 @@ struct Model {
 }
 
 fn check(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), TestCaseError> {
+    apply_op(harness, model, op)?;
+    check_holders(harness, model)
+}
+
+/// Apply `op`, checking its answers against the model.
+fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), TestCaseError> {
     match *op {
         Op::Claim { worker, job, attempt } => {
             let before = harness.state(job).map(|state| (state.status, state.attempt));
@@ -246,6 +257,10 @@ fn check(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), TestCa
             harness.apply(Vec::new());
         }
     }
+    Ok(())
+}
+
+fn check_holders(harness: &Harness, model: &mut Model) -> Result<(), TestCaseError> {
     // One running attempt per job, held by the worker the answers named;
     // an attempt that is no longer running has no holder.
     for job in 0..JOBS {
@@ -430,6 +445,196 @@ proptest! {
                         prop_assert_eq!(state.step, 2, "job {} admitted without every grant", job);
                     }
                 }
+            }
+        }
+    }
+}
+
+// -- stream workers: dispatch is the claim ----------------------------------
+
+#[derive(Clone, Debug)]
+enum StreamOp {
+    Open {
+        worker: usize,
+    },
+    Credits {
+        worker: usize,
+        credits: u32,
+    },
+    Close {
+        worker: usize,
+    },
+    /// A Kafka worker's unary claim of whatever attempt.
+    Claim {
+        worker: usize,
+        job: usize,
+        attempt: u32,
+    },
+    /// The end of an attempt, reported by a worker.
+    Complete {
+        worker: usize,
+        job: usize,
+        attempt: u32,
+        end: u8,
+    },
+    Advance {
+        ms: i64,
+    },
+}
+
+fn stream_op() -> impl Strategy<Value = StreamOp> {
+    prop_oneof![
+        2 => (0..WORKERS).prop_map(|worker| StreamOp::Open { worker }),
+        4 => (0..WORKERS, 0u32..3).prop_map(|(worker, credits)| StreamOp::Credits { worker, credits }),
+        1 => (0..WORKERS).prop_map(|worker| StreamOp::Close { worker }),
+        1 => (0..WORKERS, 0..JOBS, 1u32..4).prop_map(|(worker, job, attempt)| StreamOp::Claim { worker, job, attempt }),
+        4 => (0..WORKERS, 0..JOBS, 1u32..4, 0u8..3)
+            .prop_map(|(worker, job, attempt, end)| StreamOp::Complete { worker, job, attempt, end }),
+        2 => (0i64..40_000).prop_map(|ms| StreamOp::Advance { ms }),
+    ]
+}
+
+type Downstream = tokio::sync::mpsc::Receiver<Result<pb::WorkResponse, tonic::Status>>;
+
+/// Stream workers around a harness, doing what the `Work` service does:
+/// credits wake the partition, undelivered pushes are handed back.
+struct StreamWorkers {
+    hub: Arc<crate::work::WorkerHub>,
+    undelivered: tokio::sync::mpsc::UnboundedReceiver<crate::work::UndeliveredPush>,
+    sessions: HashMap<usize, (Arc<crate::work::WorkSession>, Downstream)>,
+    /// Credits each worker gave, and pushes it received, over all its
+    /// sessions.
+    given: HashMap<usize, u64>,
+    pushed: HashMap<usize, u64>,
+}
+
+impl StreamWorkers {
+    fn wake(&self, harness: &mut Harness, partitions: std::collections::BTreeSet<i32>) {
+        if partitions.contains(&0) {
+            harness.apply(vec![Local::Dispatch]);
+        }
+    }
+
+    /// Read what reached the workers and hand back what did not, as the
+    /// service does, until nothing moves.
+    fn settle(&mut self, harness: &mut Harness, model: &mut Model) -> Result<(), TestCaseError> {
+        loop {
+            for (worker, (_, downstream)) in &mut self.sessions {
+                while let Ok(message) = downstream.try_recv() {
+                    let Ok(pb::WorkResponse {
+                        message: Some(pb::work_response::Message::Jobs(jobs)),
+                    }) = message
+                    else {
+                        continue;
+                    };
+                    for dispatched in jobs.jobs {
+                        let job = dispatched.job.expect("a pushed job");
+                        let index: usize = job.job_id.trim_start_matches("job-").parse().expect("a job index");
+                        prop_assert!(
+                            model.won.insert((index, job.attempt)),
+                            "job {} attempt {} pushed or claimed twice",
+                            index,
+                            job.attempt
+                        );
+                        prop_assert!(dispatched.lease_expires_at_ms > 0);
+                        model.holder.insert(index, (job.attempt, *worker));
+                        *self.pushed.entry(*worker).or_default() += 1;
+                    }
+                }
+            }
+            let Ok(handed) = self.undelivered.try_recv() else {
+                return Ok(());
+            };
+            // Undelivered: the worker never held them; hand them back.
+            let (reply, _answer) = oneshot::channel();
+            harness.apply(vec![Local::Complete {
+                worker_id: handed.worker_id.clone(),
+                completions: handed
+                    .attempts
+                    .iter()
+                    .map(|(job_id, attempt)| {
+                        (
+                            job_id.clone(),
+                            *attempt,
+                            AttemptEnd::HandedBack {
+                                reason: "undelivered".to_string(),
+                            },
+                        )
+                    })
+                    .collect(),
+                caller_trace: pb::TraceContext::default(),
+                reply,
+            }]);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Stream workers that open, give credits and close at any time beside
+    /// Kafka workers' claims, completions and the clock: one running
+    /// attempt per job (a push is a won claim), no worker pushed more jobs
+    /// than it gave credits, and no lost wake-up: an admitted job never
+    /// waits while an open session has a credit.
+    #[test]
+    fn dispatch_is_the_claim_and_credits_are_never_overrun(ops in proptest::collection::vec(stream_op(), 1..80)) {
+        let (hub, undelivered) = crate::work::WorkerHub::new();
+        let mut workers = StreamWorkers {
+            hub: hub.clone(),
+            undelivered,
+            sessions: HashMap::new(),
+            given: HashMap::new(),
+            pushed: HashMap::new(),
+        };
+        let mut harness = Harness::with_hub(Vec::new(), hub);
+        let mut model = Model::default();
+        for op in &ops {
+            match *op {
+                StreamOp::Open { worker } => {
+                    if !workers.sessions.contains_key(&worker) {
+                        let (sender, downstream) = tokio::sync::mpsc::channel(64);
+                        let session = workers.hub.open(worker_id(worker), vec!["default".to_string()], 0, Some(sender));
+                        workers.sessions.insert(worker, (session, downstream));
+                    }
+                }
+                StreamOp::Credits { worker, credits } => {
+                    if let Some((session, _)) = workers.sessions.get(&worker) {
+                        let wake = workers.hub.add_credits(session, credits);
+                        *workers.given.entry(worker).or_default() += u64::from(credits);
+                        workers.wake(&mut harness, wake);
+                    }
+                }
+                StreamOp::Close { worker } => {
+                    if let Some((session, downstream)) = workers.sessions.remove(&worker) {
+                        workers.hub.close(&session);
+                        // Credits it held are gone with it.
+                        let unused = u64::from(session.credits());
+                        *workers.given.entry(worker).or_default() -= unused;
+                        drop(downstream);
+                    }
+                }
+                StreamOp::Claim { worker, job, attempt } => {
+                    apply_op(&mut harness, &mut model, &Op::Claim { worker, job, attempt })?;
+                }
+                StreamOp::Complete { worker, job, attempt, end } => {
+                    apply_op(&mut harness, &mut model, &Op::Complete { worker, job, attempt, end })?;
+                }
+                StreamOp::Advance { ms } => {
+                    apply_op(&mut harness, &mut model, &Op::Advance { ms })?;
+                }
+            }
+            workers.settle(&mut harness, &mut model)?;
+            check_holders(&harness, &mut model)?;
+            for worker in 0..WORKERS {
+                let pushed = workers.pushed.get(&worker).copied().unwrap_or(0);
+                let given = workers.given.get(&worker).copied().unwrap_or(0);
+                prop_assert!(pushed <= given, "worker {} got {} pushes for {} credits", worker, pushed, given);
+            }
+            let credit_open = workers.sessions.values().any(|(session, _)| session.credits() > 0);
+            for job in 0..JOBS {
+                let admitted = harness.state(job).is_some_and(|state| state.status == Status::Admitted);
+                prop_assert!(!(admitted && credit_open), "job {} waits admitted while a session has credit", job);
             }
         }
     }

@@ -25,20 +25,24 @@ use crate::jobs::{request_fingerprint, JobRow};
 use crate::partition::{EnqueueConflict, Incoming, Local, OnConflict};
 use crate::transitions::{AttemptEnd, Status as JobStatus};
 
+#[derive(Clone)]
 pub struct AdmissionApi {
     pub config: Arc<sluice_common::SluiceConfig>,
     pub registry: Arc<OwnerRegistry<Local>>,
     pub pool: PgPool,
     pub own_endpoint: String,
-    pub channels: ChannelCache,
+    pub channels: Arc<ChannelCache>,
     pub jobs_partitions: i32,
     pub limits: LimitsClient<Channel>,
     pub rates: RateLimitsClient<Channel>,
+    /// This instance's `Work` stream sessions.
+    pub hub: Arc<crate::work::WorkerHub>,
+    pub shutdown: sluice_common::Shutdown,
 }
 
 const MAX_BATCH_ITEMS: usize = 10_000;
 
-fn check_batch<T>(field: &str, items: &[T]) -> Result<(), Status> {
+pub(crate) fn check_batch<T>(field: &str, items: &[T]) -> Result<(), Status> {
     if items.is_empty() {
         return Err(FieldError::new(field, "must not be empty").into());
     }
@@ -48,7 +52,7 @@ fn check_batch<T>(field: &str, items: &[T]) -> Result<(), Status> {
     Ok(())
 }
 
-fn attempts_of(field: &str, jobs: Vec<pb::JobAttempt>) -> Result<Vec<(String, u32)>, Status> {
+pub(crate) fn attempts_of(field: &str, jobs: Vec<pb::JobAttempt>) -> Result<Vec<(String, u32)>, Status> {
     check_batch(field, &jobs)?;
     jobs.into_iter()
         .enumerate()
@@ -644,25 +648,7 @@ impl pb::admission_server::Admission for AdmissionApi {
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
-        let worker_id = &message.worker_id;
-        let results = self
-            .ask_per_partition(
-                forwarded,
-                attempts,
-                |attempts, reply| Local::Heartbeat {
-                    worker_id: worker_id.clone(),
-                    attempts,
-                    reply,
-                },
-                |mut owner, jobs| {
-                    let request = forwarded_request(pb::HeartbeatRequest {
-                        worker_id: worker_id.clone(),
-                        jobs,
-                    });
-                    async move { Ok(owner.heartbeat(request).await?.into_inner().results) }
-                },
-            )
-            .await?;
+        let results = self.heartbeat_attempts(forwarded, &message.worker_id, attempts).await?;
         Ok(Response::new(pb::HeartbeatResponse { results }))
     }
 
@@ -672,16 +658,84 @@ impl pb::admission_server::Admission for AdmissionApi {
         let caller_trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
-        check_batch("completions", &message.completions)?;
-        let mut completions = Vec::with_capacity(message.completions.len());
-        for (index, completion) in message.completions.iter().enumerate() {
-            completions.push(checked_completion(index, completion)?);
+        let results = self
+            .complete_attempts(
+                forwarded,
+                &message.worker_id,
+                "completions",
+                message.completions,
+                &caller_trace,
+            )
+            .await?;
+        Ok(Response::new(pb::CompleteResponse { results }))
+    }
+
+    type WorkStream = tokio_stream::wrappers::ReceiverStream<Result<pb::WorkResponse, Status>>;
+
+    async fn work(
+        &self,
+        request: Request<tonic::Streaming<pb::WorkRequest>>,
+    ) -> Result<Response<Self::WorkStream>, Status> {
+        crate::work_stream::serve(self.clone(), request.into_inner()).await
+    }
+
+    async fn instances(
+        &self,
+        _request: Request<pb::InstancesRequest>,
+    ) -> Result<Response<pb::InstancesResponse>, Status> {
+        let endpoints: Vec<String> = sqlx::query_scalar("SELECT DISTINCT endpoint FROM owners ORDER BY endpoint")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(storage_status)?;
+        Ok(Response::new(pb::InstancesResponse { endpoints }))
+    }
+}
+
+impl AdmissionApi {
+    /// Heartbeats of `worker_id` (checked), each at its job's owner.
+    pub async fn heartbeat_attempts(
+        &self,
+        forwarded: bool,
+        worker_id: &str,
+        attempts: Vec<(String, u32)>,
+    ) -> Result<Vec<pb::HeartbeatResult>, Status> {
+        self.ask_per_partition(
+            forwarded,
+            attempts,
+            |attempts, reply| Local::Heartbeat {
+                worker_id: worker_id.to_string(),
+                attempts,
+                reply,
+            },
+            |mut owner, jobs| {
+                let request = forwarded_request(pb::HeartbeatRequest {
+                    worker_id: worker_id.to_string(),
+                    jobs,
+                });
+                async move { Ok(owner.heartbeat(request).await?.into_inner().results) }
+            },
+        )
+        .await
+    }
+
+    /// Completions of `worker_id` (its id checked; each completion is
+    /// checked here, named `<field>[i]`), each at its job's owner.
+    pub async fn complete_attempts(
+        &self,
+        forwarded: bool,
+        worker_id: &str,
+        field: &str,
+        completions: Vec<pb::Completion>,
+        caller_trace: &pb::TraceContext,
+    ) -> Result<Vec<pb::CompleteResult>, Status> {
+        check_batch(field, &completions)?;
+        let mut checked = Vec::with_capacity(completions.len());
+        for (index, completion) in completions.iter().enumerate() {
+            checked.push(checked_completion(field, index, completion)?);
         }
-        let count = completions.len();
-        let originals = by_partition(message.completions.clone(), |completion| {
-            self.partition_of(&completion.job_id)
-        });
-        let mut groups = by_partition(completions, |(job_id, _, _)| self.partition_of(job_id));
+        let count = checked.len();
+        let originals = by_partition(completions, |completion| self.partition_of(&completion.job_id));
+        let mut groups = by_partition(checked, |(job_id, _, _)| self.partition_of(job_id));
         let mut answered = Vec::new();
         for (partition, original) in originals {
             let group = groups.remove(&partition).unwrap_or_default();
@@ -691,17 +745,17 @@ impl pb::admission_server::Admission for AdmissionApi {
                     partition,
                     forwarded,
                     |reply| Local::Complete {
-                        worker_id: message.worker_id.clone(),
+                        worker_id: worker_id.to_string(),
                         completions: completions.clone(),
                         caller_trace: caller_trace.clone(),
                         reply,
                     },
                     |mut owner| {
                         let mut request = forwarded_request(pb::CompleteRequest {
-                            worker_id: message.worker_id.clone(),
+                            worker_id: worker_id.to_string(),
                             completions: original.iter().map(|(_, completion)| completion.clone()).collect(),
                         });
-                        sluice_common::telemetry::inject_into_metadata(&caller_trace, request.metadata_mut());
+                        sluice_common::telemetry::inject_into_metadata(caller_trace, request.metadata_mut());
                         async move { Ok(owner.complete(request).await?.into_inner().results) }
                     },
                 )
@@ -711,9 +765,16 @@ impl pb::admission_server::Admission for AdmissionApi {
             };
             answered.push((indexes, results));
         }
-        Ok(Response::new(pb::CompleteResponse {
-            results: in_call_order(count, answered)?,
-        }))
+        in_call_order(count, answered)
+    }
+
+    /// Wake job partitions of this instance (stream workers have credits).
+    pub async fn wake_partitions(&self, partitions: impl IntoIterator<Item = i32>) {
+        for partition in partitions {
+            // A partition that moved away lets its new owner's jobs go to
+            // Kafka or to that instance's sessions: nothing waits here.
+            let _ = self.registry.submit(partition, Local::Dispatch).await;
+        }
     }
 }
 
@@ -728,8 +789,12 @@ fn job_attempts(attempts: &[(String, u32)]) -> Vec<pb::JobAttempt> {
 }
 
 /// A completion, checked; its fields named by its place in the call.
-fn checked_completion(index: usize, completion: &pb::Completion) -> Result<(String, u32, AttemptEnd), Status> {
-    let field = format!("completions[{index}]");
+fn checked_completion(
+    field: &str,
+    index: usize,
+    completion: &pb::Completion,
+) -> Result<(String, u32, AttemptEnd), Status> {
+    let field = format!("{field}[{index}]");
     check_name(&format!("{field}.job_id"), &completion.job_id, MAX_ID_BYTES)?;
     if completion.attempt == 0 {
         return Err(FieldError::new(format!("{field}.attempt"), "attempts start at 1").into());

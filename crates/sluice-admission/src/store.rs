@@ -311,7 +311,7 @@ impl OwnedStore for AdmissionStore {
                         }
                     }
                 }
-                Local::Describe { .. } | Local::Heartbeat { .. } | Local::Grants(_) => {}
+                Local::Describe { .. } | Local::Heartbeat { .. } | Local::Grants(_) | Local::Dispatch => {}
             }
         }
         let not_active: Vec<String> = job_ids
@@ -536,7 +536,7 @@ mod tests {
     fn store() -> AdmissionStore {
         let config = Arc::new(SluiceConfig::load_with(None, &[]).unwrap());
         AdmissionStore {
-            settings: crate::partition_settings(&config, &Faults::default()),
+            settings: crate::partition_settings(&config, &Faults::default(), crate::work::WorkerHub::without_workers()),
         }
     }
 

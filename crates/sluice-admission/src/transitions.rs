@@ -32,6 +32,13 @@ pub struct JobState {
     pub cancel_reason: Option<String>,
     pub last_error: String,
     pub history: History,
+    /// The running attempt's worker has shown it holds it (its `Claim`, a
+    /// heartbeat, ...). An attempt pushed on a `Work` stream is not, until
+    /// the worker heartbeats: one whose lease ends unconfirmed was lost on
+    /// its way (with an admission instance or the stream) and never ran, so
+    /// it is handed back instead of using up an attempt. Kept in memory only:
+    /// a new owner confirms nothing until the workers heartbeat.
+    pub confirmed: bool,
 }
 
 /// Something to publish after the new row is saved.
@@ -132,6 +139,7 @@ impl JobState {
     }
 
     fn clear_run(&mut self) {
+        self.confirmed = false;
         self.claimed_by = None;
         self.claimed_at_ms = None;
         self.lease_expires_at_ms = None;
@@ -184,7 +192,13 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
             let lease_over = job.lease_expires_at_ms.is_some_and(|at| at <= now_ms);
             let run_over = job.status == Status::Running
                 && matches!((job.run_timeout_ms, job.claimed_at_ms), (Some(limit), Some(claimed)) if claimed + limit <= now_ms);
-            if lease_over {
+            if lease_over && !job.confirmed {
+                let reason = format!(
+                    "no sign of worker {:?} within the lease: the attempt was lost on its way (never ran)",
+                    job.claimed_by.clone().unwrap_or_default()
+                );
+                end_attempt(job, now_ms, AttemptEnd::HandedBack { reason }, timing)
+            } else if lease_over {
                 end_attempt(job, now_ms, AttemptEnd::LeaseExpired, timing)
             } else if run_over {
                 end_attempt(job, now_ms, AttemptEnd::RunTimedOut, timing)
@@ -358,6 +372,7 @@ mod tests {
             claimed_by: Some("w".to_string()),
             claimed_at_ms: Some(0),
             lease_expires_at_ms: Some(30_000),
+            confirmed: true,
             finished_at_ms: None,
             cancel_reason: None,
             last_error: String::new(),
@@ -395,6 +410,38 @@ mod tests {
         assert_eq!((running.attempt, running.attempts_used), (2, 1));
         assert_eq!(running.due_at_ms, Some(1_100));
         assert_eq!(running.last_error, "boom");
+    }
+
+    #[test]
+    fn an_unconfirmed_attempt_whose_lease_ends_is_handed_back_without_using_an_attempt() {
+        let timing = Timing {
+            resend_waiting_after_ms: 5_000,
+            claim_timeout_ms: 60_000,
+        };
+        let mut pushed = job(Status::Running);
+        pushed.step = 3;
+        pushed.confirmed = false;
+        let effects = on_due(&mut pushed, 30_000, timing);
+        assert_eq!(pushed.attempts_used, 0, "a lost push uses no attempt");
+        assert_eq!(pushed.attempt, 2);
+        assert_eq!(pushed.status, Status::Waiting);
+        assert!(effects.contains(&Effect::Acquire));
+        assert_eq!(
+            pushed.history.records.last().map(|record| record.outcome.as_str()),
+            Some("handed_back")
+        );
+
+        let mut confirmed = job(Status::Running);
+        confirmed.step = 3;
+        on_due(&mut confirmed, 30_000, timing);
+        assert_eq!(
+            confirmed.attempts_used, 1,
+            "a confirmed attempt's lease expiry uses one"
+        );
+        assert_eq!(
+            confirmed.history.records.last().map(|record| record.outcome.as_str()),
+            Some("lease_expired")
+        );
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub enum FaultPoint {
     /// An owner committed grants, and the stream that takes them (the job
     /// partition's admission link) breaks before they are written to it.
     LinkBrokenBeforeGrants,
+    /// Admission committed a batch that claimed jobs for stream workers and
+    /// dies before it pushes them (the partition stops as a crash would).
+    AdmissionAfterCommitBeforePush,
 }
 
 /// The error an armed `OwnerCommitRefused` or `AdmissionSaveRefused` gives:

@@ -109,6 +109,14 @@ pub trait OwnedState: Send + 'static {
     /// When `apply` must run next even without input (lease expiry, slots).
     fn next_wakeup_ms(&self) -> Option<i64>;
 
+    /// A fault hook of the state's own fired while deciding the last batch:
+    /// once that batch is committed, the partition stops as a crash would
+    /// (a crash point between the commit and what follows it). Asking
+    /// clears it.
+    fn crash_after_commit(&mut self) -> bool {
+        false
+    }
+
     /// The partition's keys, for per-key metrics (bounded by configuration).
     fn key_stats(&self) -> Vec<crate::metrics::KeyStat> {
         Vec::new()
@@ -1044,7 +1052,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                         continue;
                     }
                 }
-                if self.faults.hit(FaultPoint::OwnerAfterCommitBeforePublish) {
+                if state.crash_after_commit() || self.faults.hit(FaultPoint::OwnerAfterCommitBeforePublish) {
                     return Err(PartitionTaskError::Crashed);
                 }
             }

@@ -148,6 +148,7 @@ impl Supervisor {
                 Ok(result) => result,
                 Err(join_error) => ("task", Err(format!("panicked: {join_error}"))),
             };
+            tracing::debug!(task = name, remaining = self.tasks.len(), "node task ended");
             let error = match outcome {
                 Err(error) => Some(format!("{name}: {error}")),
                 Ok(()) if !self.shutdown.is_triggered() => Some(format!("{name}: ended unexpectedly")),

@@ -765,15 +765,17 @@ impl LimitPartition {
             &record.trace.to_context(),
             at(granted_at_ms),
             at(granted_at_ms),
-            vec![
-                opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
-                opentelemetry::KeyValue::new("sluice.tenant", record.tenant().to_string()),
-                opentelemetry::KeyValue::new("sluice.key", record.key().to_string()),
-                opentelemetry::KeyValue::new("sluice.limit_kind", kind),
-                opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
-                opentelemetry::KeyValue::new("sluice.max", max),
-                opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
-            ],
+            || {
+                vec![
+                    opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
+                    opentelemetry::KeyValue::new("sluice.tenant", record.tenant().to_string()),
+                    opentelemetry::KeyValue::new("sluice.key", record.key().to_string()),
+                    opentelemetry::KeyValue::new("sluice.limit_kind", kind),
+                    opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
+                    opentelemetry::KeyValue::new("sluice.max", max),
+                    opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
+                ]
+            },
         );
         let event = pb::GrantEvent {
             trace: Some(record.trace.to_context()),

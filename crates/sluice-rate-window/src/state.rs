@@ -444,15 +444,17 @@ impl RatePartition {
             },
             at(granted_at_ms),
             at(granted_at_ms),
-            vec![
-                opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
-                opentelemetry::KeyValue::new("sluice.tenant", key.tenant.clone()),
-                opentelemetry::KeyValue::new("sluice.key", display.clone()),
-                opentelemetry::KeyValue::new("sluice.limit", limit),
-                opentelemetry::KeyValue::new("sluice.cost", i64::try_from(record.cost).unwrap_or(i64::MAX)),
-                opentelemetry::KeyValue::new("sluice.unthrottled", record.unthrottled),
-                opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
-            ],
+            || {
+                vec![
+                    opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
+                    opentelemetry::KeyValue::new("sluice.tenant", key.tenant.clone()),
+                    opentelemetry::KeyValue::new("sluice.key", display.clone()),
+                    opentelemetry::KeyValue::new("sluice.limit", limit),
+                    opentelemetry::KeyValue::new("sluice.cost", i64::try_from(record.cost).unwrap_or(i64::MAX)),
+                    opentelemetry::KeyValue::new("sluice.unthrottled", record.unthrottled),
+                    opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
+                ]
+            },
         );
         let event = pb::GrantEvent {
             trace: Some(pb::TraceContext {

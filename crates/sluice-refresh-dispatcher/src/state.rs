@@ -239,13 +239,15 @@ impl RefreshPartition {
             &parent,
             at(in_flight.issued_at_ms),
             at(in_flight.issued_at_ms),
-            vec![
-                opentelemetry::KeyValue::new("sluice.tenant", key_id.0.clone()),
-                opentelemetry::KeyValue::new("sluice.key", key_id.1.clone()),
-                opentelemetry::KeyValue::new("sluice.refresh.task_id", in_flight.task_id.clone()),
-                opentelemetry::KeyValue::new("sluice.refresh.attempt", i64::from(in_flight.attempt)),
-                opentelemetry::KeyValue::new("sluice.max", i64::from(schedule.current_max)),
-            ],
+            || {
+                vec![
+                    opentelemetry::KeyValue::new("sluice.tenant", key_id.0.clone()),
+                    opentelemetry::KeyValue::new("sluice.key", key_id.1.clone()),
+                    opentelemetry::KeyValue::new("sluice.refresh.task_id", in_flight.task_id.clone()),
+                    opentelemetry::KeyValue::new("sluice.refresh.attempt", i64::from(in_flight.attempt)),
+                    opentelemetry::KeyValue::new("sluice.max", i64::from(schedule.current_max)),
+                ]
+            },
         );
         let partition = key_partition(&key_id.0, &key_id.1, self.settings.refresh_tasks_partitions);
         outbox.push(OutMsg {

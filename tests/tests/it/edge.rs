@@ -258,7 +258,11 @@ struct JobPartition {
 
 impl JobPartition {
     async fn start(config: &SluiceConfig, pool: PgPool) -> anyhow::Result<Self> {
-        let settings = sluice_admission::partition_settings(&Arc::new(config.clone()), &Faults::none());
+        let settings = sluice_admission::partition_settings(
+            &Arc::new(config.clone()),
+            &Faults::none(),
+            sluice_admission::work::WorkerHub::without_workers(),
+        );
         let store = AdmissionStore { settings };
         let context = OwnerContext {
             partition: 0,

@@ -19,3 +19,4 @@ mod limits;
 mod membership;
 mod rate;
 mod storage;
+mod work;

@@ -255,7 +255,7 @@ async fn with_no_endpoint_no_exporter_is_started() -> anyhow::Result<()> {
         tracestate: String::new(),
     };
     let now = std::time::SystemTime::now();
-    let child = telemetry::record_span("sluice-test", "noop", &parent, now, now, Vec::new());
+    let child = telemetry::record_span("sluice-test", "noop", &parent, now, now, Vec::new);
     assert_eq!(child, parent);
     Ok(())
 }

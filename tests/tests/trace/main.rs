@@ -239,7 +239,7 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
         &pb::TraceContext::default(),
         now,
         now,
-        Vec::new(),
+        Vec::new,
     );
     let trace_id = trace_id_of(&producer);
     assert_eq!(trace_id.len(), 32, "the producer span is sampled: {producer:?}");

@@ -1,0 +1,440 @@
+//! Workers on streams (docs/worker-protocol.md, "The Work stream"): the hub
+//! of this instance's open `Work` sessions and their credits.
+//!
+//! A worker opens a `Work` stream to every admission instance and gives each
+//! some credits (how many jobs it may be pushed). When a job partition of
+//! this instance admits a job and a session of the job's task group has a
+//! credit, the partition claims the job for that session's worker in the
+//! same batch (dispatch is the claim) and pushes it once the batch is
+//! committed. A push that cannot be written (the stream is gone) hands the
+//! attempt back at once; a push lost with the instance costs one lease.
+//!
+//! The hub is plain data behind short locks and atomics: the partitions'
+//! pure cores read it while they decide, and tests drive it directly.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use sluice_proto::v1 as pb;
+use tokio::sync::mpsc;
+
+/// What a session's stream carries down.
+pub type WorkSender = mpsc::Sender<Result<pb::WorkResponse, tonic::Status>>;
+
+/// One open `Work` stream.
+pub struct WorkSession {
+    pub id: u64,
+    pub worker_id: String,
+    pub task_groups: Vec<String>,
+    credits: AtomicU32,
+    closed: AtomicBool,
+    sender: Option<WorkSender>,
+}
+
+impl std::fmt::Debug for WorkSession {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("WorkSession")
+            .field("id", &self.id)
+            .field("worker_id", &self.worker_id)
+            .field("credits", &self.credits.load(Ordering::Relaxed))
+            .field("closed", &self.closed.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkSession {
+    pub fn credits(&self) -> u32 {
+        self.credits.load(Ordering::Acquire)
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Take one credit, if there is one and the session is open.
+    fn take_credit(&self) -> bool {
+        if self.is_closed() {
+            return false;
+        }
+        self.credits
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |credits| credits.checked_sub(1))
+            .is_ok()
+    }
+
+    fn give_credits(&self, credits: u32) {
+        let _ = self
+            .credits
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+                Some(current.saturating_add(credits))
+            });
+    }
+
+    /// Write jobs to the stream. Fails (giving the jobs back) when the
+    /// stream is gone or its buffer is full: the worker then never sees
+    /// them, and they must be handed back.
+    fn write(&self, jobs: Vec<pb::DispatchedJob>) -> Result<(), Vec<pb::DispatchedJob>> {
+        let Some(sender) = &self.sender else {
+            return Err(jobs);
+        };
+        if self.is_closed() {
+            return Err(jobs);
+        }
+        let message = pb::WorkResponse {
+            message: Some(pb::work_response::Message::Jobs(pb::DispatchedJobs { jobs })),
+        };
+        sender.try_send(Ok(message)).map_err(|error| {
+            let message = match error {
+                mpsc::error::TrySendError::Full(message) | mpsc::error::TrySendError::Closed(message) => message,
+            };
+            match message {
+                Ok(pb::WorkResponse {
+                    message: Some(pb::work_response::Message::Jobs(pb::DispatchedJobs { jobs })),
+                }) => jobs,
+                _ => Vec::new(),
+            }
+        })
+    }
+}
+
+/// Attempts claimed for a worker whose push could not be written: to be
+/// handed back (a new attempt, none used up).
+#[derive(Debug)]
+pub struct UndeliveredPush {
+    pub worker_id: String,
+    pub attempts: Vec<(String, u32)>,
+}
+
+#[derive(Default)]
+struct GroupSessions {
+    sessions: Vec<Arc<WorkSession>>,
+    /// Where the next search for a credit starts (round robin).
+    turn: usize,
+    /// Job partitions holding admitted jobs of this group that wait for a
+    /// credit: woken when credits arrive.
+    wanted_by: BTreeSet<i32>,
+}
+
+/// This instance's open sessions, by task group.
+pub struct WorkerHub {
+    groups: RwLock<HashMap<String, Mutex<GroupSessions>>>,
+    next_session: AtomicU64,
+    undelivered: mpsc::UnboundedSender<UndeliveredPush>,
+}
+
+impl std::fmt::Debug for WorkerHub {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("WorkerHub").finish_non_exhaustive()
+    }
+}
+
+impl WorkerHub {
+    /// A hub, and where the attempts of undelivered pushes come out (the
+    /// instance hands them back; at most one entry per pushed batch, so the
+    /// channel is bounded by the credits workers gave).
+    pub fn new() -> (Arc<WorkerHub>, mpsc::UnboundedReceiver<UndeliveredPush>) {
+        let (undelivered, receiver) = mpsc::unbounded_channel();
+        (
+            Arc::new(WorkerHub {
+                groups: RwLock::new(HashMap::new()),
+                next_session: AtomicU64::new(1),
+                undelivered,
+            }),
+            receiver,
+        )
+    }
+
+    /// A hub with no stream workers (tests of the partition without them).
+    pub fn without_workers() -> Arc<WorkerHub> {
+        Self::new().0
+    }
+
+    /// Register an open stream with `credits` (a stream handler opens with
+    /// none and adds the worker's with `add_credits`, which wakes waiting
+    /// partitions). `sender: None` makes a session whose every push fails
+    /// (tests).
+    pub fn open(
+        &self,
+        worker_id: String,
+        task_groups: Vec<String>,
+        credits: u32,
+        sender: Option<WorkSender>,
+    ) -> Arc<WorkSession> {
+        let session = Arc::new(WorkSession {
+            id: self.next_session.fetch_add(1, Ordering::Relaxed),
+            worker_id,
+            task_groups,
+            credits: AtomicU32::new(credits),
+            closed: AtomicBool::new(false),
+            sender,
+        });
+        let mut groups = self.groups.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for group in &session.task_groups {
+            let entry = groups.entry(group.clone()).or_default();
+            entry
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .sessions
+                .push(session.clone());
+        }
+        session
+    }
+
+    /// The stream ended: no more pushes to it.
+    pub fn close(&self, session: &Arc<WorkSession>) {
+        session.closed.store(true, Ordering::Release);
+        let mut groups = self.groups.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for group in &session.task_groups {
+            let now_empty = match groups.get_mut(group) {
+                Some(entry) => {
+                    let entry = entry.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    entry.sessions.retain(|open| open.id != session.id);
+                    entry.sessions.is_empty() && entry.wanted_by.is_empty()
+                }
+                None => false,
+            };
+            if now_empty {
+                groups.remove(group);
+            }
+        }
+    }
+
+    /// Add credits to a session. Returns the job partitions that hold
+    /// admitted jobs of its task groups waiting for a credit (each once;
+    /// the caller wakes them).
+    pub fn add_credits(&self, session: &WorkSession, credits: u32) -> BTreeSet<i32> {
+        session.give_credits(credits);
+        let groups = self.groups.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut wake = BTreeSet::new();
+        for group in &session.task_groups {
+            if let Some(entry) = groups.get(group) {
+                let mut entry = entry.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                wake.append(&mut entry.wanted_by);
+            }
+        }
+        wake
+    }
+
+    /// Whether an open session of `task_group` exists (credit or not).
+    pub fn has_sessions(&self, task_group: &str) -> bool {
+        let groups = self.groups.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        groups.get(task_group).is_some_and(|entry| {
+            entry
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .sessions
+                .iter()
+                .any(|session| !session.is_closed())
+        })
+    }
+
+    /// Take one credit from a session of `task_group`, taking turns among
+    /// them. `None`: no session has room.
+    pub fn take(&self, task_group: &str) -> Option<Arc<WorkSession>> {
+        let groups = self.groups.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut entry = groups
+            .get(task_group)?
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let count = entry.sessions.len();
+        for offset in 0..count {
+            let index = (entry.turn + offset) % count;
+            if entry.sessions[index].take_credit() {
+                entry.turn = (index + 1) % count;
+                return Some(entry.sessions[index].clone());
+            }
+        }
+        None
+    }
+
+    /// Partition `partition` holds admitted jobs of `task_group` that wait
+    /// for a credit: wake it when credits arrive.
+    pub fn want(&self, task_group: &str, partition: i32) {
+        {
+            let groups = self.groups.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if let Some(entry) = groups.get(task_group) {
+                entry
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .wanted_by
+                    .insert(partition);
+                return;
+            }
+        }
+        let mut groups = self.groups.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        groups
+            .entry(task_group.to_string())
+            .or_default()
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .wanted_by
+            .insert(partition);
+    }
+}
+
+/// Jobs claimed in one batch for one session, pushed once the batch is
+/// committed. Dropped unsent (the commit failed, the batch was decided
+/// again), it gives the credits back and hands the attempts back: the
+/// worker never saw them.
+pub struct Push {
+    hub: Arc<WorkerHub>,
+    session: Arc<WorkSession>,
+    jobs: Vec<pb::DispatchedJob>,
+    /// Set by a crash-point fault hook: lost with the instance, as a crash
+    /// after the commit loses it (nothing given or handed back).
+    lost: bool,
+}
+
+impl Push {
+    pub fn new(hub: Arc<WorkerHub>, session: Arc<WorkSession>) -> Self {
+        Push {
+            hub,
+            session,
+            jobs: Vec::new(),
+            lost: false,
+        }
+    }
+
+    pub fn add(&mut self, job: pb::DispatchedJob) {
+        self.jobs.push(job);
+    }
+
+    pub fn session_id(&self) -> u64 {
+        self.session.id
+    }
+
+    pub fn len(&self) -> usize {
+        self.jobs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty()
+    }
+
+    /// The crash point between a commit and the push: this push is lost as
+    /// the instance would lose it.
+    pub fn lose(mut self) {
+        self.lost = true;
+    }
+
+    /// Write the jobs to the worker's stream (after the commit).
+    pub fn send(mut self) {
+        let jobs = std::mem::take(&mut self.jobs);
+        if let Err(jobs) = self.session.write(jobs) {
+            self.jobs = jobs;
+            // Dropped now: undelivered.
+        }
+    }
+
+    fn hand_back(&mut self) {
+        let jobs = std::mem::take(&mut self.jobs);
+        if jobs.is_empty() {
+            return;
+        }
+        self.session.give_credits(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
+        let attempts = jobs
+            .into_iter()
+            .filter_map(|dispatched| dispatched.job)
+            .map(|job| (job.job_id, job.attempt))
+            .collect();
+        let _ = self.hub.undelivered.send(UndeliveredPush {
+            worker_id: self.session.worker_id.clone(),
+            attempts,
+        });
+    }
+}
+
+impl Drop for Push {
+    fn drop(&mut self) {
+        if !self.lost {
+            self.hand_back();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dispatched(job_id: &str) -> pb::DispatchedJob {
+        pb::DispatchedJob {
+            job: Some(pb::AdmittedJob {
+                job_id: job_id.to_string(),
+                attempt: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn credits_are_taken_in_turns_and_never_below_zero() {
+        let hub = WorkerHub::without_workers();
+        let first = hub.open("a".into(), vec!["g".into()], 2, None);
+        let second = hub.open("b".into(), vec!["g".into()], 1, None);
+        let taken: Vec<String> = std::iter::from_fn(|| hub.take("g"))
+            .map(|session| session.worker_id.clone())
+            .collect();
+        assert_eq!(taken, vec!["a", "b", "a"]);
+        assert_eq!(first.credits(), 0);
+        assert_eq!(second.credits(), 0);
+        assert!(hub.take("other").is_none());
+        hub.close(&first);
+        assert!(hub.has_sessions("g"));
+        hub.close(&second);
+        assert!(!hub.has_sessions("g"));
+    }
+
+    #[test]
+    fn credits_wake_the_partitions_that_wait_for_them_once() {
+        let hub = WorkerHub::without_workers();
+        let session = hub.open("a".into(), vec!["g".into()], 0, None);
+        hub.want("g", 3);
+        hub.want("g", 1);
+        assert_eq!(hub.add_credits(&session, 2).into_iter().collect::<Vec<_>>(), vec![1, 3]);
+        assert!(hub.add_credits(&session, 1).is_empty());
+        assert_eq!(session.credits(), 3);
+    }
+
+    #[test]
+    fn a_push_to_a_gone_stream_is_handed_back_with_its_credit() {
+        let (hub, mut undelivered) = WorkerHub::new();
+        let session = hub.open("w".into(), vec!["g".into()], 1, None);
+        assert!(hub.take("g").is_some());
+        let mut push = Push::new(hub.clone(), session.clone());
+        push.add(dispatched("j1"));
+        push.send();
+        let handed = undelivered.try_recv().unwrap();
+        assert_eq!(handed.worker_id, "w");
+        assert_eq!(handed.attempts, vec![("j1".to_string(), 1)]);
+        assert_eq!(session.credits(), 1, "the credit came back");
+    }
+
+    #[test]
+    fn a_push_written_to_an_open_stream_is_not_handed_back() {
+        let (hub, mut undelivered) = WorkerHub::new();
+        let (sender, mut receiver) = mpsc::channel(4);
+        let session = hub.open("w".into(), vec!["g".into()], 1, Some(sender));
+        assert!(hub.take("g").is_some());
+        let mut push = Push::new(hub.clone(), session.clone());
+        push.add(dispatched("j1"));
+        push.send();
+        let written = receiver.try_recv().unwrap().unwrap();
+        assert!(matches!(written.message, Some(pb::work_response::Message::Jobs(_))));
+        assert!(undelivered.try_recv().is_err());
+        assert_eq!(session.credits(), 0);
+    }
+
+    #[test]
+    fn a_lost_push_neither_returns_credit_nor_hands_back() {
+        let (hub, mut undelivered) = WorkerHub::new();
+        let session = hub.open("w".into(), vec!["g".into()], 1, None);
+        assert!(hub.take("g").is_some());
+        let mut push = Push::new(hub.clone(), session.clone());
+        push.add(dispatched("j1"));
+        push.lose();
+        assert!(undelivered.try_recv().is_err());
+        assert_eq!(session.credits(), 0);
+    }
+}

@@ -1,0 +1,261 @@
+//! The `Work` stream: a worker's session with this instance
+//! (docs/worker-protocol.md). The first message opens the session in the
+//! hub (`work`); credits add room and wake the job partitions that hold
+//! admitted jobs for the session's task groups; heartbeats and completions
+//! go to their jobs' owners exactly as the unary calls do, and are answered
+//! on the stream by id.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sluice_common::validate::{check_name, FieldError, MAX_ID_BYTES};
+use sluice_common::Shutdown;
+use sluice_proto::v1 as pb;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Response, Status, Streaming};
+
+use crate::service::{attempts_of, AdmissionApi};
+use crate::work::{UndeliveredPush, WorkSession};
+
+/// Messages buffered down one stream: pushes and answers.
+const STREAM_BUFFER: usize = 1024;
+/// Credits one message may add, and credits one session may hold, at most.
+pub const MAX_CREDITS: u32 = 10_000;
+/// Task groups one session may name, at most.
+const MAX_TASK_GROUPS: usize = 64;
+/// Heartbeats and completions of one stream answered at once, at most (the
+/// next request waits).
+const IN_FLIGHT_PER_STREAM: usize = 64;
+
+/// Open a session from the stream's first message and serve the rest.
+pub async fn serve(
+    api: AdmissionApi,
+    mut inbound: Streaming<pb::WorkRequest>,
+) -> Result<Response<ReceiverStream<Result<pb::WorkResponse, Status>>>, Status> {
+    let open = match inbound.message().await? {
+        Some(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Open(open)),
+        }) => open,
+        Some(_) => return Err(FieldError::new("open", "the first message of a Work stream must be open").into()),
+        None => return Err(Status::cancelled("the Work stream closed before it opened")),
+    };
+    check_open(&api, &open)?;
+    let (sender, receiver) = mpsc::channel(STREAM_BUFFER);
+    let session = api.hub.open(
+        open.worker_id.clone(),
+        open.task_groups.clone(),
+        0,
+        Some(sender.clone()),
+    );
+    tracing::debug!(worker_id = %open.worker_id, task_groups = ?open.task_groups, credits = open.credits, "work stream opened");
+    let shutdown = api.shutdown.clone();
+    tokio::spawn(async move {
+        let reader = StreamReader {
+            api,
+            session,
+            sender,
+            in_flight: Arc::new(Semaphore::new(IN_FLIGHT_PER_STREAM)),
+        };
+        reader.run(open.credits, inbound, shutdown).await;
+    });
+    Ok(Response::new(ReceiverStream::new(receiver)))
+}
+
+fn check_open(api: &AdmissionApi, open: &pb::WorkOpen) -> Result<(), Status> {
+    check_name("open.worker_id", &open.worker_id, MAX_ID_BYTES)?;
+    if open.task_groups.is_empty() {
+        return Err(FieldError::new("open.task_groups", "name at least one task group").into());
+    }
+    if open.task_groups.len() > MAX_TASK_GROUPS {
+        return Err(FieldError::new("open.task_groups", format!("at most {MAX_TASK_GROUPS}")).into());
+    }
+    for (index, group) in open.task_groups.iter().enumerate() {
+        let field = format!("open.task_groups[{index}]");
+        check_name(&field, group, MAX_ID_BYTES)?;
+        if !api.config.task_groups.contains_key(group) {
+            return Err(FieldError::new(field, format!("task group {group:?} is not declared")).into());
+        }
+    }
+    if open.credits > MAX_CREDITS {
+        return Err(FieldError::new("open.credits", format!("at most {MAX_CREDITS}")).into());
+    }
+    Ok(())
+}
+
+struct StreamReader {
+    api: AdmissionApi,
+    session: Arc<WorkSession>,
+    sender: mpsc::Sender<Result<pb::WorkResponse, Status>>,
+    in_flight: Arc<Semaphore>,
+}
+
+impl StreamReader {
+    async fn run(self, credits: u32, mut inbound: Streaming<pb::WorkRequest>, shutdown: Shutdown) {
+        self.add_credits(credits).await;
+        let opened = pb::WorkResponse {
+            message: Some(pb::work_response::Message::Opened(pb::WorkOpened {
+                instance: self.api.own_endpoint.clone(),
+            })),
+        };
+        if self.sender.send(Ok(opened)).await.is_err() {
+            self.api.hub.close(&self.session);
+            return;
+        }
+        loop {
+            let message = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                message = inbound.message() => message,
+            };
+            let request = match message {
+                Ok(Some(request)) => request,
+                Ok(None) => break,
+                Err(status) => {
+                    tracing::debug!(worker_id = %self.session.worker_id, %status, "work stream broke");
+                    break;
+                }
+            };
+            if let Err(status) = self.handle(request).await {
+                let _ = self.sender.send(Err(status)).await;
+                break;
+            }
+        }
+        self.api.hub.close(&self.session);
+        tracing::debug!(worker_id = %self.session.worker_id, "work stream closed");
+    }
+
+    /// One message. An error ends the stream (a second open, too many
+    /// credits); a failed heartbeat or completion is answered instead.
+    async fn handle(&self, request: pb::WorkRequest) -> Result<(), Status> {
+        match request.message {
+            Some(pb::work_request::Message::Open(_)) => Err(FieldError::new("open", "a Work stream opens once").into()),
+            Some(pb::work_request::Message::Credits(credits)) => {
+                let held = self.session.credits();
+                if credits.credits > MAX_CREDITS || held.saturating_add(credits.credits) > MAX_CREDITS {
+                    return Err(FieldError::new(
+                        "credits.credits",
+                        format!("a session holds at most {MAX_CREDITS} credits (it holds {held})"),
+                    )
+                    .into());
+                }
+                self.add_credits(credits.credits).await;
+                Ok(())
+            }
+            Some(pb::work_request::Message::Heartbeat(heartbeat)) => {
+                let api = self.api.clone();
+                let worker_id = self.session.worker_id.clone();
+                self.answer(heartbeat.id, async move {
+                    let attempts = attempts_of("heartbeat.jobs", heartbeat.jobs)?;
+                    let results = api.heartbeat_attempts(false, &worker_id, attempts).await?;
+                    Ok(pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results }))
+                })
+                .await;
+                Ok(())
+            }
+            Some(pb::work_request::Message::Complete(complete)) => {
+                let api = self.api.clone();
+                let worker_id = self.session.worker_id.clone();
+                self.answer(complete.id, async move {
+                    let results = api
+                        .complete_attempts(
+                            false,
+                            &worker_id,
+                            "complete.completions",
+                            complete.completions,
+                            &pb::TraceContext::default(),
+                        )
+                        .await?;
+                    Ok(pb::work_answer::Result::Completed(pb::CompleteResponse { results }))
+                })
+                .await;
+                Ok(())
+            }
+            None => Err(FieldError::new("message", "set open, credits, heartbeat or complete").into()),
+        }
+    }
+
+    async fn add_credits(&self, credits: u32) {
+        let wake = self.api.hub.add_credits(&self.session, credits);
+        self.api.wake_partitions(wake).await;
+    }
+
+    /// Run `work` beside the stream (at most `IN_FLIGHT_PER_STREAM` at
+    /// once) and send its answer under `id`.
+    async fn answer(
+        &self,
+        id: u64,
+        work: impl std::future::Future<Output = Result<pb::work_answer::Result, Status>> + Send + 'static,
+    ) {
+        let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let sender = self.sender.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let result = work.await.unwrap_or_else(|status| {
+                pb::work_answer::Result::Error(pb::WorkError {
+                    code: status.code() as i32,
+                    message: status.message().to_string(),
+                })
+            });
+            let answer = pb::WorkResponse {
+                message: Some(pb::work_response::Message::Answer(pb::WorkAnswer {
+                    id,
+                    result: Some(result),
+                })),
+            };
+            let _ = sender.send(Ok(answer)).await;
+        });
+    }
+}
+
+/// Hand back the attempts of pushes that could not be written (their
+/// stream was gone): a new attempt, none used up, admitted again at once.
+/// What cannot be handed back now (its owner unreachable) is left to its
+/// lease.
+pub async fn hand_back_undelivered(
+    api: AdmissionApi,
+    mut undelivered: mpsc::UnboundedReceiver<UndeliveredPush>,
+    shutdown: Shutdown,
+) -> Result<(), std::convert::Infallible> {
+    loop {
+        let push = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            push = undelivered.recv() => match push {
+                Some(push) => push,
+                None => return Ok(()),
+            },
+        };
+        let completions: Vec<pb::Completion> = push
+            .attempts
+            .iter()
+            .map(|(job_id, attempt)| pb::Completion {
+                job_id: job_id.clone(),
+                attempt: *attempt,
+                outcome: Some(pb::completion::Outcome::HandBack(pb::HandBack {
+                    reason: "pushed to a Work stream that was gone".to_string(),
+                })),
+            })
+            .collect();
+        let mut delay = Duration::from_millis(100);
+        for _ in 0..5 {
+            match api
+                .complete_attempts(
+                    false,
+                    &push.worker_id,
+                    "completions",
+                    completions.clone(),
+                    &pb::TraceContext::default(),
+                )
+                .await
+            {
+                Ok(_) => break,
+                Err(status) => {
+                    tracing::warn!(worker_id = %push.worker_id, attempts = push.attempts.len(), %status, "handing back undelivered pushes failed; trying again");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+            }
+        }
+    }
+}

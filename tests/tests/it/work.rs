@@ -1,0 +1,415 @@
+//! Workers on `Work` streams (docs/worker-protocol.md): dispatch is the
+//! claim. The SDK's stream worker runs the flow's 300 jobs with no Kafka
+//! worker; the crash points between admission's commit and its push, and a
+//! worker whose stream drops mid-job, lose nothing and run nothing twice in
+//! a way the lease does not allow; bad stream input is refused by field.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sluice_common::{FaultPoint, Faults, Shutdown};
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::admission_client::AdmissionClient;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::flow::{check_runs, three_hundred_requests};
+
+/// SDK workers on streams, seeded with `endpoint`, whose handlers "run" for
+/// 1–20 ms and record their runs.
+fn start_stream_workers(
+    endpoint: &str,
+    recorder: &Arc<Recorder>,
+    stop: &Shutdown,
+    count: usize,
+) -> Vec<sluice_client::WorkerStatus> {
+    let mut statuses = Vec::new();
+    for index in 0..count {
+        let options = sluice_client::ClientOptions {
+            brokers: String::new(),
+            admission_endpoint: endpoint.to_string(),
+            ..sluice_client::ClientOptions::default()
+        };
+        let recorder = recorder.clone();
+        let handler = move |job: sluice_client::Job| {
+            let recorder = recorder.clone();
+            async move {
+                let claimed_at = Instant::now();
+                let run_for = Duration::from_millis(1 + rand::random::<u64>() % 20);
+                tokio::time::sleep(run_for).await;
+                recorder.runs.lock().unwrap().push(RunRecord {
+                    job_id: job.job_id().to_string(),
+                    attempt: job.attempt(),
+                    payload: String::from_utf8_lossy(job.payload()).to_string(),
+                    claimed_at,
+                    finished_at: Instant::now(),
+                });
+                Ok(())
+            }
+        };
+        let worker = sluice_client::Worker::builder(options, handler)
+            .task_group("default")
+            .worker_id(format!("stream-worker-{index}"))
+            .concurrency(8)
+            .heartbeat_interval(Duration::from_millis(500))
+            .transport(sluice_client::Transport::Stream)
+            .build()
+            .unwrap();
+        statuses.push(worker.status());
+        let token = sluice_client::CancellationToken::new();
+        let cancel = token.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            cancel.cancel();
+        });
+        tokio::spawn(worker.run(token));
+    }
+    statuses
+}
+
+/// Every worker has a confirmed stream to each of `instances` admissions.
+async fn wait_streams(statuses: &[sluice_client::WorkerStatus], instances: usize) -> anyhow::Result<()> {
+    eventually(Duration::from_secs(30), "every worker's streams open", || async {
+        Ok(statuses.iter().all(|status| status.snapshot().streams >= instances))
+    })
+    .await
+}
+
+/// Nothing was published for Kafka workers: every partition of the
+/// admitted topic ends at offset 0.
+async fn admitted_topic_is_empty(stack: &Stack) -> anyhow::Result<bool> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let settings = sluice_common::kafka::client_config(&stack.config.kafka);
+    let topic = stack.config.admitted_topic("default");
+    let partitions = stack.config.kafka.partitions.admitted;
+    tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
+        let consumer: BaseConsumer = settings.create()?;
+        for partition in 0..partitions {
+            let (_, high) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
+            if high > 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    })
+    .await?
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn stream_workers_run_every_job_once_within_its_limit() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("workstream", &[])?, 1).await?;
+    let stop = Shutdown::new();
+    let recorder = Arc::new(Recorder::default());
+    let workers = start_stream_workers(&stack.admissions[0].endpoint, &recorder, &stop, 2);
+    // The workers' streams are open before the jobs come.
+    wait_streams(&workers, 1).await?;
+    RequestProducer::new(&stack.config)?
+        .send(&three_hundred_requests())
+        .await?;
+    eventually(Duration::from_secs(120), "300 completions", || async {
+        Ok(recorder.completed() == 300)
+    })
+    .await?;
+    check_runs(&recorder, 300, 2);
+    eventually(Duration::from_secs(60), "no ticket left", || async {
+        Ok(stack.tickets_left().await? == 0)
+    })
+    .await?;
+    eventually(Duration::from_secs(30), "every job succeeded", || async {
+        let statuses = stack.job_statuses().await?;
+        Ok(statuses.get(&(pb::JobStatus::Succeeded as i16)) == Some(&300))
+    })
+    .await?;
+    assert!(
+        admitted_topic_is_empty(&stack).await?,
+        "with stream workers connected, nothing goes to the admitted topic"
+    );
+    stop.trigger();
+    stack.stop().await;
+    Ok(())
+}
+
+/// The first admission commits a batch that claimed jobs for stream workers
+/// and dies before it pushes them. The second takes its partitions over;
+/// the claimed attempts nobody received end with their lease (3 s here) and
+/// run again. Every job runs once (a lost push never ran), no key is
+/// overrun, no ticket is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn admission_killed_between_its_commit_and_the_push_loses_no_job() -> anyhow::Result<()> {
+    let toml = "[task_groups.default]\nlease = \"3s\"\n";
+    let mut stack = Stack::start(test_config_toml("workcrash", toml, &[])?, 1).await?;
+    stack.add_admission(Faults::none()).await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    // Both instances own a job partition (the second one's join has moved
+    // one over) before the first is armed.
+    let owners = format!(
+        "SELECT count(DISTINCT endpoint) FROM \"{}\".owners",
+        stack.config.schema("admission")
+    );
+    eventually(
+        Duration::from_secs(60),
+        "each admission owns a job partition",
+        || async {
+            let instances: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(owners.clone()))
+                .fetch_one(&stack.pool)
+                .await?;
+            Ok(instances == 2)
+        },
+    )
+    .await?;
+    stack.admissions[0]
+        .faults
+        .arm(FaultPoint::AdmissionAfterCommitBeforePush, 3, 1);
+    let stop = Shutdown::new();
+    let recorder = Arc::new(Recorder::default());
+    let workers = start_stream_workers(&stack.admissions[1].endpoint, &recorder, &stop, 2);
+    wait_streams(&workers, 2).await?;
+    RequestProducer::new(&stack.config)?
+        .send(&three_hundred_requests())
+        .await?;
+    stack.admissions[0].wait_stopped(Duration::from_secs(60)).await?;
+    assert_eq!(
+        stack.admissions[0]
+            .faults
+            .fired(FaultPoint::AdmissionAfterCommitBeforePush),
+        1
+    );
+    eventually(Duration::from_secs(180), "300 completions", || async {
+        Ok(recorder.completed() == 300)
+    })
+    .await?;
+    check_runs(&recorder, 300, 2);
+    eventually(Duration::from_secs(60), "no ticket left", || async {
+        Ok(stack.tickets_left().await? == 0)
+    })
+    .await?;
+    let statuses = stack.job_statuses().await?;
+    assert_eq!(
+        statuses.get(&(pb::JobStatus::Succeeded as i16)),
+        Some(&300),
+        "{statuses:?}"
+    );
+    stop.trigger();
+    stack.stop().await;
+    Ok(())
+}
+
+/// A raw `Work` stream: the requests going up, the responses coming down.
+struct RawSession {
+    up: mpsc::Sender<pb::WorkRequest>,
+    down: tonic::Streaming<pb::WorkResponse>,
+}
+
+async fn open_raw(endpoint: &str, worker_id: &str, credits: u32) -> anyhow::Result<RawSession> {
+    let mut client = AdmissionClient::new(connect(endpoint).await?);
+    let (up, receiver) = mpsc::channel(16);
+    up.send(pb::WorkRequest {
+        message: Some(pb::work_request::Message::Open(pb::WorkOpen {
+            worker_id: worker_id.to_string(),
+            task_groups: vec!["default".to_string()],
+            credits,
+        })),
+    })
+    .await?;
+    let down = client.work(ReceiverStream::new(receiver)).await?.into_inner();
+    Ok(RawSession { up, down })
+}
+
+/// The next pushed job on a raw stream.
+async fn next_push(session: &mut RawSession) -> anyhow::Result<pb::DispatchedJob> {
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(20), session.down.message())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("the stream ended"))?;
+        if let Some(pb::work_response::Message::Jobs(jobs)) = message.message {
+            if let Some(job) = jobs.jobs.into_iter().next() {
+                return Ok(job);
+            }
+        }
+    }
+}
+
+/// A worker receives a job on its stream, heartbeats once, then its stream
+/// drops and it is never heard of again. The job goes back to waiting when
+/// its lease ends and its next attempt goes to another worker, never
+/// before the first attempt's lease (as last extended) has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_whose_stream_drops_mid_job_loses_it_only_after_its_lease() -> anyhow::Result<()> {
+    let toml = "[task_groups.default]\nlease = \"2s\"\n";
+    let stack = Stack::start(test_config_toml("workdrop", toml, &[])?, 1).await?;
+    let endpoint = stack.admissions[0].endpoint.clone();
+    let mut first = open_raw(&endpoint, "worker-dropped", 1).await?;
+    let mut admission = stack.admission_client().await?;
+    let mut request = concurrency_job("acme", "dropkey", 1, 50, "the job");
+    request.retry = Some(pb::RetryPolicy {
+        max_attempts: 3,
+        initial_backoff: "100ms".to_string(),
+        ..pb::RetryPolicy::default()
+    });
+    admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    let pushed = next_push(&mut first).await?;
+    let job = pushed.job.clone().unwrap();
+    assert_eq!(job.attempt, 1);
+    // One heartbeat extends the lease; its answer says until when.
+    first
+        .up
+        .send(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Heartbeat(pb::WorkHeartbeat {
+                id: 7,
+                jobs: vec![pb::JobAttempt {
+                    job_id: job.job_id.clone(),
+                    attempt: 1,
+                }],
+            })),
+        })
+        .await?;
+    let lease_until = loop {
+        let message = first.down.message().await?.unwrap();
+        if let Some(pb::work_response::Message::Answer(answer)) = message.message {
+            assert_eq!(answer.id, 7);
+            let Some(pb::work_answer::Result::Heartbeats(response)) = answer.result else {
+                panic!("a heartbeat answer: {answer:?}");
+            };
+            assert_eq!(response.results[0].outcome, pb::HeartbeatOutcome::Extended as i32);
+            break response.results[0].lease_expires_at_ms;
+        }
+    };
+    assert!(lease_until >= pushed.lease_expires_at_ms);
+    drop(first);
+
+    let mut second = open_raw(&endpoint, "worker-second", 1).await?;
+    let again = match next_push(&mut second).await {
+        Ok(again) => again,
+        Err(error) => {
+            let view = job_view(&admission, &job.job_id).await?;
+            anyhow::bail!("no second push ({error}); the job: {view:#?}");
+        }
+    };
+    let again_job = again.job.unwrap();
+    assert_eq!(again_job.job_id, job.job_id);
+    assert_eq!(again_job.attempt, 2, "a new attempt");
+    assert!(
+        again_job.admitted_at_ms >= lease_until,
+        "the second attempt was admitted at {} before the first one's lease ended at {lease_until}",
+        again_job.admitted_at_ms
+    );
+    let view = job_view(&admission, &job.job_id).await?;
+    assert_eq!(view.claimed_by, "worker-second");
+    assert!(
+        view.history
+            .iter()
+            .any(|record| record.attempt == 1 && record.outcome == "lease_expired"),
+        "{view:?}"
+    );
+    stack.stop().await;
+    Ok(())
+}
+
+/// Every way a stream's input can be wrong is refused with the field named,
+/// and the instance goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_work_stream_input_is_refused_by_field() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("workbad", &[])?, 1).await?;
+    let endpoint = stack.admissions[0].endpoint.clone();
+    let opens = [
+        (
+            pb::WorkOpen {
+                worker_id: "w\0".to_string(),
+                task_groups: vec!["default".to_string()],
+                credits: 1,
+            },
+            "open.worker_id",
+        ),
+        (
+            pb::WorkOpen {
+                worker_id: "w".to_string(),
+                task_groups: vec!["nope".to_string()],
+                credits: 1,
+            },
+            "open.task_groups[0]",
+        ),
+        (
+            pb::WorkOpen {
+                worker_id: "w".to_string(),
+                task_groups: Vec::new(),
+                credits: 1,
+            },
+            "open.task_groups",
+        ),
+        (
+            pb::WorkOpen {
+                worker_id: "w".to_string(),
+                task_groups: vec!["default".to_string()],
+                credits: u32::MAX,
+            },
+            "open.credits",
+        ),
+    ];
+    for (open, field) in opens {
+        let mut client = AdmissionClient::new(connect(&endpoint).await?);
+        let first = pb::WorkRequest {
+            message: Some(pb::work_request::Message::Open(open)),
+        };
+        let refused = client.work(tokio_stream::iter(vec![first])).await;
+        let status = refused.expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(status.message().starts_with(field), "{field}: {status:?}");
+    }
+    // A stream that does not open first.
+    let mut client = AdmissionClient::new(connect(&endpoint).await?);
+    let credits = pb::WorkRequest {
+        message: Some(pb::work_request::Message::Credits(pb::WorkCredits { credits: 1 })),
+    };
+    let status = client
+        .work(tokio_stream::iter(vec![credits]))
+        .await
+        .expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    // An open session: too many credits end it; a bad heartbeat is answered.
+    let mut session = open_raw(&endpoint, "w", 1).await?;
+    session
+        .up
+        .send(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Heartbeat(pb::WorkHeartbeat {
+                id: 1,
+                jobs: vec![pb::JobAttempt {
+                    job_id: "j\0".to_string(),
+                    attempt: 1,
+                }],
+            })),
+        })
+        .await?;
+    let answer = loop {
+        let message = session.down.message().await?.unwrap();
+        match message.message {
+            Some(pb::work_response::Message::Answer(answer)) => break answer,
+            Some(pb::work_response::Message::Opened(_)) => continue,
+            other => panic!("an answer: {other:?}"),
+        }
+    };
+    let Some(pb::work_answer::Result::Error(error)) = answer.result else {
+        panic!("an error: {answer:?}");
+    };
+    assert_eq!(error.code, tonic::Code::InvalidArgument as i32);
+    assert!(error.message.starts_with("heartbeat.jobs[0].job_id"), "{error:?}");
+    session
+        .up
+        .send(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Credits(pb::WorkCredits { credits: 20_000 })),
+        })
+        .await?;
+    let status = loop {
+        match session.down.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("ended without an error"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().starts_with("credits.credits"), "{status:?}");
+    assert!(health_serving(&endpoint).await?);
+    stack.stop().await;
+    Ok(())
+}
