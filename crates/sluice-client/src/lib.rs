@@ -74,7 +74,7 @@ pub use propagation::TraceContext;
 pub use signals::shutdown_on_signals;
 pub use sluice_proto::v1 as proto;
 pub use worker::{
-    Job, JobError, JobHandler, RefreshError, RefreshHandler, StopReason, TaskTypeFn, Worker, WorkerBuilder,
+    Job, JobError, JobHandler, RefreshError, RefreshHandler, StopReason, TaskTypeFn, Transport, Worker, WorkerBuilder,
     WorkerSnapshot, WorkerStatus, HANDOFF_HOPS_HEADER,
 };
 

@@ -35,6 +35,7 @@ mod reported_text;
 mod runner;
 mod slots;
 mod status;
+mod stream;
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -50,6 +51,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub use handler::{Job, JobError, JobHandler, RefreshError, RefreshHandler, StopReason};
+
 pub use status::{WorkerSnapshot, WorkerStatus};
 
 use crate::error::{Error, Result};
@@ -86,9 +88,29 @@ pub struct WorkerBuilder {
     refresh_handler: Option<Arc<dyn RefreshHandler>>,
     refresh_concurrency: usize,
     pause_when_full_for: Duration,
+    transport: Transport,
+}
+
+/// How a worker receives admitted jobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// `Work` streams to every admission instance: admission pushes jobs
+    /// already claimed for this worker, as it has free slots (no Kafka, no
+    /// `Claim`; the lowest latency). Prefetch, hand-off and per-process
+    /// limits do not apply: the worker only ever receives what it can run.
+    Stream,
+    /// The `jobs.admitted.<group>` topics in a consumer group, each job
+    /// claimed before it runs (see the module docs).
+    Kafka,
 }
 
 impl WorkerBuilder {
+    /// How jobs reach this worker (default [`Transport::Kafka`]).
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
     /// The task groups whose admitted jobs this worker runs (at least one).
     pub fn task_group(mut self, task_group: impl Into<String>) -> Self {
         self.task_groups.push(task_group.into());
@@ -197,7 +219,7 @@ impl WorkerBuilder {
                 message: "name at least one task group".to_string(),
             });
         }
-        if self.options.brokers.trim().is_empty() {
+        if self.transport == Transport::Kafka && self.options.brokers.trim().is_empty() {
             return Err(Error::Config {
                 field: "brokers",
                 message: "a worker needs Kafka brokers".to_string(),
@@ -229,6 +251,7 @@ impl WorkerBuilder {
             refresh_handler: self.refresh_handler,
             refresh_concurrency: self.refresh_concurrency,
             pause_when_full_for: self.pause_when_full_for,
+            transport: self.transport,
             admission,
             refresh,
             status: WorkerStatus::default(),
@@ -263,6 +286,7 @@ pub struct Worker {
     refresh_handler: Option<Arc<dyn RefreshHandler>>,
     refresh_concurrency: usize,
     pause_when_full_for: Duration,
+    transport: Transport,
     admission: Admission,
     refresh: Option<Refresh>,
     status: WorkerStatus,
@@ -301,6 +325,7 @@ impl Worker {
             refresh_handler: None,
             refresh_concurrency: 4,
             pause_when_full_for: Duration::from_secs(30),
+            transport: Transport::Kafka,
         }
     }
 
@@ -317,6 +342,9 @@ impl Worker {
     /// and return. Errors only when the worker cannot start (Kafka client
     /// creation, subscription).
     pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        if self.transport == Transport::Stream {
+            return self.run_on_streams(shutdown).await;
+        }
         let topics: Vec<String> = self
             .task_groups
             .iter()
@@ -486,6 +514,48 @@ impl Worker {
             tracing::warn!(%join_error, "final commit task failed");
         }
         tracing::info!(worker_id = %self.worker_id, "worker stopped");
+        Ok(())
+    }
+}
+
+impl Worker {
+    /// [`Transport::Stream`]: jobs pushed on `Work` streams (`stream`).
+    async fn run_on_streams(self, shutdown: CancellationToken) -> Result<()> {
+        let refresh_task = match (self.refresh_handler.clone(), self.refresh.clone()) {
+            (Some(handler), Some(refresh)) => Some(tokio::spawn(refresh::run_refresh_consumer(
+                refresh::RefreshSettings {
+                    options: self.options.clone(),
+                    handler,
+                    refresh,
+                    concurrency: self.refresh_concurrency,
+                    shutdown_grace: self.shutdown_grace,
+                    status: self.status.shared.clone(),
+                },
+                shutdown.clone(),
+            ))),
+            _ => None,
+        };
+        stream::run(
+            stream::StreamSettings {
+                worker_id: self.worker_id.clone(),
+                task_groups: self.task_groups.clone(),
+                concurrency: self.concurrency,
+                seed_endpoint: self.admission.endpoint.clone(),
+                request_timeout: self.options.request_timeout,
+                handler: self.handler.clone(),
+                heartbeat_interval: self.heartbeat_interval,
+                stop_grace: self.stop_grace,
+                shutdown_grace: self.shutdown_grace,
+                status: self.status.shared.clone(),
+            },
+            shutdown,
+        )
+        .await;
+        if let Some(task) = refresh_task {
+            if let Err(join_error) = task.await {
+                tracing::warn!(%join_error, "refresh consumer task failed");
+            }
+        }
         Ok(())
     }
 }

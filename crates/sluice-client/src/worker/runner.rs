@@ -406,7 +406,7 @@ pub(crate) async fn claim_and_run(shared: Arc<Shared>, deliveries: Vec<Delivery>
 }
 
 /// How a handler run ended.
-enum Ended {
+pub(crate) enum Ended {
     Returned(std::thread::Result<Result<(), JobError>>),
     /// Asked to stop and did not return in time: dropped.
     Dropped,
@@ -414,7 +414,7 @@ enum Ended {
 
 /// What the worker reports for an attempt.
 #[derive(Debug)]
-enum AttemptOutcome {
+pub(crate) enum AttemptOutcome {
     Succeeded,
     Failed {
         message: String,
@@ -430,7 +430,7 @@ enum AttemptOutcome {
 }
 
 impl AttemptOutcome {
-    fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             AttemptOutcome::Succeeded => "succeeded",
             AttemptOutcome::Failed { .. } => "failed",
@@ -443,7 +443,7 @@ impl AttemptOutcome {
     /// What `Complete` reports. An error or a reason is sent as admission
     /// takes it (at most 16 KiB, no NUL bytes): a handler's long stack trace
     /// must not make the completion itself fail.
-    fn completion(&self) -> Option<pb::completion::Outcome> {
+    pub(crate) fn completion(&self) -> Option<pb::completion::Outcome> {
         match self {
             AttemptOutcome::Succeeded => Some(pb::completion::Outcome::Success(pb::Success {})),
             AttemptOutcome::Failed { message, non_retryable } => Some(pb::completion::Outcome::Failure(pb::Failure {
@@ -464,7 +464,7 @@ impl AttemptOutcome {
     }
 }
 
-fn decide(ended: Ended, reason: Option<StopReason>) -> AttemptOutcome {
+pub(crate) fn decide(ended: Ended, reason: Option<StopReason>) -> AttemptOutcome {
     match (reason, ended) {
         (Some(StopReason::LeaseLost), _) => AttemptOutcome::LeaseLost,
         (Some(StopReason::Cancelled), _) => AttemptOutcome::CancelConfirmed,
@@ -493,7 +493,12 @@ fn decide(ended: Ended, reason: Option<StopReason>) -> AttemptOutcome {
 /// Run the handler until it returns, or stop it: after its token is
 /// cancelled it has `stop_grace` to return; at the end of the shutdown grace
 /// it is dropped at once.
-async fn supervise<F>(handling: F, stop: &StopSignal, force_stop: &CancellationToken, stop_grace: Duration) -> Ended
+pub(crate) async fn supervise<F>(
+    handling: F,
+    stop: &StopSignal,
+    force_stop: &CancellationToken,
+    stop_grace: Duration,
+) -> Ended
 where
     F: Future<Output = std::thread::Result<Result<(), JobError>>>,
 {

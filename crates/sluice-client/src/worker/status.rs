@@ -34,6 +34,8 @@ pub(crate) struct Gauges {
     pub pending: usize,
     pub running: usize,
     pub running_by_type: HashMap<String, usize>,
+    /// `Work` streams open (admission confirmed them), stream workers only.
+    pub streams: usize,
 }
 
 /// Shared between the worker and whoever watches it.
@@ -84,6 +86,9 @@ pub struct WorkerSnapshot {
     pub refreshes_reported: u64,
     /// Times the partitions were paused because the local queue stayed full.
     pub pauses: u64,
+    /// `Work` streams open now (admission confirmed them), with
+    /// `Transport::Stream`: one per admission instance when all is well.
+    pub streams: usize,
 }
 
 impl WorkerStatus {
@@ -120,6 +125,7 @@ impl WorkerStatus {
             malformed: load(&counters.malformed),
             refreshes_reported: load(&counters.refreshes_reported),
             pauses: load(&counters.pauses),
+            streams: gauges.streams,
         }
     }
 }
