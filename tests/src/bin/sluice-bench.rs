@@ -58,6 +58,12 @@ struct CpuTimes {
     broker_us: f64,
 }
 
+impl CpuTimes {
+    fn total(&self) -> f64 {
+        self.sluice_us + self.postgres_us + self.broker_us
+    }
+}
+
 /// User plus system time of one process, in microseconds (0 if it is gone).
 fn process_cpu_us(pid: &str) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -208,82 +214,62 @@ async fn main() -> anyhow::Result<()> {
 
     let hot_jobs = env_number("BENCH_HOT_JOBS", 3_000);
     let wide_jobs = env_number("BENCH_WIDE_JOBS", 20_000);
-    eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit} (fetch.wait.max.ms={fetch_wait_ms})");
-    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "hot") {
-        let hot_stack = Stack::start(bench_config("benchhot", &overrides)?, 1).await?;
-        let hot_run = run_throughput(&hot_stack, hot_jobs, 1, limit).await?;
-        let hot_config = hot_stack.config.clone();
-        let hot_pool = hot_stack.pool.clone();
-        hot_stack.stop().await;
-        cleanup(&hot_config, &hot_pool).await;
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if only == "hot" {
+        let stream = run_hot_key(&overrides, hot_jobs, limit, Workers::Stream).await?;
+        let kafka = run_hot_key(&overrides, hot_jobs, limit, Workers::Kafka).await?;
         println!(
             "{}",
-            serde_json::json!({"hot_key_jobs_per_s": hot_run.jobs_per_s.round()})
+            serde_json::json!({"hot_key_jobs_per_s": round(stream), "kafka_workers": {"hot_key_jobs_per_s": round(kafka)}})
         );
         return Ok(());
     }
-    let mut stack = Stack::start(bench_config("bench", &overrides)?, 1).await?;
-    let writes_before = pg_writes(&stack).await?;
-    let wal_before = wal_position(&stack.pool).await?;
-    let main_run = run_throughput(&stack, jobs, keys, limit).await?;
-    eprintln!("bench: {:.0} admitted jobs/s", main_run.jobs_per_s);
-    let config = stack.config.clone();
-    stack.stop_nodes().await;
-    let writes_after = pg_writes(&stack).await?;
-    let wal_after = wal_position(&stack.pool).await?;
-    let pg_rows_per_job = to_f64(writes_after - writes_before) / to_f64(jobs);
-    let wal_bytes_per_job = to_f64(u64::try_from(wal_after - wal_before).unwrap_or(0)) / to_f64(jobs);
-    cleanup(&config, &stack.pool).await;
-    let cpu = main_run.cpu_us_per_job;
-    eprintln!(
-        "bench: CPU per job {:.0} us (sluice {:.0}, postgres {:.0}, broker {:.0}); {pg_rows_per_job:.2} rows and {wal_bytes_per_job:.0} WAL bytes per job",
-        cpu.sluice_us + cpu.postgres_us + cpu.broker_us,
-        cpu.sluice_us,
-        cpu.postgres_us,
-        cpu.broker_us
-    );
-
-    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "main") {
+    if only == "latency" {
+        let stream = run_latency_on_stack(&overrides, latency_jobs, Workers::Stream).await?;
+        let kafka = run_latency_on_stack(&overrides, latency_jobs, Workers::Kafka).await?;
         println!(
             "{}",
             serde_json::json!({
-                "admitted_jobs_per_s": main_run.jobs_per_s.round(),
-                "cpu_us_per_job": {
-                    "sluice": cpu.sluice_us.round(),
-                    "postgres": cpu.postgres_us.round(),
-                    "broker": cpu.broker_us.round(),
+                "release_to_admit_p50_ms": round(percentile(&stream, 0.50)),
+                "release_to_admit_p99_ms": round(percentile(&stream, 0.99)),
+                "kafka_workers": {
+                    "release_to_admit_p50_ms": round(percentile(&kafka, 0.50)),
+                    "release_to_admit_p99_ms": round(percentile(&kafka, 0.99)),
                 },
-                "pg_rows_per_job": (pg_rows_per_job * 100.0).round() / 100.0,
-                "wal_bytes_per_job": wal_bytes_per_job.round(),
             })
         );
         return Ok(());
     }
-    eprintln!("bench: end to end, {wide_jobs} jobs over 100000 keys with limit {limit}");
+    eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit}, stream workers (fetch.wait.max.ms={fetch_wait_ms})");
+    let main_run = run_measured(&overrides, "bench", jobs, keys, limit, Workers::Stream).await?;
+    eprintln!("bench: end to end, the same with Kafka workers (jobs.admitted + Claim)");
+    let kafka_run = run_measured(&overrides, "benchkafka", jobs, keys, limit, Workers::Kafka).await?;
+    if only == "main" {
+        println!(
+            "{}",
+            serde_json::json!({
+                "admitted_jobs_per_s": round(main_run.throughput.jobs_per_s),
+                "cpu_us_per_job": main_run.cpu_json(),
+                "pg_rows_per_job": main_run.pg_rows_per_job,
+                "wal_bytes_per_job": main_run.wal_bytes_per_job,
+                "kafka_workers": kafka_run.json(),
+            })
+        );
+        return Ok(());
+    }
+    eprintln!("bench: end to end, {wide_jobs} jobs over 100000 keys with limit {limit}, stream workers");
     let wide_stack = Stack::start(bench_config("benchwide", &overrides)?, 1).await?;
-    let wide_run = run_throughput(&wide_stack, wide_jobs, 100_000, limit).await?;
+    let wide_run = run_throughput(&wide_stack, wide_jobs, 100_000, limit, Workers::Stream).await?;
     eprintln!("bench: {:.0} admitted jobs/s over 100000 keys", wide_run.jobs_per_s);
     let wide_config = wide_stack.config.clone();
     let wide_pool = wide_stack.pool.clone();
     wide_stack.stop().await;
     cleanup(&wide_config, &wide_pool).await;
 
-    eprintln!("bench: one hot key, limit {limit}, {hot_jobs} jobs, workers that finish at once");
-    let hot_stack = Stack::start(bench_config("benchhot", &overrides)?, 1).await?;
-    let hot_run = run_throughput(&hot_stack, hot_jobs, 1, limit).await?;
-    eprintln!("bench: {:.0} jobs/s through one key", hot_run.jobs_per_s);
-    let hot_config = hot_stack.config.clone();
-    let hot_pool = hot_stack.pool.clone();
-    hot_stack.stop().await;
-    cleanup(&hot_config, &hot_pool).await;
-
-    eprintln!("bench: release-to-admit latency on a saturated key ({latency_jobs} jobs)");
-    let latency_stack = Stack::start(bench_config("benchlatency", &overrides)?, 1).await?;
-    let latencies = run_latency(&latency_stack, latency_jobs).await?;
-    let latency_config = latency_stack.config.clone();
-    let latency_pool = latency_stack.pool.clone();
-    latency_stack.stop().await;
-    cleanup(&latency_config, &latency_pool).await;
+    let hot_stream = run_hot_key(&overrides, hot_jobs, limit, Workers::Stream).await?;
+    let hot_kafka = run_hot_key(&overrides, hot_jobs, limit, Workers::Kafka).await?;
+    let latencies = run_latency_on_stack(&overrides, latency_jobs, Workers::Stream).await?;
+    let kafka_latencies = run_latency_on_stack(&overrides, latency_jobs, Workers::Kafka).await?;
 
     eprintln!("bench: TryAcquire decisions over gRPC on loopback");
     let rate_stack = Stack::start(bench_config("benchrate", &overrides)?, 1).await?;
@@ -293,29 +279,30 @@ async fn main() -> anyhow::Result<()> {
     let in_process_decisions = run_try_acquire_in_process(20_000_000);
 
     eprintln!("bench: plain relay, {jobs} messages through {HOPS_PER_JOB} consume->produce hops");
-    let relay = run_relay(&config, jobs).await?;
+    let relay = run_relay(&main_run.config, jobs).await?;
 
+    let mut kafka_figures = kafka_run.json();
+    kafka_figures["hot_key_jobs_per_s"] = serde_json::json!(round(hot_kafka));
+    kafka_figures["release_to_admit_p50_ms"] = serde_json::json!(round(percentile(&kafka_latencies, 0.50)));
+    kafka_figures["release_to_admit_p99_ms"] = serde_json::json!(round(percentile(&kafka_latencies, 0.99)));
     let figures = serde_json::json!({
-        "admitted_jobs_per_s": round(main_run.jobs_per_s),
+        "admitted_jobs_per_s": round(main_run.throughput.jobs_per_s),
         "jobs": jobs,
         "keys": keys,
         "limit": limit,
-        "cpu_us_per_job": {
-            "total": round(cpu.sluice_us + cpu.postgres_us + cpu.broker_us),
-            "sluice": round(cpu.sluice_us),
-            "postgres": round(cpu.postgres_us),
-            "broker": round(cpu.broker_us),
-        },
-        "pg_rows_per_job": (pg_rows_per_job * 100.0).round() / 100.0,
-        "wal_bytes_per_job": wal_bytes_per_job.round(),
+        "workers": "stream",
+        "cpu_us_per_job": main_run.cpu_json(),
+        "pg_rows_per_job": main_run.pg_rows_per_job,
+        "wal_bytes_per_job": main_run.wal_bytes_per_job,
         "admitted_jobs_per_s_100k_keys": round(wide_run.jobs_per_s),
-        "cpu_us_per_job_100k_keys": round(wide_run.cpu_us_per_job.sluice_us + wide_run.cpu_us_per_job.postgres_us + wide_run.cpu_us_per_job.broker_us),
-        "hot_key_jobs_per_s": round(hot_run.jobs_per_s),
+        "cpu_us_per_job_100k_keys": round(wide_run.cpu_us_per_job.total()),
+        "hot_key_jobs_per_s": round(hot_stream),
         "release_to_admit_p50_ms": round(percentile(&latencies, 0.50)),
         "release_to_admit_p99_ms": round(percentile(&latencies, 0.99)),
+        "kafka_workers": kafka_figures,
         "relay_jobs_per_s": round(relay),
         "hops_per_job": HOPS_PER_JOB,
-        "ratio_to_relay": (main_run.jobs_per_s / relay * 1000.0).round() / 1000.0,
+        "ratio_to_relay": (main_run.throughput.jobs_per_s / relay * 1000.0).round() / 1000.0,
         "fetch_wait_max_ms": fetch_wait_ms,
         "try_acquire_per_s_in_process": in_process_decisions.round(),
         "try_acquire_per_s_grpc": grpc_decisions.round(),
@@ -324,6 +311,105 @@ async fn main() -> anyhow::Result<()> {
     });
     println!("{figures}");
     Ok(())
+}
+
+/// A throughput run on a stack of its own, with PostgreSQL's writes.
+struct MeasuredRun {
+    throughput: ThroughputRun,
+    pg_rows_per_job: f64,
+    wal_bytes_per_job: f64,
+    config: Arc<SluiceConfig>,
+}
+
+impl MeasuredRun {
+    fn cpu_json(&self) -> serde_json::Value {
+        let cpu = self.throughput.cpu_us_per_job;
+        serde_json::json!({
+            "total": round(cpu.total()),
+            "sluice": round(cpu.sluice_us),
+            "postgres": round(cpu.postgres_us),
+            "broker": round(cpu.broker_us),
+        })
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "admitted_jobs_per_s": round(self.throughput.jobs_per_s),
+            "cpu_us_per_job": self.cpu_json(),
+            "pg_rows_per_job": self.pg_rows_per_job,
+            "wal_bytes_per_job": self.wal_bytes_per_job,
+        })
+    }
+}
+
+async fn run_measured(
+    overrides: &[(&str, &str)],
+    name: &str,
+    jobs: u64,
+    keys: u64,
+    limit: u32,
+    workers: Workers,
+) -> anyhow::Result<MeasuredRun> {
+    let mut stack = Stack::start(bench_config(name, overrides)?, 1).await?;
+    let writes_before = pg_writes(&stack).await?;
+    let wal_before = wal_position(&stack.pool).await?;
+    let throughput = run_throughput(&stack, jobs, keys, limit, workers).await?;
+    eprintln!(
+        "bench: {:.0} admitted jobs/s ({workers:?} workers)",
+        throughput.jobs_per_s
+    );
+    let config = stack.config.clone();
+    stack.stop_nodes().await;
+    let writes_after = pg_writes(&stack).await?;
+    let wal_after = wal_position(&stack.pool).await?;
+    let pg_rows_per_job = (to_f64(writes_after - writes_before) / to_f64(jobs) * 100.0).round() / 100.0;
+    let wal_bytes_per_job = (to_f64(u64::try_from(wal_after - wal_before).unwrap_or(0)) / to_f64(jobs)).round();
+    cleanup(&config, &stack.pool).await;
+    let cpu = throughput.cpu_us_per_job;
+    eprintln!(
+        "bench: CPU per job {:.0} us (sluice {:.0}, postgres {:.0}, broker {:.0}); {pg_rows_per_job:.2} rows and {wal_bytes_per_job:.0} WAL bytes per job",
+        cpu.total(),
+        cpu.sluice_us,
+        cpu.postgres_us,
+        cpu.broker_us
+    );
+    Ok(MeasuredRun {
+        throughput,
+        pg_rows_per_job,
+        wal_bytes_per_job,
+        config,
+    })
+}
+
+async fn run_hot_key(overrides: &[(&str, &str)], jobs: u64, limit: u32, workers: Workers) -> anyhow::Result<f64> {
+    eprintln!("bench: one hot key, limit {limit}, {jobs} jobs, {workers:?} workers that finish at once");
+    let stack = Stack::start(bench_config("benchhot", overrides)?, 1).await?;
+    let run = run_throughput(&stack, jobs, 1, limit, workers).await?;
+    eprintln!("bench: {:.0} jobs/s through one key", run.jobs_per_s);
+    let config = stack.config.clone();
+    let pool = stack.pool.clone();
+    stack.stop().await;
+    cleanup(&config, &pool).await;
+    Ok(run.jobs_per_s)
+}
+
+async fn run_latency_on_stack(overrides: &[(&str, &str)], jobs: u64, workers: Workers) -> anyhow::Result<Vec<f64>> {
+    eprintln!("bench: release-to-admit latency on a saturated key ({jobs} jobs, {workers:?} workers)");
+    let stack = Stack::start(bench_config("benchlatency", overrides)?, 1).await?;
+    let latencies = match workers {
+        Workers::Stream => run_stream_latency(&stack, jobs).await?,
+        Workers::Kafka => run_latency(&stack, jobs).await?,
+    };
+    eprintln!(
+        "bench: release to the next receipt p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&latencies, 0.50),
+        percentile(&latencies, 0.99)
+    );
+    let config = stack.config.clone();
+    let pool = stack.pool.clone();
+    stack.stop().await;
+    cleanup(&config, &pool).await;
+    Ok(latencies)
 }
 
 fn to_f64(value: u64) -> f64 {
@@ -449,21 +535,78 @@ struct ThroughputRun {
     cpu_us_per_job: CpuTimes,
 }
 
-async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyhow::Result<ThroughputRun> {
+/// How the bench's workers get admitted jobs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Workers {
+    /// The SDK worker on `Work` streams: jobs pushed already claimed.
+    Stream,
+    /// `jobs.admitted.default` in a consumer group, then `Claim`.
+    Kafka,
+}
+
+/// Four SDK workers on `Work` streams whose handlers return at once,
+/// counting the jobs they run.
+fn start_stream_workers(
+    stack: &Stack,
+    completed: &Arc<AtomicU64>,
+    stop: &Shutdown,
+    concurrency: usize,
+) -> anyhow::Result<()> {
+    for index in 0..4 {
+        let options = sluice_client::ClientOptions {
+            brokers: String::new(),
+            admission_endpoint: stack.admissions[0].endpoint.clone(),
+            ..sluice_client::ClientOptions::default()
+        };
+        let counted = completed.clone();
+        let worker = sluice_client::Worker::builder(options, move |_job: sluice_client::Job| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            async { Ok(()) }
+        })
+        .task_group("default")
+        .worker_id(format!("bench-stream-{index}"))
+        .concurrency(concurrency)
+        .transport(sluice_client::Transport::Stream)
+        .build()?;
+        let token = sluice_client::CancellationToken::new();
+        let stop = stop.clone();
+        let cancel = token.clone();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            cancel.cancel();
+        });
+        tokio::spawn(worker.run(token));
+    }
+    Ok(())
+}
+
+async fn run_throughput(
+    stack: &Stack,
+    jobs: u64,
+    keys: u64,
+    limit: u32,
+    workers: Workers,
+) -> anyhow::Result<ThroughputRun> {
     let completed = Arc::new(AtomicU64::new(0));
     let stop = Shutdown::new();
-    let group = format!("{}bench-workers", stack.config.kafka.topic_prefix);
-    for index in 0..4 {
-        tokio::spawn(batch_worker(
-            stack.config.clone(),
-            stack.admissions[0].endpoint.clone(),
-            group.clone(),
-            format!("bench-worker-{index}"),
-            completed.clone(),
-            stop.clone(),
-        ));
+    match workers {
+        Workers::Kafka => {
+            let group = format!("{}bench-workers", stack.config.kafka.topic_prefix);
+            for index in 0..4 {
+                tokio::spawn(batch_worker(
+                    stack.config.clone(),
+                    stack.admissions[0].endpoint.clone(),
+                    group.clone(),
+                    format!("bench-worker-{index}"),
+                    completed.clone(),
+                    stop.clone(),
+                ));
+            }
+        }
+        Workers::Stream => start_stream_workers(stack, &completed, &stop, 1000)?,
     }
-    // Let the worker group settle before the clock starts.
+    // Let the worker group settle (or the streams open) before the clock
+    // starts.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let requests: Vec<pb::JobRequest> = (0..jobs)
         .map(|index| {
@@ -494,8 +637,8 @@ async fn run_throughput(stack: &Stack, jobs: u64, keys: u64, limit: u32) -> anyh
     })
 }
 
-/// Completion to the next admission on one saturated key (limit 1).
-async fn run_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
+/// The saturated key's jobs (limit 1), enqueued and all queued.
+async fn fill_saturated_key(stack: &Stack, jobs: u64) -> anyhow::Result<()> {
     let requests: Vec<pb::JobRequest> = (0..jobs)
         .map(|index| concurrency_job("bench", "saturated", 1, 50, &format!("lat-{index}")))
         .collect();
@@ -504,7 +647,7 @@ async fn run_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
         .enqueue_batch(pb::EnqueueBatchRequest { jobs: requests })
         .await
         .context("enqueue latency jobs")?;
-    let mut limits = stack.limits_client().await?;
+    let limits = stack.limits_client().await?;
     eventually(Duration::from_secs(120), "the saturated key's queue filled", || {
         let mut limits = limits.clone();
         async move {
@@ -524,8 +667,74 @@ async fn run_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
             Ok(u64::from(state.waiting) + u64::try_from(state.holders.len())? == jobs)
         }
     })
+    .await
+}
+
+/// A release to the next job's receipt by the worker, on one saturated key
+/// (limit 1), with the SDK worker on `Work` streams: measured from the
+/// handler's return (the SDK then completes on the stream) to the next
+/// handler's start.
+async fn run_stream_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
+    fill_saturated_key(stack, jobs).await?;
+    let released_at: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
+    let latencies: Arc<std::sync::Mutex<Vec<f64>>> = Arc::default();
+    let received = Arc::new(AtomicU64::new(0));
+    let options = sluice_client::ClientOptions {
+        brokers: String::new(),
+        admission_endpoint: stack.admissions[0].endpoint.clone(),
+        ..sluice_client::ClientOptions::default()
+    };
+    let handler = {
+        let released_at = released_at.clone();
+        let latencies = latencies.clone();
+        let received = received.clone();
+        move |_job: sluice_client::Job| {
+            let now = Instant::now();
+            if let Some(at) = released_at
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take()
+            {
+                latencies
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .push(now.duration_since(at).as_secs_f64() * 1000.0);
+            }
+            received.fetch_add(1, Ordering::Relaxed);
+            let released_at = released_at.clone();
+            async move {
+                *released_at.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(Instant::now());
+                Ok(())
+            }
+        }
+    };
+    let worker = sluice_client::Worker::builder(options, handler)
+        .task_group("default")
+        .worker_id("latency")
+        .concurrency(1)
+        .transport(sluice_client::Transport::Stream)
+        .build()?;
+    let stop = sluice_client::CancellationToken::new();
+    let running = tokio::spawn(worker.run(stop.clone()));
+    eventually(Duration::from_secs(120), "every latency job received", || {
+        let received = received.clone();
+        async move { Ok(received.load(Ordering::Relaxed) >= jobs) }
+    })
     .await?;
-    let _ = &mut limits;
+    stop.cancel();
+    let _ = running.await;
+    let mut latencies = latencies
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone();
+    latencies.sort_by(f64::total_cmp);
+    Ok(latencies)
+}
+
+/// Completion to the next admission on one saturated key (limit 1).
+async fn run_latency(stack: &Stack, jobs: u64) -> anyhow::Result<Vec<f64>> {
+    fill_saturated_key(stack, jobs).await?;
+    let mut admission = stack.admission_client().await?;
     let consumer = consumer(
         &stack.config,
         &format!("{}latency-worker", stack.config.kafka.topic_prefix),
