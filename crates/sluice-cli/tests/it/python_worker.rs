@@ -23,21 +23,35 @@ struct PythonWorker {
 
 impl PythonWorker {
     fn start(stack: &Stack, extra: &[&str]) -> anyhow::Result<PythonWorker> {
+        let mut args: Vec<&str> = vec![
+            "--brokers",
+            &stack.config.kafka.brokers,
+            "--refresh-dispatcher",
+            &stack.refresh_dispatchers[0].endpoint,
+            "--topic-prefix",
+            &stack.config.kafka.topic_prefix,
+            "--fetch-wait-max-ms",
+            "25",
+        ];
+        args.extend_from_slice(extra);
+        Self::start_script(stack, "worker.py", &args)
+    }
+
+    /// `examples/python/<script>` with the admission endpoint, JSON events
+    /// and `args`.
+    fn start_script(stack: &Stack, script: &str, args: &[&str]) -> anyhow::Result<PythonWorker> {
         let tools = python_tools()?;
         tools.generate_stubs()?;
         let mut child = tokio::process::Command::new(&tools.python)
-            .arg(repo_root().join("examples/python/worker.py"))
-            .args(["--brokers", &stack.config.kafka.brokers])
+            .arg(repo_root().join("examples/python").join(script))
             .args(["--admission", &stack.admissions[0].endpoint])
-            .args(["--refresh-dispatcher", &stack.refresh_dispatchers[0].endpoint])
-            .args(["--topic-prefix", &stack.config.kafka.topic_prefix])
-            .args(["--fetch-wait-max-ms", "25", "--json-events"])
-            .args(extra)
+            .arg("--json-events")
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
             .spawn()
-            .context("starting examples/python/worker.py")?;
+            .with_context(|| format!("starting examples/python/{script}"))?;
         let stdout = child.stdout.take().context("worker stdout")?;
         let events = Arc::new(Mutex::new(Vec::new()));
         tokio::spawn({
@@ -339,6 +353,72 @@ async fn the_python_worker_answers_refreshes_stops_a_cancelled_job_and_hands_bac
         .filter_map(|holder| holder.ticket.as_ref().map(|ticket| ticket.attempt))
         .collect();
     assert_eq!(holders, vec![2], "only attempt 2 holds py-term");
+    stack.stop().await;
+    Ok(())
+}
+
+/// `examples/python/stream_worker.py`: jobs pushed on `Work` streams run
+/// under their limit (two at a time on a key limited to 2 with four slots),
+/// each once, heartbeats keep a job longer than its lease, a failure is
+/// reported, and no ticket is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_stream_worker_runs_pushed_jobs_under_their_limit() -> anyhow::Result<()> {
+    let stack = Stack::start(
+        test_config("pystream", &[("task_groups.default.lease", "2s"), LOW_CONNECTIONS[0]])?,
+        1,
+    )
+    .await?;
+    let admission = stack.admission_client().await?;
+    let limited: Vec<String> = (0..10).map(|index| format!("streamed-{index}")).collect();
+    for job_id in &limited {
+        enqueue_with_id(&admission, job_id, job("py-stream-key", 2, r#"{"work_ms": 200}"#)).await?;
+    }
+    // Runs 3.5 s against a 2 s lease: only heartbeats keep it.
+    enqueue_with_id(
+        &admission,
+        "stream-long",
+        job("py-stream-long", 1, r#"{"work_ms": 3500}"#),
+    )
+    .await?;
+    enqueue_with_id(
+        &admission,
+        "stream-failing",
+        job("py-stream-fail", 1, r#"{"fail": "boom", "non_retryable": true}"#),
+    )
+    .await?;
+    let mut worker = PythonWorker::start_script(
+        &stack,
+        "stream_worker.py",
+        &["--concurrency", "4", "--exit-after", "12"],
+    )?;
+    let status = worker.wait_exit(Duration::from_secs(90)).await?;
+    assert!(status.success(), "stream_worker.py exited with {status}");
+    let events = worker.events();
+    for job_id in &limited {
+        let view = job_view(&admission, job_id).await?;
+        assert_eq!(
+            view.status,
+            pb::JobStatus::Succeeded as i32,
+            "{job_id}: {}",
+            view.reason
+        );
+        assert_eq!(view.attempt, 1, "{job_id} ran once");
+    }
+    assert_eq!(
+        peak_running(&events, &limited),
+        2,
+        "two at a time under limit 2 with four slots: {events:#?}"
+    );
+    let long = job_view(&admission, "stream-long").await?;
+    assert_eq!(long.status, pb::JobStatus::Succeeded as i32, "{}", long.reason);
+    assert_eq!(long.attempt, 1, "the heartbeats kept the long job's lease");
+    let failing = job_view(&admission, "stream-failing").await?;
+    assert_eq!(failing.status, pb::JobStatus::Failed as i32);
+    assert_eq!(failing.last_error, "boom");
+    eventually(Duration::from_secs(30), "no ticket left", || async {
+        Ok(stack.tickets_left().await? == 0)
+    })
+    .await?;
     stack.stop().await;
     Ok(())
 }
