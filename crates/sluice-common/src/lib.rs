@@ -24,13 +24,5 @@ pub mod ticket;
 pub mod validate;
 
 pub use config::SluiceConfig;
-
-/// Every Sluice process allocates with mimalloc: the hot path decodes,
-/// clones and frees many small buffers per job, and the system allocator's
-/// malloc, free and memmove were a quarter of the machine's samples in the
-/// benchmark's profile (issue 13). Set here, once, for every binary and test
-/// that links this crate.
-#[global_allocator]
-static GLOBAL_ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 pub use faults::{FaultPoint, Faults};
 pub use shutdown::Shutdown;
