@@ -513,12 +513,28 @@ impl Stack {
         Ok(LimitsClient::new(connect(endpoint).await?))
     }
 
-    /// Tickets (held or waiting) left in limit-grant's tables.
+    /// Tickets (held or waiting) limit-grant has committed, over every
+    /// partition.
     pub async fn tickets_left(&self) -> anyhow::Result<i64> {
-        let query = format!("SELECT count(*) FROM \"{}\".tickets", self.config.schema("limit_grant"));
-        Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(query))
-            .fetch_one(&self.pool)
-            .await?)
+        Ok(i64::try_from(self.saved_tickets().await?.len())?)
+    }
+
+    /// Every ticket limit-grant has committed (each partition's snapshot
+    /// and journal, read as a new owner would load them).
+    pub async fn saved_tickets(&self) -> anyhow::Result<Vec<sluice_limit_grant::state::TicketRecord>> {
+        // A connection of its own (detached from the pool), so the search
+        // path set here never reaches another query.
+        let mut connection = self.pool.acquire().await?.detach();
+        let search_path = format!("SET search_path TO \"{}\"", self.config.schema("limit_grant"));
+        sqlx::query(sqlx::AssertSqlSafe(search_path))
+            .execute(&mut connection)
+            .await?;
+        let mut tickets = Vec::new();
+        for partition in 0..self.config.kafka.partitions.limit_commands {
+            let saved = sluice_limit_grant::store::load_tickets(&mut connection, partition).await?;
+            tickets.extend(saved.tickets.into_values());
+        }
+        Ok(tickets)
     }
 
     /// Count of jobs per status code. Ended jobs count by their outcome rows;

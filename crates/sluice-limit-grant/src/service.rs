@@ -2,14 +2,15 @@
 //! owner (this instance's partition task, or forward once), map errors.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
-use sluice_common::owner::OwnerRegistry;
+use sluice_common::owner::{LocalCallError, OwnerRegistry};
 use sluice_common::partition::key_partition;
 use sluice_common::validate::{check_name, check_text, check_u32, FieldError, MAX_CONCURRENCY, MAX_ID_BYTES};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::limits_client::LimitsClient;
-use sqlx::{PgPool, Row};
+use sqlx::PgPool;
 use tonic::{Request, Response, Status};
 
 use crate::state::{LocalRequest, TicketKey};
@@ -32,7 +33,53 @@ fn checked_key(key: Option<&pb::KeyRef>, max_key_bytes: usize) -> Result<(String
     Ok((key.tenant.clone(), key.key.clone()))
 }
 
+/// How long a call waits for a partition that has no running owner (its
+/// task is loading here, or the directory names nobody yet).
+const OWNER_WAIT: Duration = Duration::from_secs(5);
+/// How often a waiting call looks at the owner directory again.
+const OWNER_RECHECK: Duration = Duration::from_millis(100);
+
+/// One partition's part of `ListKeys`.
+enum ListPart {
+    /// Answered by this instance's partition task.
+    Here(Vec<pb::KeySummary>),
+    /// Owned by the instance at this endpoint.
+    At(String),
+}
+
 impl LimitsApi {
+    /// Ask `partition`'s task when this instance runs it, else name its
+    /// owner. While the partition has no owner, or the directory names this
+    /// instance but its task is not running yet (loading), waits up to
+    /// `OWNER_WAIT`, woken when a partition task starts here.
+    async fn part_of_list(
+        &self,
+        partition: i32,
+        ask: &impl Fn(tokio::sync::oneshot::Sender<Vec<pb::KeySummary>>) -> LocalRequest,
+    ) -> Result<ListPart, Status> {
+        let deadline = tokio::time::Instant::now() + OWNER_WAIT;
+        loop {
+            let started_here = self.registry.partition_started();
+            let unavailable = match self.registry.call(partition, ask).await {
+                Ok(keys) => return Ok(ListPart::Here(keys)),
+                Err(LocalCallError::NotOwner(_)) => {
+                    match owner_endpoint(&self.pool, partition, false, &self.own_endpoint).await {
+                        Ok(endpoint) => return Ok(ListPart::At(endpoint)),
+                        Err(status) => status,
+                    }
+                }
+                Err(error) => Status::unavailable(error.to_string()),
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(unavailable);
+            }
+            tokio::select! {
+                () = started_here => {}
+                () = tokio::time::sleep(OWNER_RECHECK) => {}
+            }
+        }
+    }
+
     /// A client for the partition's owner (see `owner_endpoint`).
     async fn owner_client(
         &self,
@@ -120,8 +167,11 @@ impl pb::limits_server::Limits for LimitsApi {
         .await
     }
 
-    /// Answered from committed state by any instance: keys span partitions.
+    /// Keys span partitions and live in their owners' memory: each
+    /// partition this instance owns answers here, and every other owner
+    /// once, forwarded (a forwarded call answers for its own partitions only).
     async fn list_keys(&self, request: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
+        let forwarded = is_forwarded(request.metadata());
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
         check_text("prefix", &message.prefix, self.max_key_bytes)?;
@@ -130,58 +180,54 @@ impl pb::limits_server::Limits for LimitsApi {
             0 => 100,
             size => size.min(1000),
         };
-        let rows = sqlx::query(
-            "WITH t AS (
-                SELECT key, count(*) FILTER (WHERE held) AS holders, count(*) FILTER (WHERE NOT held) AS waiting,
-                       bool_or(floating) AS floating
-                FROM tickets WHERE tenant = $1 AND starts_with(key, $2) AND key > $3 GROUP BY key),
-             k AS (SELECT key, override_max, floating_max FROM keys
-                   WHERE tenant = $1 AND starts_with(key, $2) AND key > $3)
-             SELECT coalesce(t.key, k.key) AS key, coalesce(t.holders, 0), coalesce(t.waiting, 0),
-                    k.override_max, k.floating_max, coalesce(t.floating, false)
-             FROM t FULL JOIN k ON t.key = k.key
-             ORDER BY 1 LIMIT $4",
-        )
-        .bind(&message.tenant)
-        .bind(&message.prefix)
-        .bind(&message.page_token)
-        .bind(i64::from(page_size))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(|error| Status::unavailable(format!("listing keys failed: {error}")))?;
-        let mut keys = Vec::with_capacity(rows.len());
-        for row in rows {
-            let read = |error: sqlx::Error| Status::internal(format!("listing keys: {error}"));
-            let key: String = row.try_get(0).map_err(read)?;
-            let holders: i64 = row.try_get(1).map_err(read)?;
-            let waiting: i64 = row.try_get(2).map_err(read)?;
-            let override_max: Option<i32> = row.try_get(3).map_err(read)?;
-            let floating_max: Option<i32> = row.try_get(4).map_err(read)?;
-            let floating: bool = row.try_get(5).map_err(read)?;
-            keys.push(pb::KeySummary {
-                key: Some(pb::KeyRef {
-                    tenant: message.tenant.clone(),
-                    key,
-                }),
-                kind: if floating || floating_max.is_some() {
-                    pb::LimitKind::Floating as i32
-                } else {
-                    pb::LimitKind::Concurrency as i32
-                },
-                holders: u32::try_from(holders).unwrap_or(u32::MAX),
-                waiting: u32::try_from(waiting).unwrap_or(u32::MAX),
-                override_max: override_max.and_then(|max| u32::try_from(max).ok()),
-                floating_max: floating_max.and_then(|max| u32::try_from(max).ok()),
-            });
+        let limit = usize::try_from(page_size).unwrap_or(100);
+        let partitions: Vec<i32> = if forwarded {
+            self.registry.owned()
+        } else {
+            (0..self.limit_partitions).collect()
+        };
+        let ask = |reply| LocalRequest::ListKeys {
+            tenant: message.tenant.clone(),
+            prefix: message.prefix.clone(),
+            after: message.page_token.clone(),
+            limit,
+            reply,
+        };
+        let mut found: Vec<pb::KeySummary> = Vec::new();
+        let mut endpoints: Vec<String> = Vec::new();
+        for partition in partitions {
+            if forwarded {
+                // Given up since `owned()`: its new owner answers the
+                // caller's next call.
+                if let Ok(keys) = self.registry.call(partition, &ask).await {
+                    found.extend(keys);
+                }
+                continue;
+            }
+            match self.part_of_list(partition, &ask).await? {
+                ListPart::Here(keys) => found.extend(keys),
+                ListPart::At(endpoint) if !endpoints.contains(&endpoint) => endpoints.push(endpoint),
+                ListPart::At(_) => {}
+            }
         }
-        let next_page_token = if keys.len() == usize::try_from(page_size).unwrap_or(usize::MAX) {
-            keys.last()
-                .and_then(|summary| summary.key.as_ref())
-                .map(|key| key.key.clone())
-                .unwrap_or_default()
+        for endpoint in endpoints {
+            let answer = LimitsClient::new(self.channels.channel(&endpoint)?)
+                .list_keys(forwarded_request(message.clone()))
+                .await?;
+            found.extend(answer.into_inner().keys);
+        }
+        let key_of = |summary: &pb::KeySummary| summary.key.as_ref().map(|key| key.key.clone()).unwrap_or_default();
+        found.sort_by_key(key_of);
+        found.dedup_by_key(|summary| key_of(summary));
+        found.truncate(limit);
+        let next_page_token = if found.len() == limit {
+            found.last().map(key_of).unwrap_or_default()
         } else {
             String::new()
         };
-        Ok(Response::new(pb::ListKeysResponse { keys, next_page_token }))
+        Ok(Response::new(pb::ListKeysResponse {
+            keys: found,
+            next_page_token,
+        }))
     }
 }

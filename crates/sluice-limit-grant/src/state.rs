@@ -18,6 +18,8 @@ use sluice_common::validate::{
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
+use crate::journal::{StoredTicket, TicketBatch, TicketSnapshot};
+
 /// (tenant, key).
 pub type KeyId = (String, String);
 
@@ -196,6 +198,11 @@ pub struct LimitWrites {
     pub deletes: HashSet<TicketKey>,
     /// `None` deletes the key row.
     pub keys: HashMap<KeyId, Option<KeyRecord>>,
+    /// The batch's ticket changes as one journal row (`upserts` and
+    /// `deletes` encoded), numbered; set when the batch closes.
+    pub journal: Option<(i64, TicketBatch)>,
+    /// Instead of the journal row: every live ticket after this batch.
+    pub snapshot: Option<(i64, TicketSnapshot)>,
 }
 
 impl LimitWrites {
@@ -212,7 +219,11 @@ impl LimitWrites {
 
 impl WriteSet for LimitWrites {
     fn is_empty(&self) -> bool {
-        self.upserts.is_empty() && self.deletes.is_empty() && self.keys.is_empty()
+        self.upserts.is_empty()
+            && self.deletes.is_empty()
+            && self.keys.is_empty()
+            && self.journal.is_none()
+            && self.snapshot.is_none()
     }
 }
 
@@ -249,6 +260,15 @@ pub enum LocalRequest {
     },
     /// Limit commands, or a grant re-send, from admission's link (the hot path).
     Link(LinkInput),
+    /// The partition's keys of `tenant` starting with `prefix`, after `after`
+    /// in key order, at most `limit` (`ListKeys` gathers every partition's).
+    ListKeys {
+        tenant: String,
+        prefix: String,
+        after: String,
+        limit: usize,
+        reply: oneshot::Sender<Vec<pb::KeySummary>>,
+    },
 }
 
 #[derive(Debug)]
@@ -269,7 +289,17 @@ pub struct LimitPartition {
     /// Where each ticket (held or waiting) is.
     ticket_keys: HashMap<TicketKey, TicketPlace>,
     sweeps: HashMap<String, PendingSweep>,
+    /// The last journal row (or snapshot) saved.
+    journal_seq: i64,
+    journal_bytes_since_snapshot: usize,
+    last_snapshot_bytes: usize,
+    /// Write a snapshot at the next batch (none saved yet).
+    snapshot_due: bool,
 }
+
+/// The journal may grow to the last snapshot's size, and at least this much,
+/// before a new snapshot replaces it.
+const MIN_JOURNAL_BEFORE_SNAPSHOT: usize = 1 << 20;
 
 /// Summary of what a batch did, for metrics and tests.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -286,7 +316,100 @@ impl LimitPartition {
             keys: HashMap::new(),
             ticket_keys: HashMap::new(),
             sweeps: HashMap::new(),
+            journal_seq: 0,
+            journal_bytes_since_snapshot: 0,
+            last_snapshot_bytes: 0,
+            snapshot_due: true,
         }
+    }
+
+    /// Where the loaded journal stands: its last `journal_seq`, the size of
+    /// the snapshot it started from (`None`: no snapshot yet, so the next
+    /// batch writes one) and of the journal rows after it.
+    pub fn journal_loaded(&mut self, journal_seq: i64, snapshot_bytes: Option<usize>, journal_bytes: usize) {
+        self.journal_seq = journal_seq;
+        self.journal_bytes_since_snapshot = journal_bytes;
+        self.last_snapshot_bytes = snapshot_bytes.unwrap_or(0);
+        self.snapshot_due = snapshot_bytes.is_none();
+    }
+
+    /// Close the batch: its ticket changes become one journal row, or a
+    /// snapshot of every live ticket when the journal has outgrown the last.
+    fn close_batch(&mut self, writes: &mut LimitWrites) {
+        if writes.upserts.is_empty() && writes.deletes.is_empty() && !self.snapshot_due {
+            return;
+        }
+        self.journal_seq += 1;
+        let batch = TicketBatch {
+            upserts: writes.upserts.values().map(StoredTicket::of).collect(),
+            deletes: writes.deletes.iter().map(TicketKey::to_proto).collect(),
+        };
+        self.journal_bytes_since_snapshot += prost::Message::encoded_len(&batch);
+        if self.snapshot_due
+            || self.journal_bytes_since_snapshot > self.last_snapshot_bytes.max(MIN_JOURNAL_BEFORE_SNAPSHOT)
+        {
+            let snapshot = TicketSnapshot {
+                tickets: self.tickets().map(StoredTicket::of).collect(),
+            };
+            self.last_snapshot_bytes = prost::Message::encoded_len(&snapshot);
+            self.journal_bytes_since_snapshot = 0;
+            self.snapshot_due = false;
+            writes.snapshot = Some((self.journal_seq, snapshot));
+        } else {
+            writes.journal = Some((self.journal_seq, batch));
+        }
+    }
+
+    /// Every live ticket, held or waiting.
+    fn tickets(&self) -> impl Iterator<Item = &TicketRecord> {
+        self.keys.values().flat_map(|state| {
+            state
+                .holders
+                .values()
+                .map(|holder| &holder.record)
+                .chain(state.waiters.values().map(|waiting| &waiting.record))
+        })
+    }
+
+    /// This partition's part of `ListKeys`: keys with tickets or settings.
+    pub fn list_keys(&self, tenant: &str, prefix: &str, after: &str, limit: usize) -> Vec<pb::KeySummary> {
+        let mut found: Vec<&KeyState> = self
+            .keys
+            .iter()
+            .filter(|((key_tenant, key), state)| {
+                key_tenant == tenant && key.starts_with(prefix) && key.as_str() > after && !state.is_idle()
+            })
+            .map(|(_, state)| state)
+            .collect();
+        found.sort_unstable_by(|left, right| left.id.1.cmp(&right.id.1));
+        found.truncate(limit);
+        found
+            .into_iter()
+            .map(|state| {
+                let floating_ticket = state
+                    .holders
+                    .values()
+                    .map(|holder| &holder.record)
+                    .chain(state.waiters.values().map(|waiting| &waiting.record))
+                    .next()
+                    .is_some_and(|record| record.floating);
+                pb::KeySummary {
+                    key: Some(pb::KeyRef {
+                        tenant: state.id.0.clone(),
+                        key: state.id.1.clone(),
+                    }),
+                    kind: if floating_ticket || state.record.floating.is_some() {
+                        pb::LimitKind::Floating as i32
+                    } else {
+                        pb::LimitKind::Concurrency as i32
+                    },
+                    holders: u32::try_from(state.holders.len()).unwrap_or(u32::MAX),
+                    waiting: u32::try_from(state.waiters.len()).unwrap_or(u32::MAX),
+                    override_max: state.record.override_max,
+                    floating_max: state.record.floating.as_ref().map(|floating| floating.current_max),
+                }
+            })
+            .collect()
     }
 
     /// Restore loaded rows. Every restored ticket gets one grace period from
@@ -1072,6 +1195,18 @@ impl LimitPartition {
                     let _ = reply.send(described);
                 }));
             }
+            LocalRequest::ListKeys {
+                tenant,
+                prefix,
+                after,
+                limit,
+                reply,
+            } => {
+                let keys = self.list_keys(&tenant, &prefix, &after, limit);
+                replies.push(Box::new(move || {
+                    let _ = reply.send(keys);
+                }));
+            }
         }
     }
 }
@@ -1100,6 +1235,7 @@ impl OwnedState for LimitPartition {
         for local in locals {
             self.apply_local(now_ms, local, writes, outbox, replies, rejected, &mut counts);
         }
+        self.close_batch(writes);
     }
 
     fn resend_all(&self, _now_ms: i64, outbox: &mut Outbox) {
@@ -1560,7 +1696,78 @@ mod tests {
             ]
         }
 
+        fn live(state: &LimitPartition) -> HashMap<TicketKey, TicketRecord> {
+            state
+                .tickets()
+                .map(|record| (record.ticket.clone(), record.clone()))
+                .collect()
+        }
+
         proptest! {
+            /// What the batches journal (and the snapshots that replace the
+            /// journal) rebuilds exactly the live tickets after every batch,
+            /// and a partition restored from it answers as the original.
+            #[test]
+            fn the_journal_rebuilds_the_tickets(
+                batches in proptest::collection::vec((proptest::collection::vec(op(), 0..8), any::<bool>()), 1..40)
+            ) {
+                let mut state = partition();
+                state.journal_loaded(0, None, 0);
+                let mut saved: HashMap<TicketKey, TicketRecord> = HashMap::new();
+                let mut job_keys: HashMap<u8, u8> = HashMap::new();
+                let mut last_seq = 0;
+                for (index, (ops, snapshot_now)) in batches.into_iter().enumerate() {
+                    let mut writes = LimitWrites::default();
+                    let mut outbox = Outbox::new();
+                    let mut counts = BatchCounts::default();
+                    for operation in ops {
+                        let command = match operation {
+                            Op::Acquire { job, key: key_index, priority, max } => {
+                                let key_index = *job_keys.entry(job).or_insert(key_index);
+                                acquire(&format!("j{job}"), &format!("k{key_index}"), u32::from(priority), i64::try_from(index).unwrap(), u32::from(max))
+                            }
+                            Op::Release { job } => match job_keys.get(&job) {
+                                Some(key_index) => release(&format!("j{job}"), &format!("k{key_index}")),
+                                None => continue,
+                            },
+                            Op::Override { key: key_index, max } => set_override(&format!("k{key_index}"), max.map(u32::from)),
+                        };
+                        state.apply_command(0, command, &mut writes, &mut outbox, &mut counts).unwrap();
+                    }
+                    if snapshot_now {
+                        state.snapshot_due = true;
+                    }
+                    state.close_batch(&mut writes);
+                    prop_assert!(writes.journal.is_none() || writes.snapshot.is_none());
+                    if let Some((seq, snapshot)) = writes.snapshot.take() {
+                        prop_assert!(seq > last_seq);
+                        last_seq = seq;
+                        saved = snapshot
+                            .tickets
+                            .into_iter()
+                            .map(|stored| {
+                                let record = stored.into_record();
+                                (record.ticket.clone(), record)
+                            })
+                            .collect();
+                    }
+                    if let Some((seq, batch)) = writes.journal.take() {
+                        prop_assert_eq!(seq, last_seq + 1, "journal rows are numbered without gaps");
+                        last_seq = seq;
+                        batch.apply_to(&mut saved);
+                    }
+                    prop_assert_eq!(&saved, &live(&state));
+                }
+                let mut restored = partition();
+                restored.restore(0, Vec::new(), saved.into_values().collect());
+                prop_assert_eq!(live(&restored), live(&state));
+                for key_index in 0..3 {
+                    let key = format!("k{key_index}");
+                    prop_assert_eq!(restored.holders_of("t", &key), state.holders_of("t", &key));
+                    prop_assert_eq!(restored.waiting_on("t", &key), state.waiting_on("t", &key));
+                }
+            }
+
             /// After every command, holders never exceed the max in force for
             /// the last grant, and a job never holds twice.
             #[test]

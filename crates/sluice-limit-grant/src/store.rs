@@ -1,14 +1,17 @@
-//! Loads a partition's tickets and keys, and saves a batch's writes with a
-//! handful of set-based statements (one `UNNEST` per kind of write).
+//! Loads a partition's tickets and keys, and saves a batch's writes: the
+//! ticket changes as one journal row (or a snapshot, see `journal.rs`), key
+//! settings as rows.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use prost::Message as _;
 use sluice_common::owner::{OwnedStore, OwnerContext};
 use sluice_common::telemetry::CompactTraceContext;
 use sqlx::{PgConnection, Row};
 
+use crate::journal::{TicketBatch, TicketSnapshot};
 use crate::state::{
     FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord,
 };
@@ -95,37 +98,17 @@ impl OwnedStore for LimitStore {
                 },
             ));
         }
-        let ticket_rows = sqlx::query(
-            "SELECT job_id, attempt, step, tenant, key, held, priority, enqueued_at_us, job_max, floating,
-                    waiting_since_ms, position_at_enqueue, granted_at_ms, traceparent, tracestate
-             FROM tickets WHERE partition = $1",
-        )
-        .bind(context.partition)
-        .fetch_all(&mut *connection)
-        .await?;
-        let mut tickets = Vec::with_capacity(ticket_rows.len());
-        for row in ticket_rows {
-            tickets.push(TicketRecord {
-                ticket: TicketKey {
-                    job_id: std::sync::Arc::from(row.try_get::<String, _>(0)?.as_str()),
-                    attempt: to_u32(row.try_get(1)?),
-                    step: to_u32(row.try_get(2)?),
-                },
-                key_id: std::sync::Arc::new((row.try_get(3)?, row.try_get(4)?)),
-                held: row.try_get(5)?,
-                priority: u32::try_from(row.try_get::<i16, _>(6)?).unwrap_or_default(),
-                enqueued_at_us: row.try_get(7)?,
-                job_max: to_u32(row.try_get(8)?),
-                floating: row.try_get(9)?,
-                waiting_since_ms: row.try_get(10)?,
-                position_at_enqueue: to_u32(row.try_get(11)?),
-                granted_at_ms: row.try_get(12)?,
-                trace: CompactTraceContext::from_context(&sluice_proto::v1::TraceContext {
-                    traceparent: row.try_get(13)?,
-                    tracestate: row.try_get(14)?,
-                }),
-            });
-        }
+        let saved = load_tickets(&mut *connection, context.partition).await?;
+        tracing::debug!(
+            partition = context.partition,
+            tickets = saved.tickets.len(),
+            journal_seq = saved.journal_seq,
+            snapshot_bytes = ?saved.snapshot_bytes,
+            journal_bytes = saved.journal_bytes,
+            "tickets loaded from the snapshot and the journal"
+        );
+        partition.journal_loaded(saved.journal_seq, saved.snapshot_bytes, saved.journal_bytes);
+        let tickets = saved.tickets.into_values().collect();
         partition.restore(context.clock.now_ms(), keys, tickets);
         Ok(partition)
     }
@@ -136,93 +119,38 @@ impl OwnedStore for LimitStore {
         context: &OwnerContext,
         writes: LimitWrites,
     ) -> Result<(), sqlx::Error> {
-        if !writes.deletes.is_empty() {
-            let mut job_ids = Vec::with_capacity(writes.deletes.len());
-            let mut attempts = Vec::with_capacity(writes.deletes.len());
-            let mut steps = Vec::with_capacity(writes.deletes.len());
-            for ticket in &writes.deletes {
-                job_ids.push(ticket.job_id.to_string());
-                attempts.push(to_i32(ticket.attempt));
-                steps.push(to_i32(ticket.step));
-            }
-            sqlx::query(
-                "DELETE FROM tickets AS t
-                 USING UNNEST($1::text[], $2::integer[], $3::integer[]) AS d(job_id, attempt, step)
-                 WHERE t.job_id = d.job_id AND t.attempt = d.attempt AND t.step = d.step",
-            )
-            .bind(job_ids)
-            .bind(attempts)
-            .bind(steps)
-            .execute(&mut *connection)
-            .await?;
+        if let Some((seq, batch)) = &writes.journal {
+            sqlx::query("INSERT INTO ticket_journal (partition, seq, epoch, entry) VALUES ($1, $2, $3, $4)")
+                .bind(context.partition)
+                .bind(seq)
+                .bind(context.epoch)
+                .bind(batch.encode_to_vec())
+                .execute(&mut *connection)
+                .await?;
         }
-        if !writes.upserts.is_empty() {
-            let count = writes.upserts.len();
-            let mut job_ids = Vec::with_capacity(count);
-            let mut attempts = Vec::with_capacity(count);
-            let mut steps = Vec::with_capacity(count);
-            let mut tenants = Vec::with_capacity(count);
-            let mut keys = Vec::with_capacity(count);
-            let mut held = Vec::with_capacity(count);
-            let mut priorities = Vec::with_capacity(count);
-            let mut enqueued = Vec::with_capacity(count);
-            let mut job_maxes = Vec::with_capacity(count);
-            let mut floating = Vec::with_capacity(count);
-            let mut waiting_since = Vec::with_capacity(count);
-            let mut positions = Vec::with_capacity(count);
-            let mut granted_at: Vec<Option<i64>> = Vec::with_capacity(count);
-            let mut traceparents = Vec::with_capacity(count);
-            let mut tracestates = Vec::with_capacity(count);
-            for record in writes.upserts.into_values() {
-                job_ids.push(record.ticket.job_id.to_string());
-                attempts.push(to_i32(record.ticket.attempt));
-                steps.push(to_i32(record.ticket.step));
-                tenants.push(record.tenant().to_string());
-                keys.push(record.key().to_string());
-                held.push(record.held);
-                priorities.push(i16::try_from(record.priority).unwrap_or(i16::MAX));
-                enqueued.push(record.enqueued_at_us);
-                job_maxes.push(to_i32(record.job_max));
-                floating.push(record.floating);
-                waiting_since.push(record.waiting_since_ms);
-                positions.push(to_i32(record.position_at_enqueue));
-                granted_at.push(record.granted_at_ms);
-                traceparents.push(record.trace.traceparent());
-                tracestates.push(record.trace.tracestate().to_string());
-            }
+        if let Some((seq, snapshot)) = &writes.snapshot {
             sqlx::query(
-                "INSERT INTO tickets (job_id, attempt, step, partition, tenant, key, held, priority, enqueued_at_us,
-                                      job_max, floating, waiting_since_ms, position_at_enqueue, granted_at_ms,
-                                      traceparent, tracestate)
-                 SELECT u.job_id, u.attempt, u.step, $1, u.tenant, u.key, u.held, u.priority, u.enqueued_at_us,
-                        u.job_max, u.floating, u.waiting_since_ms, u.position_at_enqueue, u.granted_at_ms,
-                        u.traceparent, u.tracestate
-                 FROM UNNEST($2::text[], $3::integer[], $4::integer[], $5::text[], $6::text[], $7::boolean[],
-                             $8::smallint[], $9::bigint[], $10::integer[], $11::boolean[], $12::bigint[],
-                             $13::integer[], $14::bigint[], $15::text[], $16::text[])
-                      AS u(job_id, attempt, step, tenant, key, held, priority, enqueued_at_us, job_max, floating,
-                           waiting_since_ms, position_at_enqueue, granted_at_ms, traceparent, tracestate)
-                 ON CONFLICT (job_id, attempt, step) DO UPDATE
-                    SET held = EXCLUDED.held, granted_at_ms = EXCLUDED.granted_at_ms",
+                "INSERT INTO ticket_snapshots (partition, seq, epoch, state) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (partition) DO UPDATE SET seq = EXCLUDED.seq, epoch = EXCLUDED.epoch,
+                                                     state = EXCLUDED.state",
             )
             .bind(context.partition)
-            .bind(job_ids)
-            .bind(attempts)
-            .bind(steps)
-            .bind(tenants)
-            .bind(keys)
-            .bind(held)
-            .bind(priorities)
-            .bind(enqueued)
-            .bind(job_maxes)
-            .bind(floating)
-            .bind(waiting_since)
-            .bind(positions)
-            .bind(granted_at)
-            .bind(traceparents)
-            .bind(tracestates)
+            .bind(seq)
+            .bind(context.epoch)
+            .bind(snapshot.encode_to_vec())
             .execute(&mut *connection)
             .await?;
+            sqlx::query("DELETE FROM ticket_journal WHERE partition = $1 AND seq <= $2")
+                .bind(context.partition)
+                .bind(seq)
+                .execute(&mut *connection)
+                .await?;
+            // Tickets saved as rows before the journal: the first snapshot
+            // holds them now.
+            sqlx::query("DELETE FROM tickets WHERE partition = $1")
+                .bind(context.partition)
+                .execute(&mut *connection)
+                .await?;
         }
         for ((tenant, key), record) in writes.keys {
             match record {
@@ -270,4 +198,98 @@ impl OwnedStore for LimitStore {
         }
         Ok(())
     }
+}
+
+/// A partition's saved tickets: its snapshot with the journal after it
+/// replayed in order, and where the journal stands.
+pub struct SavedTickets {
+    pub tickets: HashMap<TicketKey, TicketRecord>,
+    pub journal_seq: i64,
+    /// `None`: no snapshot saved yet.
+    pub snapshot_bytes: Option<usize>,
+    pub journal_bytes: usize,
+}
+
+/// Load `partition`'s tickets as committed (on a connection whose
+/// `search_path` is limit-grant's schema). Before the partition's first
+/// snapshot, tickets saved as rows by an earlier version are the start.
+pub async fn load_tickets(connection: &mut PgConnection, partition: i32) -> Result<SavedTickets, sqlx::Error> {
+    let snapshot: Option<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT seq, state FROM ticket_snapshots WHERE partition = $1")
+            .bind(partition)
+            .fetch_optional(&mut *connection)
+            .await?;
+    let snapshot_seq = snapshot.as_ref().map_or(0, |(seq, _)| *seq);
+    let snapshot_bytes = snapshot.as_ref().map(|(_, state)| state.len());
+    let mut tickets: HashMap<TicketKey, TicketRecord> = match &snapshot {
+        Some((_, state)) => TicketSnapshot::decode(state.as_slice())
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
+            .tickets
+            .into_iter()
+            .map(|stored| {
+                let record = stored.into_record();
+                (record.ticket.clone(), record)
+            })
+            .collect(),
+        None => legacy_ticket_rows(&mut *connection, partition)
+            .await?
+            .into_iter()
+            .map(|record| (record.ticket.clone(), record))
+            .collect(),
+    };
+    let journal: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT seq, entry FROM ticket_journal WHERE partition = $1 AND seq > $2 ORDER BY seq")
+            .bind(partition)
+            .bind(snapshot_seq)
+            .fetch_all(&mut *connection)
+            .await?;
+    let journal_bytes = journal.iter().map(|(_, entry)| entry.len()).sum();
+    let journal_seq = journal.last().map_or(snapshot_seq, |(seq, _)| *seq);
+    for (_, entry) in journal {
+        TicketBatch::decode(entry.as_slice())
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
+            .apply_to(&mut tickets);
+    }
+    Ok(SavedTickets {
+        tickets,
+        journal_seq,
+        snapshot_bytes,
+        journal_bytes,
+    })
+}
+
+/// Tickets an earlier version saved as rows (the `tickets` table).
+async fn legacy_ticket_rows(connection: &mut PgConnection, partition: i32) -> Result<Vec<TicketRecord>, sqlx::Error> {
+    let ticket_rows = sqlx::query(
+        "SELECT job_id, attempt, step, tenant, key, held, priority, enqueued_at_us, job_max, floating,
+                waiting_since_ms, position_at_enqueue, granted_at_ms, traceparent, tracestate
+         FROM tickets WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut tickets = Vec::with_capacity(ticket_rows.len());
+    for row in ticket_rows {
+        tickets.push(TicketRecord {
+            ticket: TicketKey {
+                job_id: std::sync::Arc::from(row.try_get::<String, _>(0)?.as_str()),
+                attempt: to_u32(row.try_get(1)?),
+                step: to_u32(row.try_get(2)?),
+            },
+            key_id: std::sync::Arc::new((row.try_get(3)?, row.try_get(4)?)),
+            held: row.try_get(5)?,
+            priority: u32::try_from(row.try_get::<i16, _>(6)?).unwrap_or_default(),
+            enqueued_at_us: row.try_get(7)?,
+            job_max: to_u32(row.try_get(8)?),
+            floating: row.try_get(9)?,
+            waiting_since_ms: row.try_get(10)?,
+            position_at_enqueue: to_u32(row.try_get(11)?),
+            granted_at_ms: row.try_get(12)?,
+            trace: CompactTraceContext::from_context(&sluice_proto::v1::TraceContext {
+                traceparent: row.try_get(13)?,
+                tracestate: row.try_get(14)?,
+            }),
+        });
+    }
+    Ok(tickets)
 }

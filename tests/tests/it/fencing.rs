@@ -97,11 +97,12 @@ async fn a_fenced_owner_writes_nothing_and_the_partition_is_taken_over_again() -
         epoch_before + 2,
         "intruder's bump, then the owner's re-takeover"
     );
-    let tickets: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM \"{schema}\".tickets WHERE key = 'fenced-key'"
-    )))
-    .fetch_one(&stack.pool)
-    .await?;
+    let tickets = stack
+        .saved_tickets()
+        .await?
+        .into_iter()
+        .filter(|ticket| ticket.key() == "fenced-key")
+        .count();
     assert_eq!(tickets, 1, "one ticket: the refused commit wrote nothing");
     stack.stop().await;
     Ok(())

@@ -448,3 +448,60 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
     stack.stop().await;
     Ok(())
 }
+
+/// Tickets an earlier version saved as rows (the `tickets` table) are what a
+/// partition without a journal starts from; its first snapshot holds them
+/// and deletes the rows. Here a held ticket saved as a row keeps its key
+/// full across the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tickets_saved_as_rows_by_an_earlier_version_are_kept() -> anyhow::Result<()> {
+    // Nobody stands behind the saved holder: a long grace keeps the
+    // stand-behind sweep from reclaiming it during the test.
+    let config = test_config("legacytickets", &[("limit_grant.ticket_grace", "10m")])?;
+    sluice_limit_grant::migrate(&config).await?;
+    let schema = config.schema("limit_grant");
+    let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
+    let partition =
+        sluice_common::partition::key_partition("acme", "legacy-key", config.kafka.partitions.limit_commands);
+    sqlx::query(
+        "INSERT INTO tickets (job_id, attempt, step, partition, tenant, key, held, priority, enqueued_at_us,
+                              job_max, floating, waiting_since_ms, position_at_enqueue, granted_at_ms)
+         VALUES ('legacy-job', 1, 0, $1, 'acme', 'legacy-key', true, 0, 1, 1, false, 0, 0, 0)",
+    )
+    .bind(partition)
+    .execute(&pool)
+    .await?;
+
+    let stack = Stack::start(config, 1).await?;
+    let prefix = stack.config.kafka.topic_prefix.clone();
+    let admission = stack.admission_client().await?;
+    let id = format!("{prefix}after-legacy");
+    enqueue_with_id(&admission, &id, concurrency_job("acme", "legacy-key", 1, 0, &id)).await?;
+    eventually(
+        Duration::from_secs(30),
+        "the new job waits behind the saved holder",
+        || async {
+            Ok(key_state(&stack, "acme", "legacy-key")
+                .await
+                .is_ok_and(|state| state.waiting == 1 && state.holders.len() == 1))
+        },
+    )
+    .await?;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tickets")
+        .fetch_one(&pool)
+        .await?;
+    assert_eq!(rows, 0, "the first snapshot took the rows over");
+    let saved = stack.saved_tickets().await?;
+    assert!(
+        saved
+            .iter()
+            .any(|ticket| &*ticket.ticket.job_id == "legacy-job" && ticket.held),
+        "the saved holder is journaled: {saved:?}"
+    );
+    assert!(
+        saved.iter().any(|ticket| *ticket.ticket.job_id == *id && !ticket.held),
+        "and the new waiter: {saved:?}"
+    );
+    stack.stop().await;
+    Ok(())
+}
