@@ -451,32 +451,77 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
 
 /// Tickets an earlier version saved as rows (the `tickets` table) are what a
 /// partition without a journal starts from; its first snapshot holds them
-/// and deletes the rows. Here a held ticket saved as a row keeps its key
-/// full across the upgrade.
+/// and deletes the rows. Here a holder's ticket is turned into such a row
+/// while limit-grant is down: after the upgrade it still keeps its key full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tickets_saved_as_rows_by_an_earlier_version_are_kept() -> anyhow::Result<()> {
-    // Nobody stands behind the saved holder: a long grace keeps the
-    // stand-behind sweep from reclaiming it during the test.
-    let config = test_config("legacytickets", &[("limit_grant.ticket_grace", "10m")])?;
-    sluice_limit_grant::migrate(&config).await?;
-    let schema = config.schema("limit_grant");
-    let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
+    // No worker claims the holder: a long grace keeps the stand-behind sweep
+    // out of the test.
+    let mut stack = Stack::start(test_config("legacytickets", &[("limit_grant.ticket_grace", "10m")])?, 1).await?;
+    let prefix = stack.config.kafka.topic_prefix.clone();
+    let admission = stack.admission_client().await?;
+    let holder = format!("{prefix}holder");
+    enqueue_with_id(
+        &admission,
+        &holder,
+        concurrency_job("acme", "legacy-key", 1, 0, &holder),
+    )
+    .await?;
+    eventually(Duration::from_secs(30), "the holder granted", || async {
+        Ok(key_state(&stack, "acme", "legacy-key")
+            .await
+            .is_ok_and(|state| state.holders.len() == 1))
+    })
+    .await?;
+
+    // limit-grant down; its saved state rewritten as an earlier version
+    // would have left it: the ticket as a row, no snapshot, no journal.
+    let old = stack.limit_grants.remove(0);
+    old.stop().await;
+    let saved = stack.saved_tickets().await?;
+    let [ticket] = saved.as_slice() else {
+        anyhow::bail!("one saved ticket expected: {saved:?}");
+    };
+    assert!(ticket.held && *ticket.ticket.job_id == *holder, "{ticket:?}");
+    let schema = stack.config.schema("limit_grant");
+    let pool = sluice_common::storage::connect(&stack.config.postgres, &schema).await?;
     let partition =
-        sluice_common::partition::key_partition("acme", "legacy-key", config.kafka.partitions.limit_commands);
+        sluice_common::partition::key_partition("acme", "legacy-key", stack.config.kafka.partitions.limit_commands);
+    sqlx::query("DELETE FROM ticket_snapshots WHERE partition = $1")
+        .bind(partition)
+        .execute(&pool)
+        .await?;
+    sqlx::query("DELETE FROM ticket_journal WHERE partition = $1")
+        .bind(partition)
+        .execute(&pool)
+        .await?;
     sqlx::query(
         "INSERT INTO tickets (job_id, attempt, step, partition, tenant, key, held, priority, enqueued_at_us,
                               job_max, floating, waiting_since_ms, position_at_enqueue, granted_at_ms)
-         VALUES ('legacy-job', 1, 0, $1, 'acme', 'legacy-key', true, 0, 1, 1, false, 0, 0, 0)",
+         VALUES ($1, $2, $3, $4, 'acme', 'legacy-key', true, $5, $6, $7, false, $8, $9, $10)",
     )
+    .bind(&*ticket.ticket.job_id)
+    .bind(i32::try_from(ticket.ticket.attempt)?)
+    .bind(i32::try_from(ticket.ticket.step)?)
     .bind(partition)
+    .bind(i16::try_from(ticket.priority)?)
+    .bind(ticket.enqueued_at_us)
+    .bind(i32::try_from(ticket.job_max)?)
+    .bind(ticket.waiting_since_ms)
+    .bind(i32::try_from(ticket.position_at_enqueue)?)
+    .bind(ticket.granted_at_ms)
     .execute(&pool)
     .await?;
 
-    let stack = Stack::start(config, 1).await?;
-    let prefix = stack.config.kafka.topic_prefix.clone();
-    let admission = stack.admission_client().await?;
-    let id = format!("{prefix}after-legacy");
-    enqueue_with_id(&admission, &id, concurrency_job("acme", "legacy-key", 1, 0, &id)).await?;
+    stack.add_limit_grant(sluice_common::Faults::none()).await?;
+    wait_serving(&stack.limit_grants[0].endpoint, Duration::from_secs(60)).await?;
+    let waiter = format!("{prefix}waiter");
+    enqueue_with_id(
+        &admission,
+        &waiter,
+        concurrency_job("acme", "legacy-key", 1, 0, &waiter),
+    )
+    .await?;
     eventually(
         Duration::from_secs(30),
         "the new job waits behind the saved holder",
@@ -495,11 +540,13 @@ async fn tickets_saved_as_rows_by_an_earlier_version_are_kept() -> anyhow::Resul
     assert!(
         saved
             .iter()
-            .any(|ticket| &*ticket.ticket.job_id == "legacy-job" && ticket.held),
+            .any(|ticket| *ticket.ticket.job_id == *holder && ticket.held),
         "the saved holder is journaled: {saved:?}"
     );
     assert!(
-        saved.iter().any(|ticket| *ticket.ticket.job_id == *id && !ticket.held),
+        saved
+            .iter()
+            .any(|ticket| *ticket.ticket.job_id == *waiter && !ticket.held),
         "and the new waiter: {saved:?}"
     );
     stack.stop().await;
