@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use async_trait::async_trait;
 use prost::Message;
 use sluice_common::kafka::{batch_entries, InMsg, OutMsg};
-use sluice_common::owner::{OwnedStore, OwnerContext, Rejected};
+use sluice_common::owner::{JournalRow, OwnedStore, OwnerContext, Rejected};
 use sqlx::{PgConnection, PgPool, Row};
 
 use crate::effects::DeadLetterClass;
@@ -203,6 +203,19 @@ impl OwnedStore for AdmissionStore {
             "job partition loaded"
         );
         Ok(loaded)
+    }
+
+    fn journal_only(&self, writes: &AdmissionWrites) -> Option<JournalRow> {
+        let (seq, batch) = writes.journal.as_ref()?;
+        let alone = writes.inserted.is_empty()
+            && writes.finished.is_empty()
+            && writes.idempotency.is_empty()
+            && writes.snapshot.is_none();
+        alone.then(|| JournalRow {
+            table: "job_journal",
+            seq: *seq,
+            entry: batch.encode_to_vec(),
+        })
     }
 
     async fn persist(

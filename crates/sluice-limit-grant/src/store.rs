@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use prost::Message as _;
-use sluice_common::owner::{OwnedStore, OwnerContext};
+use sluice_common::owner::{JournalRow, OwnedStore, OwnerContext};
 use sluice_common::telemetry::CompactTraceContext;
 use sqlx::{PgConnection, Row};
 
@@ -111,6 +111,15 @@ impl OwnedStore for LimitStore {
         let tickets = saved.tickets.into_values().collect();
         partition.restore(context.clock.now_ms(), keys, tickets);
         Ok(partition)
+    }
+
+    fn journal_only(&self, writes: &LimitWrites) -> Option<JournalRow> {
+        let (seq, batch) = writes.journal.as_ref()?;
+        (writes.keys.is_empty() && writes.snapshot.is_none()).then(|| JournalRow {
+            table: "ticket_journal",
+            seq: *seq,
+            entry: batch.encode_to_vec(),
+        })
     }
 
     async fn persist(

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use sluice_common::owner::{bump_epoch, fence_and_advance, CommitError};
+use sluice_common::owner::{bump_epoch, commit_journal_row, fence_and_advance, CommitError, JournalRow};
 use sluice_common::partition::key_partition;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
@@ -42,6 +42,47 @@ async fn the_fence_refuses_an_older_owner_and_moves_the_offset_only_for_the_curr
     current.commit().await?;
     let offset: i64 = sqlx::query_scalar(applied).fetch_one(&mut *connection).await?;
     assert_eq!(offset, 40);
+    Ok(())
+}
+
+/// A batch committed as one journal row (no transaction) is fenced the same
+/// way: a stale owner's row is not written and moves no offset.
+#[tokio::test]
+async fn a_journal_row_committed_alone_is_fenced_like_a_transaction() -> anyhow::Result<()> {
+    init_logging();
+    let config = test_config("epochjournal", &[])?;
+    let schema = config.schema("limit_grant");
+    let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
+    sluice_common::storage::migrate(&pool, &schema, &sluice_common::owner::MIGRATOR).await?;
+    sluice_common::storage::migrate(&pool, &schema, &sluice_limit_grant::store::MIGRATOR).await?;
+    let mut connection = pool.acquire().await?;
+    let (first_epoch, _) = bump_epoch(&mut connection, 5, "owner-a", "http://a").await?;
+    let (second_epoch, _) = bump_epoch(&mut connection, 5, "owner-b", "http://b").await?;
+    drop(connection);
+    let row = |seq: i64| JournalRow {
+        table: "ticket_journal",
+        seq,
+        entry: vec![1, 2, 3],
+    };
+    let journal = "SELECT count(*) FROM ticket_journal WHERE partition = 5";
+    let applied = "SELECT applied_offset FROM owners WHERE partition = 5";
+
+    let refused = commit_journal_row(&pool, 5, first_epoch, Some(40), row(1)).await;
+    assert!(
+        matches!(refused, Err(CommitError::Fenced { ours, current, .. }) if ours == first_epoch && current == second_epoch),
+        "{refused:?}"
+    );
+    let rows: i64 = sqlx::query_scalar(journal).fetch_one(&pool).await?;
+    assert_eq!(rows, 0, "a stale owner writes no journal row");
+    let offset: i64 = sqlx::query_scalar(applied).fetch_one(&pool).await?;
+    assert_eq!(offset, -1, "nor moves the offset");
+
+    commit_journal_row(&pool, 5, second_epoch, Some(40), row(1)).await?;
+    commit_journal_row(&pool, 5, second_epoch, None, row(2)).await?;
+    let rows: i64 = sqlx::query_scalar(journal).fetch_one(&pool).await?;
+    assert_eq!(rows, 2);
+    let offset: i64 = sqlx::query_scalar(applied).fetch_one(&pool).await?;
+    assert_eq!(offset, 40, "the current owner's rows go in and move the offset");
     Ok(())
 }
 
