@@ -393,20 +393,7 @@ impl Worker {
             async move { counts.keep_fresh(consumer, topics, Duration::from_secs(15), stop).await }
         });
 
-        let refresh_task = match (self.refresh_handler.clone(), self.refresh.clone()) {
-            (Some(handler), Some(refresh)) => Some(tokio::spawn(refresh::run_refresh_consumer(
-                refresh::RefreshSettings {
-                    options: self.options.clone(),
-                    handler,
-                    refresh,
-                    concurrency: self.refresh_concurrency,
-                    shutdown_grace: self.shutdown_grace,
-                    status: self.status.shared.clone(),
-                },
-                shutdown.clone(),
-            ))),
-            _ => None,
-        };
+        let refresh_task = self.spawn_refresh(&shutdown);
 
         let (events_sender, events) = mpsc::channel(self.concurrency * 4 + self.prefetch * 4 + 16);
         let (completions_sender, completions) = mpsc::channel(self.concurrency * 2 + self.prefetch + 16);
@@ -519,22 +506,28 @@ impl Worker {
 }
 
 impl Worker {
+    /// The floating-limit refresh consumer, when a refresh handler is set
+    /// (either transport).
+    fn spawn_refresh(&self, shutdown: &CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        let (Some(handler), Some(refresh)) = (self.refresh_handler.clone(), self.refresh.clone()) else {
+            return None;
+        };
+        Some(tokio::spawn(refresh::run_refresh_consumer(
+            refresh::RefreshSettings {
+                options: self.options.clone(),
+                handler,
+                refresh,
+                concurrency: self.refresh_concurrency,
+                shutdown_grace: self.shutdown_grace,
+                status: self.status.shared.clone(),
+            },
+            shutdown.clone(),
+        )))
+    }
+
     /// [`Transport::Stream`]: jobs pushed on `Work` streams (`stream`).
     async fn run_on_streams(self, shutdown: CancellationToken) -> Result<()> {
-        let refresh_task = match (self.refresh_handler.clone(), self.refresh.clone()) {
-            (Some(handler), Some(refresh)) => Some(tokio::spawn(refresh::run_refresh_consumer(
-                refresh::RefreshSettings {
-                    options: self.options.clone(),
-                    handler,
-                    refresh,
-                    concurrency: self.refresh_concurrency,
-                    shutdown_grace: self.shutdown_grace,
-                    status: self.status.shared.clone(),
-                },
-                shutdown.clone(),
-            ))),
-            _ => None,
-        };
+        let refresh_task = self.spawn_refresh(&shutdown);
         stream::run(
             stream::StreamSettings {
                 worker_id: self.worker_id.clone(),

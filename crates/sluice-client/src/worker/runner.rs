@@ -521,9 +521,25 @@ where
     }
 }
 
-/// Run one claimed attempt under its span and report how it ended.
-async fn run_attempt(shared: Arc<Shared>, delivery: Delivery, stop: StopSignal) {
-    let admitted = delivery.admitted.clone();
+/// How one attempt's handler runs, whichever transport brought the job.
+pub(crate) struct HandlerRun<'a> {
+    pub handler: &'a Arc<dyn JobHandler>,
+    pub worker_id: &'a str,
+    /// Cancelled when the shutdown grace is over: running handlers stop.
+    pub force_stop: &'a CancellationToken,
+    pub stop_grace: Duration,
+}
+
+/// Run the handler on one attempt under its `sluice.worker.handle` span (a
+/// child of the job's `trace`), supervised by `stop`; the span, with its
+/// `outcome` recorded, and how the attempt ended.
+pub(crate) async fn handle_attempt(
+    run: HandlerRun<'_>,
+    admitted: Arc<pb::AdmittedJob>,
+    task_type: Arc<str>,
+    trace: &TraceContext,
+    stop: StopSignal,
+) -> (tracing::Span, AttemptOutcome) {
     // The name is `crate::HANDLE_SPAN` (a literal here, as tracing requires).
     let span = tracing::info_span!(
         "sluice.worker.handle",
@@ -531,34 +547,52 @@ async fn run_attempt(shared: Arc<Shared>, delivery: Delivery, stop: StopSignal) 
         attempt = admitted.attempt,
         tenant = %admitted.tenant,
         task_group = %admitted.task_group,
-        task_type = %delivery.task_type,
-        worker_id = %shared.worker_id,
+        task_type = %task_type,
+        worker_id = %run.worker_id,
         outcome = tracing::field::Empty,
     );
-    delivery.trace.set_as_parent_of(&span);
-    let trace = TraceContext::of_span_or(&span, &delivery.trace);
-    let key = (admitted.job_id.clone(), admitted.attempt);
-    let job = Job::new(admitted.clone(), delivery.task_type.clone(), stop.clone());
-    let handling = AssertUnwindSafe(shared.handler.handle(job))
+    trace.set_as_parent_of(&span);
+    let job = Job::new(admitted, task_type, stop.clone());
+    let handling = AssertUnwindSafe(run.handler.handle(job))
         .catch_unwind()
         .instrument(span.clone());
-    let ended = supervise(handling, &stop, &shared.force_stop, shared.stop_grace).await;
+    let ended = supervise(handling, &stop, run.force_stop, run.stop_grace).await;
     let outcome = decide(ended, stop.reason());
     span.record("outcome", outcome.label());
-    let counters = &shared.status.counters;
-    match &outcome {
+    (span, outcome)
+}
+
+/// Count how an attempt ended (and log the endings worth a warning).
+pub(crate) fn count_outcome(counters: &Counters, outcome: &AttemptOutcome, span: &tracing::Span) {
+    match outcome {
         AttemptOutcome::Succeeded => Counters::add(&counters.succeeded),
         AttemptOutcome::Failed { message, .. } => {
             Counters::add(&counters.failed);
-            tracing::warn!(parent: &span, error = %message, "job attempt failed");
+            tracing::warn!(parent: span, error = %message, "job attempt failed");
         }
         AttemptOutcome::HandedBack { .. } => Counters::add(&counters.handed_back),
         AttemptOutcome::CancelConfirmed => Counters::add(&counters.cancelled),
         AttemptOutcome::LeaseLost => {
             Counters::add(&counters.lease_lost);
-            tracing::warn!(parent: &span, "lease lost; handler stopped");
+            tracing::warn!(parent: span, "lease lost; handler stopped");
         }
     }
+}
+
+/// Run one claimed attempt under its span and report how it ended.
+async fn run_attempt(shared: Arc<Shared>, delivery: Delivery, stop: StopSignal) {
+    let admitted = delivery.admitted.clone();
+    let run = HandlerRun {
+        handler: &shared.handler,
+        worker_id: &shared.worker_id,
+        force_stop: &shared.force_stop,
+        stop_grace: shared.stop_grace,
+    };
+    let (span, outcome) =
+        handle_attempt(run, admitted.clone(), delivery.task_type.clone(), &delivery.trace, stop).await;
+    let trace = TraceContext::of_span_or(&span, &delivery.trace);
+    let key = (admitted.job_id.clone(), admitted.attempt);
+    count_outcome(&shared.status.counters, &outcome, &span);
     if let Some(reported) = outcome.completion() {
         let completion = pb::Completion {
             job_id: admitted.job_id.clone(),

@@ -16,22 +16,19 @@
 //! are stopped and their attempts handed back; completions are flushed.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::FutureExt as _;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument as _;
 
 use crate::propagation::TraceContext;
-use crate::worker::handler::{Job, JobHandler, StopReason, StopSignal};
-use crate::worker::runner::{decide, supervise, AttemptOutcome};
+use crate::worker::handler::{JobHandler, StopReason, StopSignal};
+use crate::worker::runner::{count_outcome, handle_attempt, AttemptOutcome, HandlerRun};
 use crate::worker::status::{Counters, StatusShared};
 
 /// How often the instance list is asked again, and dead streams reopened.
@@ -373,27 +370,18 @@ impl StreamWorker {
         let force_stop = self.force_stop.clone();
         let stop_grace = self.settings.stop_grace;
         let worker_id = self.settings.worker_id.clone();
+        let status = self.settings.status.clone();
         tokio::spawn(async move {
             let admitted = Arc::new(admitted);
             let task_type: Arc<str> = Arc::from(admitted.task_group.as_str());
-            let span = tracing::info_span!(
-                "sluice.worker.handle",
-                job_id = %admitted.job_id,
-                attempt = admitted.attempt,
-                tenant = %admitted.tenant,
-                task_group = %admitted.task_group,
-                task_type = %task_type,
-                worker_id = %worker_id,
-                outcome = tracing::field::Empty,
-            );
-            trace.set_as_parent_of(&span);
-            let job = Job::new(admitted.clone(), task_type, stop.clone());
-            let handling = AssertUnwindSafe(handler.handle(job))
-                .catch_unwind()
-                .instrument(span.clone());
-            let ended = supervise(handling, &stop, &force_stop, stop_grace).await;
-            let outcome = decide(ended, stop.reason());
-            span.record("outcome", outcome.label());
+            let run = HandlerRun {
+                handler: &handler,
+                worker_id: &worker_id,
+                force_stop: &force_stop,
+                stop_grace,
+            };
+            let (span, outcome) = handle_attempt(run, admitted, task_type, &trace, stop).await;
+            count_outcome(&status.counters, &outcome, &span);
             let _ = events.send(Event::Finished { key, outcome }).await;
         });
     }
@@ -402,20 +390,6 @@ impl StreamWorker {
         let Some(running) = self.running.remove(&key) else {
             return;
         };
-        let counters = &self.settings.status.counters;
-        match &outcome {
-            AttemptOutcome::Succeeded => Counters::add(&counters.succeeded),
-            AttemptOutcome::Failed { message, .. } => {
-                Counters::add(&counters.failed);
-                tracing::warn!(job_id = %key.0, attempt = key.1, error = %message, "job attempt failed");
-            }
-            AttemptOutcome::HandedBack { .. } => Counters::add(&counters.handed_back),
-            AttemptOutcome::CancelConfirmed => Counters::add(&counters.cancelled),
-            AttemptOutcome::LeaseLost => {
-                Counters::add(&counters.lease_lost);
-                tracing::warn!(job_id = %key.0, attempt = key.1, "lease lost; handler stopped");
-            }
-        }
         // The slot is free: its credit goes back to the stream the job came
         // from (in `flush`).
         if !self.draining {
