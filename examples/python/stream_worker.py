@@ -16,7 +16,6 @@ Replace `run_job` with your own code; it is worker.py's example handler
 
 import argparse
 import itertools
-import json
 import logging
 import os
 import queue
@@ -29,17 +28,12 @@ import uuid
 
 import grpc
 
-from worker import NonRetryableError, RunningJob, StopRequested, admission_pb2, admission_pb2_grpc, grpc_target, run_job
+from worker import NonRetryableError, RunningJob, StopRequested, admission_pb2, admission_pb2_grpc, emit, grpc_target, run_job
 
 log = logging.getLogger("sluice-stream-worker")
 
 HEARTBEAT_TICK_S = 0.25
 DISCOVER_EVERY_S = 3.0
-
-
-def emit(args, event, **fields):
-    if args.json_events:
-        print(json.dumps({"event": event, "at": time.time(), **fields}), flush=True)
 
 
 class Stream:
