@@ -26,8 +26,8 @@
 //! set aside the same way. Faults that pass (the database or the broker away)
 //! are retried with backoff, and readiness is NOT_SERVING while they last.
 
-use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -386,9 +386,35 @@ pub struct OwnedPartitionHandle<L> {
 pub struct OwnerRegistry<L> {
     service: &'static str,
     partitions: RwLock<HashMap<i32, OwnedPartitionHandle<L>>>,
+    /// Partitions whose task is taking over here: the owner directory may
+    /// already name this instance, so a call waits for the task rather than
+    /// being sent back here by the directory.
+    loading: Mutex<HashSet<i32>>,
     readiness: Readiness,
-    /// Woken whenever a partition task starts taking calls here.
+    /// Woken whenever a partition task starts taking calls here, or stops
+    /// loading without starting.
     started: tokio::sync::Notify,
+}
+
+/// How long a call waits for a partition that is loading here.
+const LOADING_WAIT: Duration = Duration::from_secs(5);
+
+/// Marks a partition as loading while alive; dropped when its task starts
+/// taking calls, stops, or is cancelled mid-takeover.
+struct Loading<'a, L> {
+    registry: &'a OwnerRegistry<L>,
+    partition: i32,
+}
+
+impl<L> Drop for Loading<'_, L> {
+    fn drop(&mut self) {
+        self.registry
+            .loading
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .remove(&self.partition);
+        self.registry.started.notify_waiters();
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -397,6 +423,8 @@ pub enum LocalCallError {
     NotOwner(i32),
     #[error("partition {0} stopped before answering; retry")]
     Interrupted(i32),
+    #[error("partition {0} is still loading on this instance; retry shortly")]
+    Loading(i32),
 }
 
 impl<L: Send + 'static> OwnerRegistry<L> {
@@ -404,9 +432,39 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         Arc::new(OwnerRegistry {
             service,
             partitions: RwLock::new(HashMap::new()),
+            loading: Mutex::new(HashSet::new()),
             readiness,
             started: tokio::sync::Notify::new(),
         })
+    }
+
+    /// The partition task's queue, if this instance owns the partition. A
+    /// partition still loading here is waited for, up to `LOADING_WAIT`.
+    async fn sender(&self, partition: i32) -> Result<mpsc::Sender<L>, LocalCallError> {
+        let deadline = tokio::time::Instant::now() + LOADING_WAIT;
+        loop {
+            // Created before the checks, so a start between them is not missed.
+            let changed = self.started.notified();
+            if let Some(handle) = self
+                .partitions
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .get(&partition)
+            {
+                return Ok(handle.sender.clone());
+            }
+            let loading = self
+                .loading
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .contains(&partition);
+            if !loading {
+                return Err(LocalCallError::NotOwner(partition));
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                return Err(LocalCallError::Loading(partition));
+            }
+        }
     }
 
     /// Send a request to the partition task, if this instance owns it.
@@ -415,13 +473,7 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         partition: i32,
         make: impl FnOnce(tokio::sync::oneshot::Sender<R>) -> L,
     ) -> Result<R, LocalCallError> {
-        let sender = {
-            let partitions = self.partitions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-            match partitions.get(&partition) {
-                Some(handle) => handle.sender.clone(),
-                None => return Err(LocalCallError::NotOwner(partition)),
-            }
-        };
+        let sender = self.sender(partition).await?;
         let (reply_sender, reply_receiver) = tokio::sync::oneshot::channel();
         sender
             .send(make(reply_sender))
@@ -433,13 +485,7 @@ impl<L: Send + 'static> OwnerRegistry<L> {
     /// Queue a request for the partition task, if this instance owns it,
     /// without waiting for the answer (the request carries its own reply).
     pub async fn submit(&self, partition: i32, local: L) -> Result<(), LocalCallError> {
-        let sender = {
-            let partitions = self.partitions.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-            match partitions.get(&partition) {
-                Some(handle) => handle.sender.clone(),
-                None => return Err(LocalCallError::NotOwner(partition)),
-            }
-        };
+        let sender = self.sender(partition).await?;
         sender
             .send(local)
             .await
@@ -470,6 +516,17 @@ impl<L: Send + 'static> OwnerRegistry<L> {
 
     fn condition(&self, partition: i32) -> String {
         format!("{} partition {partition}", self.service)
+    }
+
+    fn begin_loading(&self, partition: i32) -> Loading<'_, L> {
+        self.loading
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(partition);
+        Loading {
+            registry: self,
+            partition,
+        }
     }
 
     fn set_condition(&self, partition: i32, reason: impl Into<String>) {
@@ -623,6 +680,7 @@ impl<S: OwnedStore> PartitionTask<S> {
     async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
         let partition = input.partition;
         self.registry.set_condition(partition, "loading");
+        let loading = self.registry.begin_loading(partition);
         let (context, mut state, mut applied_offset) = match self.take_over(&input).await {
             Step::Done(loaded) => loaded,
             Step::Stop => {
@@ -634,6 +692,7 @@ impl<S: OwnedStore> PartitionTask<S> {
 
         let (local_sender, mut local_receiver) = mpsc::channel(1024);
         self.registry.register(partition, context.epoch, local_sender.clone());
+        drop(loading);
         tracing::info!(
             service = self.settings.service,
             partition,
@@ -1472,5 +1531,43 @@ mod tests {
         let split = batch_entries(&payload).unwrap();
         assert_eq!(split, entries.iter().map(Vec::as_slice).collect::<Vec<_>>());
         assert!(batch_entries(&[0x0a, 0x05, 1]).is_err(), "a length past the end");
+    }
+
+    #[tokio::test]
+    async fn a_call_to_a_partition_loading_here_waits_for_its_task() {
+        let registry: Arc<OwnerRegistry<tokio::sync::oneshot::Sender<u32>>> =
+            OwnerRegistry::new("test", Readiness::new());
+        let loading = registry.begin_loading(3);
+        let caller = tokio::spawn({
+            let registry = registry.clone();
+            async move { registry.call(3, |reply| reply).await }
+        });
+        // The call is parked on the loading partition, not answered NOT_OWNER.
+        tokio::task::yield_now().await;
+        assert!(!caller.is_finished(), "answered before the partition loaded");
+        let (sender, mut receiver) = mpsc::channel(1);
+        registry.register(3, 1, sender);
+        drop(loading);
+        let reply = receiver.recv().await.unwrap();
+        reply.send(42).unwrap();
+        assert_eq!(caller.await.unwrap().unwrap(), 42);
+    }
+
+    #[tokio::test]
+    async fn a_partition_that_stops_loading_without_starting_is_not_owned() {
+        let registry: Arc<OwnerRegistry<tokio::sync::oneshot::Sender<u32>>> =
+            OwnerRegistry::new("test", Readiness::new());
+        let loading = registry.begin_loading(5);
+        let caller = tokio::spawn({
+            let registry = registry.clone();
+            async move { registry.call(5, |reply| reply).await }
+        });
+        tokio::task::yield_now().await;
+        drop(loading);
+        assert!(matches!(caller.await.unwrap(), Err(LocalCallError::NotOwner(5))));
+        assert!(matches!(
+            registry.call(6, |reply| reply).await,
+            Err(LocalCallError::NotOwner(6))
+        ));
     }
 }
