@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use async_trait::async_trait;
 use prost::Message;
 use sluice_common::kafka::{batch_entries, InMsg, OutMsg};
-use sluice_common::owner::{JournalRow, OwnedStore, OwnerContext, Rejected};
+use sluice_common::owner::{FencedStatement, OwnedStore, OwnerContext, Rejected};
 use sqlx::{PgConnection, PgPool, Row};
 
 use crate::effects::DeadLetterClass;
@@ -205,17 +205,22 @@ impl OwnedStore for AdmissionStore {
         Ok(loaded)
     }
 
-    fn journal_only(&self, writes: &AdmissionWrites) -> Option<JournalRow> {
+    /// The journal row, with the outcome rows of jobs that ended (a
+    /// worker's completions): plain inserts, one statement. Batches that
+    /// create jobs (their insert is checked) or write a snapshot take a
+    /// transaction.
+    fn one_statement(&self, writes: &AdmissionWrites) -> Option<FencedStatement> {
         let (seq, batch) = writes.journal.as_ref()?;
-        let alone = writes.inserted.is_empty()
-            && writes.finished.is_empty()
-            && writes.idempotency.is_empty()
-            && writes.snapshot.is_none();
-        alone.then(|| JournalRow {
-            table: "job_journal",
-            seq: *seq,
-            entry: batch.encode_to_vec(),
-        })
+        let plain = writes.inserted.is_empty() && writes.idempotency.is_empty() && writes.snapshot.is_none();
+        if !plain {
+            return None;
+        }
+        let mut statement = FencedStatement::default();
+        if !writes.finished.is_empty() {
+            OutcomeColumns::of(&writes.finished).add_to(&mut statement);
+        }
+        statement.journal("job_journal", *seq, batch.encode_to_vec());
+        Some(statement)
     }
 
     async fn persist(
@@ -481,56 +486,123 @@ async fn insert_idempotency_keys(
 }
 
 /// Outcome rows of jobs that ended (again, the same, if a batch is re-applied).
+/// Outcome rows of jobs that ended, as the columns `job_outcomes` takes.
+struct OutcomeColumns {
+    job_ids: Vec<String>,
+    statuses: Vec<i16>,
+    attempts: Vec<i32>,
+    attempts_used: Vec<i32>,
+    steps: Vec<i32>,
+    admitted_ats: Vec<Option<i64>>,
+    claimed_bys: Vec<Option<String>>,
+    finished_ats: Vec<i64>,
+    cancel_reasons: Vec<Option<String>>,
+    last_errors: Vec<String>,
+    histories: Vec<Vec<u8>>,
+}
+
+impl OutcomeColumns {
+    fn of(finished: &[JobRow]) -> Self {
+        let count = finished.len();
+        let mut columns = OutcomeColumns {
+            job_ids: Vec::with_capacity(count),
+            statuses: Vec::with_capacity(count),
+            attempts: Vec::with_capacity(count),
+            attempts_used: Vec::with_capacity(count),
+            steps: Vec::with_capacity(count),
+            admitted_ats: Vec::with_capacity(count),
+            claimed_bys: Vec::with_capacity(count),
+            finished_ats: Vec::with_capacity(count),
+            cancel_reasons: Vec::with_capacity(count),
+            last_errors: Vec::with_capacity(count),
+            histories: Vec::with_capacity(count),
+        };
+        for row in finished {
+            let state = &row.state;
+            columns.job_ids.push(state.job_id.clone());
+            columns.statuses.push(status_code(state.status));
+            columns.attempts.push(to_i32(state.attempt));
+            columns.attempts_used.push(to_i32(state.attempts_used));
+            columns.steps.push(to_i32(state.step));
+            columns.admitted_ats.push(state.admitted_at_ms);
+            columns.claimed_bys.push(state.claimed_by.clone());
+            columns.finished_ats.push(state.finished_at_ms.unwrap_or_default());
+            columns.cancel_reasons.push(state.cancel_reason.clone());
+            columns.last_errors.push(state.last_error.clone());
+            columns.histories.push(state.history.encode_to_vec());
+        }
+        columns
+    }
+
+    /// The insert, reading its eleven arrays from `placeholders` and its
+    /// rows from `source` (the fence's row, or nothing).
+    fn insert_sql(placeholders: &[String], from: &str) -> String {
+        let types = [
+            "text[]",
+            "smallint[]",
+            "integer[]",
+            "integer[]",
+            "integer[]",
+            "bigint[]",
+            "text[]",
+            "bigint[]",
+            "text[]",
+            "text[]",
+            "bytea[]",
+        ];
+        let arrays: Vec<String> = placeholders
+            .iter()
+            .zip(types)
+            .map(|(placeholder, kind)| format!("{placeholder}::{kind}"))
+            .collect();
+        format!(
+            "INSERT INTO job_outcomes (job_id, status, attempt, attempts_used, step, admitted_at_ms, claimed_by,
+                                       finished_at_ms, cancel_reason, last_error, history)
+             SELECT u.* FROM {from}UNNEST({}) AS u
+             ON CONFLICT (job_id) DO NOTHING",
+            arrays.join(", ")
+        )
+    }
+
+    /// Add the insert to a one-statement commit.
+    fn add_to(self, statement: &mut FencedStatement) {
+        let placeholders = [
+            statement.param(self.job_ids),
+            statement.param(self.statuses),
+            statement.param(self.attempts),
+            statement.param(self.attempts_used),
+            statement.param(self.steps),
+            statement.param(self.admitted_ats),
+            statement.param(self.claimed_bys),
+            statement.param(self.finished_ats),
+            statement.param(self.cancel_reasons),
+            statement.param(self.last_errors),
+            statement.param(self.histories),
+        ];
+        statement.write(&Self::insert_sql(&placeholders, "fence, "));
+    }
+}
+
 async fn insert_outcomes(connection: &mut PgConnection, finished: &[JobRow]) -> Result<(), sqlx::Error> {
     if finished.is_empty() {
         return Ok(());
     }
-    let count = finished.len();
-    let mut job_ids = Vec::with_capacity(count);
-    let mut statuses = Vec::with_capacity(count);
-    let mut attempts = Vec::with_capacity(count);
-    let mut attempts_used = Vec::with_capacity(count);
-    let mut steps = Vec::with_capacity(count);
-    let mut admitted_ats: Vec<Option<i64>> = Vec::with_capacity(count);
-    let mut claimed_bys: Vec<Option<String>> = Vec::with_capacity(count);
-    let mut finished_ats = Vec::with_capacity(count);
-    let mut cancel_reasons: Vec<Option<String>> = Vec::with_capacity(count);
-    let mut last_errors = Vec::with_capacity(count);
-    let mut histories = Vec::with_capacity(count);
-    for row in finished {
-        let state = &row.state;
-        job_ids.push(state.job_id.as_str());
-        statuses.push(status_code(state.status));
-        attempts.push(to_i32(state.attempt));
-        attempts_used.push(to_i32(state.attempts_used));
-        steps.push(to_i32(state.step));
-        admitted_ats.push(state.admitted_at_ms);
-        claimed_bys.push(state.claimed_by.clone());
-        finished_ats.push(state.finished_at_ms.unwrap_or_default());
-        cancel_reasons.push(state.cancel_reason.clone());
-        last_errors.push(state.last_error.as_str());
-        histories.push(state.history.encode_to_vec());
-    }
-    sqlx::query(
-        "INSERT INTO job_outcomes (job_id, status, attempt, attempts_used, step, admitted_at_ms, claimed_by,
-                                   finished_at_ms, cancel_reason, last_error, history)
-         SELECT * FROM UNNEST($1::text[], $2::smallint[], $3::integer[], $4::integer[], $5::integer[],
-                              $6::bigint[], $7::text[], $8::bigint[], $9::text[], $10::text[], $11::bytea[])
-         ON CONFLICT (job_id) DO NOTHING",
-    )
-    .bind(&job_ids)
-    .bind(&statuses)
-    .bind(&attempts)
-    .bind(&attempts_used)
-    .bind(&steps)
-    .bind(&admitted_ats)
-    .bind(&claimed_bys)
-    .bind(&finished_ats)
-    .bind(&cancel_reasons)
-    .bind(&last_errors)
-    .bind(&histories)
-    .execute(connection)
-    .await?;
+    let columns = OutcomeColumns::of(finished);
+    let placeholders: Vec<String> = (1..=11).map(|index| format!("${index}")).collect();
+    sqlx::query(sqlx::AssertSqlSafe(OutcomeColumns::insert_sql(&placeholders, "")))
+        .bind(columns.job_ids)
+        .bind(columns.statuses)
+        .bind(columns.attempts)
+        .bind(columns.attempts_used)
+        .bind(columns.steps)
+        .bind(columns.admitted_ats)
+        .bind(columns.claimed_bys)
+        .bind(columns.finished_ats)
+        .bind(columns.cancel_reasons)
+        .bind(columns.last_errors)
+        .bind(columns.histories)
+        .execute(connection)
+        .await?;
     Ok(())
 }
 

@@ -173,11 +173,12 @@ pub trait OwnedStore: Send + Sync + 'static {
         writes: <Self::State as OwnedState>::Writes,
     ) -> Result<(), sqlx::Error>;
 
-    /// A batch whose only write is one journal row (the common case on the
-    /// hot path: grants, claims, dispatches) is committed as that row, with
-    /// the fence, in one autocommitted statement instead of a transaction's
-    /// four round trips. `None` (the default): `persist` in a transaction.
-    fn journal_only(&self, _writes: &<Self::State as OwnedState>::Writes) -> Option<JournalRow> {
+    /// A batch whose writes are all plain inserts (the common case on the
+    /// hot path: a journal row, and outcome rows when jobs end) is committed
+    /// with the fence in one autocommitted statement instead of a
+    /// transaction's round trips. `None` (the default): `persist` in a
+    /// transaction.
+    fn one_statement(&self, _writes: &<Self::State as OwnedState>::Writes) -> Option<FencedStatement> {
         None
     }
 
@@ -202,42 +203,88 @@ pub trait OwnedStore: Send + Sync + 'static {
     }
 }
 
-/// One journal row to commit with the fence (`OwnedStore::journal_only`):
-/// `table` has the columns (partition, seq, epoch, entry).
-pub struct JournalRow {
-    pub table: &'static str,
-    pub seq: i64,
-    pub entry: Vec<u8>,
+type PgQuery = sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// Writes committed with the fence in one statement
+/// (`OwnedStore::one_statement`, `commit_fenced`): data-modifying CTEs that
+/// each select from `fence`, the owners row updated only while the
+/// partition's epoch is still ours. In their SQL, `$1` is the partition and
+/// `$3` the epoch; values of their own are added with `param`.
+pub struct FencedStatement {
+    ctes: String,
+    writes: usize,
+    parameters: usize,
+    binds: Vec<Box<dyn FnOnce(PgQuery) -> PgQuery + Send>>,
 }
 
-/// Commit `row` fenced by `epoch` in one statement: the owners row is
-/// updated (applied offset) and the journal row inserted only while the
-/// partition's epoch is still ours, atomically, under the owners row's lock
-/// like `fence_and_advance` in a transaction.
-pub async fn commit_journal_row(
+impl Default for FencedStatement {
+    fn default() -> Self {
+        FencedStatement {
+            ctes: String::new(),
+            writes: 0,
+            // $1 partition, $2 applied offset, $3 epoch.
+            parameters: 3,
+            binds: Vec::new(),
+        }
+    }
+}
+
+impl FencedStatement {
+    /// Bind `value`; returns its placeholder (`$4`, `$5`, …).
+    pub fn param<T>(&mut self, value: T) -> String
+    where
+        T: for<'q> sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send + 'static,
+    {
+        self.parameters += 1;
+        self.binds.push(Box::new(move |query: PgQuery| query.bind(value)));
+        format!("${}", self.parameters)
+    }
+
+    /// Add a data-modifying statement; it must read `FROM fence` so that it
+    /// writes nothing when the epoch has moved on.
+    pub fn write(&mut self, statement: &str) {
+        use std::fmt::Write as _;
+        self.writes += 1;
+        let _ = write!(self.ctes, ", write{} AS ({statement})", self.writes);
+    }
+
+    /// A journal row: `table` has the columns (partition, seq, epoch, entry).
+    pub fn journal(&mut self, table: &str, seq: i64, entry: Vec<u8>) {
+        let seq = self.param(seq);
+        let entry = self.param(entry);
+        self.write(&format!(
+            "INSERT INTO {table} (partition, seq, epoch, entry) SELECT $1, {seq}, $3, {entry} FROM fence"
+        ));
+    }
+}
+
+/// Commit `statement` fenced by `epoch`: the owners row is updated (applied
+/// offset) and the writes made only while the partition's epoch is still
+/// ours, atomically, under the owners row's lock like `fence_and_advance` in
+/// a transaction.
+pub async fn commit_fenced(
     pool: &PgPool,
     partition: i32,
     epoch: i64,
     new_offset: Option<i64>,
-    row: JournalRow,
+    statement: FencedStatement,
 ) -> Result<(), CommitError> {
-    let statement = format!(
+    let sql = format!(
         "WITH fence AS (
             UPDATE owners SET applied_offset = GREATEST(applied_offset, $2), updated_at = now()
-            WHERE partition = $1 AND epoch = $3 RETURNING epoch)
-         INSERT INTO {} (partition, seq, epoch, entry) SELECT $1, $4, $3, $5 FROM fence",
-        row.table
+            WHERE partition = $1 AND epoch = $3 RETURNING epoch){}
+         SELECT count(*) FROM fence",
+        statement.ctes
     );
-    let inserted = sqlx::query(sqlx::AssertSqlSafe(statement))
+    let mut query: PgQuery = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(partition)
         .bind(new_offset)
-        .bind(epoch)
-        .bind(row.seq)
-        .bind(row.entry)
-        .execute(pool)
-        .await?
-        .rows_affected();
-    if inserted == 1 {
+        .bind(epoch);
+    for bind in statement.binds {
+        query = bind(query);
+    }
+    let fenced_rows: i64 = sqlx::Row::try_get(&query.fetch_one(pool).await?, 0)?;
+    if fenced_rows == 1 {
         return Ok(());
     }
     let current = lookup_owner(pool, partition).await?.map_or(-1, |(_, current)| current);
@@ -1273,8 +1320,8 @@ impl<S: OwnedStore> PartitionTask<S> {
             return Err(CommitError::Sql(crate::faults::refused_by_storage()));
         }
         if rejected.is_empty() {
-            if let Some(row) = self.store.journal_only(&writes) {
-                return commit_journal_row(&self.pool, context.partition, context.epoch, new_offset, row).await;
+            if let Some(statement) = self.store.one_statement(&writes) {
+                return commit_fenced(&self.pool, context.partition, context.epoch, new_offset, statement).await;
             }
         }
         let mut transaction = self.pool.begin().await?;

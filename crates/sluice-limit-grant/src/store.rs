@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use prost::Message as _;
-use sluice_common::owner::{JournalRow, OwnedStore, OwnerContext};
+use sluice_common::owner::{FencedStatement, OwnedStore, OwnerContext};
 use sluice_common::telemetry::CompactTraceContext;
 use sqlx::{PgConnection, Row};
 
@@ -113,13 +113,14 @@ impl OwnedStore for LimitStore {
         Ok(partition)
     }
 
-    fn journal_only(&self, writes: &LimitWrites) -> Option<JournalRow> {
+    fn one_statement(&self, writes: &LimitWrites) -> Option<FencedStatement> {
         let (seq, batch) = writes.journal.as_ref()?;
-        (writes.keys.is_empty() && writes.snapshot.is_none()).then(|| JournalRow {
-            table: "ticket_journal",
-            seq: *seq,
-            entry: batch.encode_to_vec(),
-        })
+        if !writes.keys.is_empty() || writes.snapshot.is_some() {
+            return None;
+        }
+        let mut statement = FencedStatement::default();
+        statement.journal("ticket_journal", *seq, batch.encode_to_vec());
+        Some(statement)
     }
 
     async fn persist(

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use sluice_common::owner::{bump_epoch, commit_journal_row, fence_and_advance, CommitError, JournalRow};
+use sluice_common::owner::{bump_epoch, commit_fenced, fence_and_advance, CommitError, FencedStatement};
 use sluice_common::partition::key_partition;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
@@ -45,10 +45,10 @@ async fn the_fence_refuses_an_older_owner_and_moves_the_offset_only_for_the_curr
     Ok(())
 }
 
-/// A batch committed as one journal row (no transaction) is fenced the same
-/// way: a stale owner's row is not written and moves no offset.
+/// A batch committed as one statement (no transaction) is fenced the same
+/// way: none of a stale owner's writes is made, and it moves no offset.
 #[tokio::test]
-async fn a_journal_row_committed_alone_is_fenced_like_a_transaction() -> anyhow::Result<()> {
+async fn a_batch_committed_as_one_statement_is_fenced_like_a_transaction() -> anyhow::Result<()> {
     init_logging();
     let config = test_config("epochjournal", &[])?;
     let schema = config.schema("limit_grant");
@@ -59,28 +59,30 @@ async fn a_journal_row_committed_alone_is_fenced_like_a_transaction() -> anyhow:
     let (first_epoch, _) = bump_epoch(&mut connection, 5, "owner-a", "http://a").await?;
     let (second_epoch, _) = bump_epoch(&mut connection, 5, "owner-b", "http://b").await?;
     drop(connection);
-    let row = |seq: i64| JournalRow {
-        table: "ticket_journal",
-        seq,
-        entry: vec![1, 2, 3],
+    // Two writes per statement: each must be gated by the fence.
+    let row = |seq: i64| {
+        let mut statement = FencedStatement::default();
+        statement.journal("ticket_journal", seq, vec![1, 2, 3]);
+        statement.journal("ticket_journal", seq + 100, vec![4]);
+        statement
     };
     let journal = "SELECT count(*) FROM ticket_journal WHERE partition = 5";
     let applied = "SELECT applied_offset FROM owners WHERE partition = 5";
 
-    let refused = commit_journal_row(&pool, 5, first_epoch, Some(40), row(1)).await;
+    let refused = commit_fenced(&pool, 5, first_epoch, Some(40), row(1)).await;
     assert!(
         matches!(refused, Err(CommitError::Fenced { ours, current, .. }) if ours == first_epoch && current == second_epoch),
         "{refused:?}"
     );
     let rows: i64 = sqlx::query_scalar(journal).fetch_one(&pool).await?;
-    assert_eq!(rows, 0, "a stale owner writes no journal row");
+    assert_eq!(rows, 0, "a stale owner writes no row");
     let offset: i64 = sqlx::query_scalar(applied).fetch_one(&pool).await?;
     assert_eq!(offset, -1, "nor moves the offset");
 
-    commit_journal_row(&pool, 5, second_epoch, Some(40), row(1)).await?;
-    commit_journal_row(&pool, 5, second_epoch, None, row(2)).await?;
+    commit_fenced(&pool, 5, second_epoch, Some(40), row(1)).await?;
+    commit_fenced(&pool, 5, second_epoch, None, row(2)).await?;
     let rows: i64 = sqlx::query_scalar(journal).fetch_one(&pool).await?;
-    assert_eq!(rows, 2);
+    assert_eq!(rows, 4);
     let offset: i64 = sqlx::query_scalar(applied).fetch_one(&pool).await?;
     assert_eq!(offset, 40, "the current owner's rows go in and move the offset");
     Ok(())
