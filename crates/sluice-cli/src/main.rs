@@ -51,8 +51,15 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run all four services in one process against the configured
-    /// PostgreSQL and Kafka (what `make run` starts).
-    Dev,
+    /// PostgreSQL and Kafka (what `make run` starts). Authentication is off
+    /// in dev, so every listener binds to loopback (127.0.0.1 / ::1), even
+    /// one configured on all interfaces, unless `--expose`.
+    Dev {
+        /// Keep listeners configured on all interfaces (0.0.0.0 / [::]):
+        /// anyone who can reach them can act on every tenant.
+        #[arg(long)]
+        expose: bool,
+    },
     /// Apply every service's database migrations and exit.
     Migrate,
     /// Kafka topics.
@@ -184,9 +191,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             return demo::run(&config, &cli.endpoints, args, format).await;
         }
-        Command::Dev => {
-            let config = Arc::new(SluiceConfig::load(cli.config.as_deref())?);
+        Command::Dev { expose } => {
+            let mut config = SluiceConfig::load(cli.config.as_deref())?;
+            let moved = if expose { Vec::new() } else { loopback_only(&mut config) };
+            let config = Arc::new(config);
             let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
+            for (setting, configured, bound) in &moved {
+                tracing::info!(
+                    setting,
+                    configured,
+                    bound,
+                    "sluice dev binds to loopback: authentication is off (--expose keeps all interfaces)"
+                );
+            }
+            if expose {
+                tracing::warn!("sluice dev --expose: authentication is off and listeners on all interfaces stay there; anyone who can reach them can act on every tenant");
+            }
             return dev(config, &telemetry).await;
         }
         Command::Migrate => {
@@ -331,6 +351,41 @@ fn local_endpoint(address: std::net::SocketAddr) -> String {
     }
 }
 
+/// The loopback address for a listen address on all interfaces (0.0.0.0,
+/// [::]); `None` for any other (a named host, a specific IP, empty).
+fn loopback_for(address: &str) -> Option<String> {
+    let parsed: std::net::SocketAddr = address.parse().ok()?;
+    if !parsed.ip().is_unspecified() {
+        return None;
+    }
+    let loopback = match parsed {
+        std::net::SocketAddr::V4(_) => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+        std::net::SocketAddr::V6(_) => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+    };
+    Some(std::net::SocketAddr::new(loopback, parsed.port()).to_string())
+}
+
+/// `sluice dev` has no authentication: move every listener configured on all
+/// interfaces to loopback. Returns (setting, configured, now bound) for each
+/// one moved.
+fn loopback_only(config: &mut SluiceConfig) -> Vec<(&'static str, String, String)> {
+    let mut moved = Vec::new();
+    let listeners: [(&'static str, &mut String); 6] = [
+        ("admission.listen", &mut config.admission.listen),
+        ("limit_grant.listen", &mut config.limit_grant.listen),
+        ("rate_window.listen", &mut config.rate_window.listen),
+        ("refresh_dispatcher.listen", &mut config.refresh_dispatcher.listen),
+        ("console.listen", &mut config.console.listen),
+        ("telemetry.metrics_listen", &mut config.telemetry.metrics_listen),
+    ];
+    for (setting, address) in listeners {
+        if let Some(loopback) = loopback_for(address) {
+            moved.push((setting, std::mem::replace(address, loopback.clone()), loopback));
+        }
+    }
+    moved
+}
+
 async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -> anyhow::Result<()> {
     let shutdown = Shutdown::new();
     shutdown.trigger_on_signals(config.process.drain_timeout.0);
@@ -380,7 +435,7 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
         "console",
         sluice_console::run(Arc::new(console_config), console, shutdown.clone()),
     );
-    println!("sluice dev: all four services in one process");
+    println!("sluice dev: all four services in one process; authentication is off (dev only)");
     for (name, address) in addresses {
         println!("  {name:<20} grpc://{address}");
     }
@@ -392,4 +447,19 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
     println!("  job requests topic   {}", config.topic(&config.topics.requested));
     println!("press ctrl-c to stop");
     supervisor.wait().await.map_err(|error| anyhow::anyhow!(error))
+}
+
+#[cfg(test)]
+mod dev_tests {
+    use super::loopback_for;
+
+    #[test]
+    fn only_listeners_on_all_interfaces_move_to_loopback() {
+        assert_eq!(loopback_for("0.0.0.0:50051").as_deref(), Some("127.0.0.1:50051"));
+        assert_eq!(loopback_for("[::]:9090").as_deref(), Some("[::1]:9090"));
+        assert_eq!(loopback_for("127.0.0.1:0"), None);
+        assert_eq!(loopback_for("10.1.2.3:50051"), None);
+        assert_eq!(loopback_for("sluice.internal:50051"), None);
+        assert_eq!(loopback_for(""), None);
+    }
 }

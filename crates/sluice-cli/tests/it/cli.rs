@@ -593,12 +593,14 @@ async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::R
         .env("SLUICE__POSTGRES__SCHEMA_PREFIX", &config.postgres.schema_prefix)
         .env("SLUICE__KAFKA__FETCH_WAIT_MAX_MS", "25")
         .env("SLUICE__POSTGRES__MAX_CONNECTIONS", "4")
-        .env("SLUICE__ADMISSION__LISTEN", "127.0.0.1:0")
+        // Configured on all interfaces: dev has no authentication, so it
+        // binds them to loopback.
+        .env("SLUICE__ADMISSION__LISTEN", "0.0.0.0:0")
         .env("SLUICE__LIMIT_GRANT__LISTEN", "127.0.0.1:0")
         .env("SLUICE__RATE_WINDOW__LISTEN", "127.0.0.1:0")
-        .env("SLUICE__REFRESH_DISPATCHER__LISTEN", "127.0.0.1:0")
-        .env("SLUICE__CONSOLE__LISTEN", "127.0.0.1:0")
-        .env("SLUICE__TELEMETRY__METRICS_LISTEN", "")
+        .env("SLUICE__REFRESH_DISPATCHER__LISTEN", "0.0.0.0:0")
+        .env("SLUICE__CONSOLE__LISTEN", "0.0.0.0:0")
+        .env("SLUICE__TELEMETRY__METRICS_LISTEN", "0.0.0.0:0")
         .env("SLUICE__KAFKA__PARTITIONS__LIMIT_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__RATE_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__JOBS", "2")
@@ -609,11 +611,17 @@ async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::R
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut endpoints = std::collections::HashMap::new();
     let mut console = None;
-    while endpoints.len() < 4 || console.is_none() {
+    let mut metrics = None;
+    let mut auth_off_said = false;
+    while endpoints.len() < 4 || console.is_none() || metrics.is_none() {
         let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
             .await??
             .unwrap_or_default();
+        auth_off_said |= line.contains("authentication is off");
         let words: Vec<&str> = line.split_whitespace().collect();
+        if let ["metrics", address] = words[..] {
+            metrics = Some(address.to_string());
+        }
         if let [name, address] = words[..] {
             if let Some(address) = address.strip_prefix("grpc://") {
                 endpoints.insert(name.to_string(), format!("http://{address}"));
@@ -624,6 +632,13 @@ async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::R
                     .map(|address| address.trim_end_matches('/').to_string());
             }
         }
+    }
+    assert!(auth_off_said, "sluice dev says authentication is off");
+    for address in endpoints.values().chain(&console).chain(&metrics) {
+        assert!(
+            address.contains("//127.0.0.1:") || address.starts_with("127.0.0.1:"),
+            "every listener on loopback, {address} is not: {endpoints:?} {console:?} {metrics:?}"
+        );
     }
     // The console answers at the address printed.
     let console = console.unwrap_or_default();
