@@ -204,9 +204,11 @@ pub struct ServiceProxy {
 }
 
 impl ServiceProxy {
-    pub async fn start() -> anyhow::Result<ServiceProxy> {
+    /// A TCP proxy; `tls`: the instances behind it speak TLS (the proxy
+    /// passes the bytes through), so its endpoint is `https://`.
+    pub async fn start(tls: bool) -> anyhow::Result<ServiceProxy> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let endpoint = format!("http://{}", listener.local_addr()?);
+        let endpoint = format!("{}://{}", scheme(tls), listener.local_addr()?);
         let backends: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
         let stop = Shutdown::new();
         let accepting = {
@@ -253,7 +255,10 @@ impl ServiceProxy {
 
     /// One more instance behind the address (`http://host:port`).
     pub fn add(&self, endpoint: &str) {
-        let address = endpoint.trim_start_matches("http://").to_string();
+        let address = endpoint
+            .trim_start_matches("http://")
+            .trim_start_matches("https://")
+            .to_string();
         self.backends
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -335,9 +340,17 @@ impl Drop for Node {
     }
 }
 
-async fn listener() -> anyhow::Result<(tokio::net::TcpListener, String)> {
+fn scheme(tls: bool) -> &'static str {
+    if tls {
+        "https"
+    } else {
+        "http"
+    }
+}
+
+async fn listener(tls: bool) -> anyhow::Result<(tokio::net::TcpListener, String)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let endpoint = format!("http://{}", listener.local_addr()?);
+    let endpoint = format!("{}://{}", scheme(tls), listener.local_addr()?);
     Ok((listener, endpoint))
 }
 
@@ -353,7 +366,7 @@ where
     Fut: std::future::Future<Output = Result<(), E>> + Send + 'static,
     E: std::fmt::Display,
 {
-    let (listener, endpoint) = listener().await?;
+    let (listener, endpoint) = listener(config.tls.server_enabled()).await?;
     let shutdown = Shutdown::new();
     let running = run(config.clone(), listener, shutdown.clone(), faults.clone());
     let handle = tokio::spawn(async move { running.await.map_err(|error| error.to_string()) });
@@ -405,8 +418,9 @@ impl Stack {
         let pool = admin_pool(&config).await?;
         // Create topics up front so consumers of every instance see them.
         sluice_common::kafka::ensure_topics(&config.kafka, &sluice_common::service::all_topics(&config), true).await?;
-        let limit_grant_service = ServiceProxy::start().await?;
-        let rate_window_service = ServiceProxy::start().await?;
+        let tls = config.tls.server_enabled();
+        let limit_grant_service = ServiceProxy::start(tls).await?;
+        let rate_window_service = ServiceProxy::start(tls).await?;
         config.admission.limit_grant_endpoint = limit_grant_service.endpoint.clone();
         config.admission.rate_window_endpoint = rate_window_service.endpoint.clone();
         let bootstrap = Arc::new(config.clone());
@@ -647,8 +661,10 @@ pub async fn admin_pool(config: &SluiceConfig) -> anyhow::Result<PgPool> {
         .await?)
 }
 
+/// A channel to `endpoint`; `https://` ones trust the CA the stack's
+/// services in this process were configured with (`tls.ca_file`).
 pub async fn connect(endpoint: &str) -> anyhow::Result<Channel> {
-    Ok(tonic::transport::Endpoint::from_shared(endpoint.to_string())?
+    Ok(sluice_common::tls::endpoint(endpoint)?
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await?)

@@ -37,7 +37,6 @@ use sluice_common::{grpc, Faults, Shutdown, SluiceConfig};
 use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use tokio::net::TcpListener;
-use tonic::transport::Endpoint;
 
 use crate::partition::{Local, PartitionSettings};
 use crate::transitions::Timing;
@@ -67,7 +66,7 @@ pub async fn migrate(config: &SluiceConfig) -> Result<(), AdmissionServiceError>
 }
 
 fn lazy_channel(endpoint: &str) -> Result<tonic::transport::Channel, AdmissionServiceError> {
-    Ok(Endpoint::from_shared(endpoint.to_string())
+    Ok(sluice_common::tls::endpoint(endpoint)
         .map_err(|error| AdmissionServiceError::Endpoint {
             endpoint: endpoint.to_string(),
             message: error.to_string(),
@@ -122,11 +121,13 @@ pub async fn run(
     shutdown: Shutdown,
     faults: Faults,
 ) -> Result<(), AdmissionServiceError> {
+    let tls = sluice_common::tls::ServerTls::load(&config.tls).map_err(grpc::GrpcError::from)?;
+    sluice_common::tls::configure_clients(&config.tls).map_err(grpc::GrpcError::from)?;
     let pool = open_database(&config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &MIGRATOR]).await?;
     kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
     let readiness = Readiness::new();
     let publisher = Publisher::for_service(&config.kafka, readiness.clone(), faults.clone())?;
-    let endpoint = advertised_endpoint(&config.admission.advertised_endpoint, &listener);
+    let endpoint = advertised_endpoint(&config.admission.advertised_endpoint, &listener, tls.is_some());
 
     // The hot path: commands up and grants down over streams to limit-grant
     // and rate-window (docs/hot-path.md).
@@ -268,7 +269,7 @@ pub async fn run(
         "idempotency key cleanup",
         drop_expired_idempotency_keys(pool.clone(), config.admission.sweep_interval.0, shutdown.clone()),
     );
-    supervisor.spawn("grpc server", grpc::serve(listener, grpc_routes, shutdown.clone()));
+    supervisor.spawn("grpc server", grpc::serve(listener, grpc_routes, tls, shutdown.clone()));
     supervisor.spawn(
         "topic watch",
         kafka::watch_topics(

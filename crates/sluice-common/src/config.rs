@@ -92,6 +92,7 @@ pub struct SluiceConfig {
     pub task_groups: BTreeMap<String, TaskGroupConfig>,
     pub process: ProcessConfig,
     pub console: ConsoleConfig,
+    pub tls: crate::tls::TlsConfig,
 }
 
 /// The web console (`sluice-console`): where it listens, the services it

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::Status;
 
 pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
@@ -90,7 +90,7 @@ impl ChannelCache {
         if let Some(channel) = channels.get(endpoint) {
             return Ok(channel.clone());
         }
-        let channel = Endpoint::from_shared(endpoint.to_string())
+        let channel = crate::tls::endpoint(endpoint)
             .map_err(|error| Status::internal(format!("bad owner endpoint {endpoint:?}: {error}")))?
             .connect_timeout(Duration::from_secs(3))
             .timeout(Duration::from_secs(30))

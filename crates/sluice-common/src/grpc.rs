@@ -21,6 +21,8 @@ pub enum GrpcError {
     },
     #[error("reflection setup failed: {0}")]
     Reflection(String),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
 }
@@ -77,23 +79,86 @@ pub fn base_routes(services: Vec<&'static str>) -> Result<(RoutesBuilder, Health
     Ok((routes, Health { reporter, services }))
 }
 
-/// Serve until `shutdown` (graceful: in-flight calls finish).
-pub async fn serve(listener: TcpListener, routes: RoutesBuilder, shutdown: Shutdown) -> Result<(), GrpcError> {
+/// How long a client may take over its TLS handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serve until `shutdown` (graceful: in-flight calls finish); over TLS when
+/// `tls` is set (its certificate reloaded while serving).
+pub async fn serve(
+    listener: TcpListener,
+    routes: RoutesBuilder,
+    tls: Option<std::sync::Arc<crate::tls::ServerTls>>,
+    shutdown: Shutdown,
+) -> Result<(), GrpcError> {
     let local: Option<SocketAddr> = listener.local_addr().ok();
-    tracing::info!(address = ?local, "gRPC server listening");
+    tracing::info!(address = ?local, tls = tls.is_some(), "gRPC server listening");
     // Without TCP_NODELAY a small write behind one the peer has not
     // acknowledged waits for its delayed ACK (40 ms on Linux): a stream's
     // push or grant right after another would pay it every time.
-    let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |accepted| {
+    let accepted = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |accepted| {
         accepted.inspect(|stream| {
             if let Err(error) = stream.set_nodelay(true) {
                 tracing::debug!(%error, "could not set TCP_NODELAY on a gRPC connection");
             }
         })
     });
-    tonic::transport::Server::builder()
-        .add_routes(routes.routes())
-        .serve_with_incoming_shutdown(incoming, async move { shutdown.cancelled().await })
-        .await?;
+    let server = tonic::transport::Server::builder().add_routes(routes.routes());
+    let stop = shutdown.clone();
+    match tls {
+        None => {
+            server
+                .serve_with_incoming_shutdown(accepted, async move { stop.cancelled().await })
+                .await?
+        }
+        Some(tls) => {
+            tokio::spawn(tls.clone().watch(shutdown.clone()));
+            let handshaken = handshakes(accepted, tls, shutdown.clone());
+            server
+                .serve_with_incoming_shutdown(handshaken, async move { stop.cancelled().await })
+                .await?
+        }
+    }
     Ok(())
+}
+
+/// TLS connections from accepted TCP ones, each handshake in a task of its
+/// own (a slow or silent client holds up no one else), bounded in time. A
+/// failed handshake (a plaintext client, an untrusted client certificate)
+/// is logged and the connection dropped.
+fn handshakes(
+    accepted: impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static,
+    tls: std::sync::Arc<crate::tls::ServerTls>,
+    shutdown: Shutdown,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>> {
+    let (sender, receiver) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let mut accepted = std::pin::pin!(accepted);
+        loop {
+            let next = tokio::select! {
+                () = shutdown.cancelled() => return,
+                next = tokio_stream::StreamExt::next(&mut accepted) => next,
+            };
+            let stream = match next {
+                Some(Ok(stream)) => stream,
+                Some(Err(error)) => {
+                    tracing::debug!(%error, "accepting a gRPC connection failed");
+                    continue;
+                }
+                None => return,
+            };
+            let peer = stream.peer_addr().ok();
+            let acceptor = tls.acceptor();
+            let sender = sender.clone();
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => {
+                        let _ = sender.send(Ok(tls_stream)).await;
+                    }
+                    Ok(Err(error)) => tracing::info!(?peer, %error, "TLS handshake refused"),
+                    Err(_) => tracing::info!(?peer, "TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(receiver)
 }

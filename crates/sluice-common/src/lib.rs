@@ -21,6 +21,7 @@ pub mod shutdown;
 pub mod storage;
 pub mod telemetry;
 pub mod ticket;
+pub mod tls;
 pub mod validate;
 
 pub use config::SluiceConfig;

@@ -906,7 +906,7 @@ async fn read_directory(seed: &str) -> Result<HashMap<i32, Arc<str>>, String> {
 /// A channel for long-lived streams: no per-request timeout, keep-alives to
 /// notice a peer that went away.
 fn stream_channel(endpoint: &str) -> Result<tonic::transport::Endpoint, tonic::transport::Error> {
-    Ok(tonic::transport::Endpoint::from_shared(endpoint.to_string())?
+    Ok(crate::tls::endpoint(endpoint)?
         .connect_timeout(Duration::from_secs(3))
         .http2_keep_alive_interval(Duration::from_secs(5))
         .keep_alive_timeout(Duration::from_secs(5))

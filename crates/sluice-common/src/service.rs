@@ -98,21 +98,23 @@ pub fn all_topics(config: &SluiceConfig) -> Vec<TopicSpec> {
 }
 
 /// The address other instances forward to: the configured one, else the
-/// listener's address (its IP, or this host's name when bound to 0.0.0.0).
-pub fn advertised_endpoint(configured: &str, listener: &TcpListener) -> String {
+/// listener's address (its IP, or this host's name when bound to 0.0.0.0),
+/// `https://` when the server speaks TLS.
+pub fn advertised_endpoint(configured: &str, listener: &TcpListener, tls: bool) -> String {
     if !configured.trim().is_empty() {
         return configured.trim().to_string();
     }
+    let scheme = if tls { "https" } else { "http" };
     let Ok(address) = listener.local_addr() else {
-        return "http://localhost".to_string();
+        return format!("{scheme}://localhost");
     };
     if address.ip().is_unspecified() {
         let host = std::env::var("POD_IP")
             .or_else(|_| std::env::var("HOSTNAME"))
             .unwrap_or_else(|_| "localhost".to_string());
-        format!("http://{host}:{}", address.port())
+        format!("{scheme}://{host}:{}", address.port())
     } else {
-        format!("http://{address}")
+        format!("{scheme}://{address}")
     }
 }
 
@@ -272,11 +274,13 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
     use crate::kafka::{ConsumerOptions, ConsumerProgress, Publisher};
     use crate::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
 
+    let tls = crate::tls::ServerTls::load(&config.tls).map_err(crate::grpc::GrpcError::from)?;
+    crate::tls::configure_clients(&config.tls).map_err(crate::grpc::GrpcError::from)?;
     let pool = open_database(&config, spec.schema, &[&crate::owner::MIGRATOR, spec.migrator]).await?;
     crate::kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
     let readiness = crate::readiness::Readiness::new();
     let publisher = Publisher::for_service(&config.kafka, readiness.clone(), faults.clone())?;
-    let endpoint = advertised_endpoint(&spec.advertised_endpoint, &listener);
+    let endpoint = advertised_endpoint(&spec.advertised_endpoint, &listener, tls.is_some());
     let registry = OwnerRegistry::new(spec.service, readiness.clone());
     let runtime = OwnerRuntime::new(
         Arc::new(store),
@@ -355,7 +359,10 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
         ),
     );
     supervisor.spawn("readiness", report_readiness(readiness, health, shutdown.clone()));
-    supervisor.spawn("grpc server", crate::grpc::serve(listener, routes, shutdown.clone()));
+    supervisor.spawn(
+        "grpc server",
+        crate::grpc::serve(listener, routes, tls, shutdown.clone()),
+    );
     tracing::info!(service = spec.service, %endpoint, "service started");
     let outcome = supervisor.wait().await;
     publisher.flush(std::time::Duration::from_secs(5));

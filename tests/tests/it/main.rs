@@ -19,4 +19,5 @@ mod limits;
 mod membership;
 mod rate;
 mod storage;
+mod tls;
 mod work;

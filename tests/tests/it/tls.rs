@@ -1,0 +1,264 @@
+//! TLS on gRPC (issue 14): certificates generated here with rcgen. A whole
+//! stack serves only TLS and its services reach each other over it; a
+//! plaintext client is refused; a rotated certificate is served without a
+//! restart; with a client CA, a client without a certificate is refused.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use sluice_common::Shutdown;
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+
+/// A CA, and a certificate for 127.0.0.1 and localhost signed by it.
+struct Pki {
+    ca_pem: String,
+    cert_pem: String,
+    key_pem: String,
+}
+
+fn new_pki(name: &str) -> anyhow::Result<Pki> {
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} CA"));
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} server"));
+    let cert = params.signed_by(&key, &issuer)?;
+    Ok(Pki {
+        ca_pem: ca_cert.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// A folder of its own for one test's files.
+fn folder(name: &str) -> anyhow::Result<PathBuf> {
+    let folder = std::env::temp_dir().join(format!("sluice-tls-{name}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&folder)?;
+    Ok(folder)
+}
+
+/// Write `pki`'s files into `folder`; returns (cert, key, ca) paths.
+fn write_pki(folder: &std::path::Path, pki: &Pki) -> anyhow::Result<(String, String, String)> {
+    let path = |file: &str| folder.join(file).to_string_lossy().into_owned();
+    // Written beside, then renamed: a reader never sees half a file.
+    for (file, text) in [
+        ("tls.crt", &pki.cert_pem),
+        ("tls.key", &pki.key_pem),
+        ("ca.crt", &pki.ca_pem),
+    ] {
+        std::fs::write(path(&format!("{file}.new")), text)?;
+        std::fs::rename(path(&format!("{file}.new")), path(file))?;
+    }
+    Ok((path("tls.crt"), path("tls.key"), path("ca.crt")))
+}
+
+/// Health over a new channel to `endpoint`, trusting `ca` and presenting
+/// `identity`.
+async fn health_over_tls(endpoint: &str, ca: &str, identity: Option<(&str, &str)>) -> anyhow::Result<()> {
+    let tls = sluice_common::tls::client_tls(
+        Some(ca.as_bytes()),
+        identity.map(|(cert, key)| (cert.as_bytes().to_vec(), key.as_bytes().to_vec())),
+    );
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await?;
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+        .await?;
+    Ok(())
+}
+
+/// A gRPC server with only health, over the TLS of `config`.
+async fn tls_server(config: &sluice_common::tls::TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
+    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
+    let endpoint = format!("https://{}", listener.local_addr()?);
+    let (routes, health) = sluice_common::grpc::base_routes(vec![])?;
+    health.set_serving(true).await;
+    let tls = sluice_common::tls::ServerTls::load(config)?;
+    assert!(tls.is_some(), "TLS is on when a certificate is configured");
+    tokio::spawn(sluice_common::grpc::serve(listener, routes, tls, stop.clone()));
+    Ok(endpoint)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> anyhow::Result<()> {
+    init_logging();
+    let folder = folder("stack")?;
+    let pki = new_pki("stack")?;
+    let (cert, key, ca) = write_pki(&folder, &pki)?;
+    let config = test_config(
+        "tlsstack",
+        &[
+            ("tls.cert_file", cert.as_str()),
+            ("tls.key_file", key.as_str()),
+            ("tls.ca_file", ca.as_str()),
+        ],
+    )?;
+    let stack = Stack::start(config, 1).await?;
+    let admission_endpoint = stack.admissions[0].endpoint.clone();
+    assert!(admission_endpoint.starts_with("https://"), "{admission_endpoint}");
+
+    // A job under a concurrency limit is admitted: admission asked
+    // limit-grant over its TLS link and got the grant back.
+    let mut admission = stack.admission_client().await?;
+    let job_id = admission
+        .enqueue(pb::EnqueueRequest {
+            job: Some(concurrency_job("acme", "tls-key", 1, 5, "over tls")),
+        })
+        .await?
+        .into_inner()
+        .job_id;
+    eventually(Duration::from_secs(60), "the job admitted over TLS links", || {
+        let mut admission = admission.clone();
+        let job_id = job_id.clone();
+        async move {
+            let job = admission
+                .get_job(pb::GetJobRequest { job_id })
+                .await?
+                .into_inner()
+                .job
+                .unwrap_or_default();
+            Ok(job.status == pb::JobStatus::Admitted as i32)
+        }
+    })
+    .await?;
+
+    // A plaintext client gets no answer from a TLS server.
+    let plaintext = admission_endpoint.replacen("https://", "http://", 1);
+    let refused = tokio::time::timeout(Duration::from_secs(20), async {
+        let channel = tonic::transport::Endpoint::from_shared(plaintext.clone())?
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await?;
+        tonic_health::pb::health_client::HealthClient::new(channel)
+            .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+            .await?;
+        anyhow::Ok(())
+    })
+    .await;
+    assert!(
+        !matches!(refused, Ok(Ok(()))),
+        "a plaintext client was answered by {plaintext}"
+    );
+    // A client trusting another CA is refused too.
+    let stranger = new_pki("stranger")?;
+    assert!(health_over_tls(&admission_endpoint, &stranger.ca_pem, None)
+        .await
+        .is_err());
+    assert!(health_over_tls(&admission_endpoint, &pki.ca_pem, None).await.is_ok());
+    stack.stop().await;
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_certificate_is_served_without_a_restart() -> anyhow::Result<()> {
+    init_logging();
+    let folder = folder("rotate")?;
+    let first = new_pki("first")?;
+    let (cert, key, _) = write_pki(&folder, &first)?;
+    let config = sluice_common::tls::TlsConfig {
+        cert_file: cert,
+        key_file: key,
+        client_ca_file: String::new(),
+        ca_file: String::new(),
+        reload_interval: sluice_common::config::HumanDuration(Duration::from_millis(100)),
+    };
+    let stop = Shutdown::new();
+    let endpoint = tls_server(&config, &stop).await?;
+    health_over_tls(&endpoint, &first.ca_pem, None).await?;
+
+    // cert-manager writes a certificate from another CA.
+    let second = new_pki("second")?;
+    write_pki(&folder, &second)?;
+    eventually(Duration::from_secs(30), "the new certificate served", || async {
+        Ok(health_over_tls(&endpoint, &second.ca_pem, None).await.is_ok())
+    })
+    .await?;
+    assert!(
+        health_over_tls(&endpoint, &first.ca_pem, None).await.is_err(),
+        "new connections no longer get the old certificate"
+    );
+
+    // A pair that does not load keeps the last good one.
+    std::fs::write(folder.join("tls.key"), "not a key")?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    health_over_tls(&endpoint, &second.ca_pem, None).await?;
+    stop.trigger();
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_client_ca_a_client_without_a_certificate_is_refused() -> anyhow::Result<()> {
+    init_logging();
+    let folder = folder("mtls")?;
+    let pki = new_pki("mutual")?;
+    let (cert, key, ca) = write_pki(&folder, &pki)?;
+    let config = sluice_common::tls::TlsConfig {
+        cert_file: cert,
+        key_file: key,
+        client_ca_file: ca,
+        ca_file: String::new(),
+        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
+    };
+    let stop = Shutdown::new();
+    let endpoint = tls_server(&config, &stop).await?;
+    assert!(
+        health_over_tls(&endpoint, &pki.ca_pem, None).await.is_err(),
+        "no client certificate"
+    );
+    let stranger = new_pki("stranger")?;
+    assert!(
+        health_over_tls(&endpoint, &pki.ca_pem, Some((&stranger.cert_pem, &stranger.key_pem)))
+            .await
+            .is_err(),
+        "a client certificate of another CA"
+    );
+    health_over_tls(&endpoint, &pki.ca_pem, Some((&pki.cert_pem, &pki.key_pem))).await?;
+    stop.trigger();
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
+}
+
+/// Settings that do not load are refused at startup, naming the setting:
+/// a server never falls back to plaintext.
+#[test]
+fn a_configured_certificate_that_does_not_load_is_an_error_naming_the_setting() {
+    let config = sluice_common::tls::TlsConfig {
+        cert_file: "/nonexistent/tls.crt".to_string(),
+        key_file: "/nonexistent/tls.key".to_string(),
+        client_ca_file: String::new(),
+        ca_file: String::new(),
+        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
+    };
+    let error = sluice_common::tls::ServerTls::load(&config)
+        .err()
+        .map(|error| error.to_string());
+    assert!(
+        error.as_deref().is_some_and(|error| error.contains("tls.cert_file")),
+        "{error:?}"
+    );
+    let half = sluice_common::tls::TlsConfig {
+        key_file: String::new(),
+        ..config
+    };
+    assert!(
+        sluice_common::tls::ServerTls::load(&half).is_err(),
+        "half a pair is refused"
+    );
+}
