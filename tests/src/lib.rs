@@ -3,6 +3,8 @@
 //! PostgreSQL, each test with its own topic prefix, schema prefix and consumer
 //! groups, so tests run in parallel and rerun without cleanup.
 
+pub mod pki;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Once};

@@ -53,6 +53,41 @@ pub struct Endpoints {
         value_name = "URL"
     )]
     pub refresh_dispatcher: String,
+    /// CA certificate (PEM) trusted for `https://` endpoints (the
+    /// services' `tls.ca_file`).
+    #[arg(long, global = true, env = "SLUICE_TLS_CA_FILE", value_name = "PEM")]
+    pub tls_ca_file: Option<String>,
+    /// Client certificate (PEM) for services that require one
+    /// (`tls.client_ca_file`); with `--tls-key-file`.
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_TLS_CERT_FILE",
+        value_name = "PEM",
+        requires = "tls_key_file"
+    )]
+    pub tls_cert_file: Option<String>,
+    /// The key of `--tls-cert-file` (PEM).
+    #[arg(
+        long,
+        global = true,
+        env = "SLUICE_TLS_KEY_FILE",
+        value_name = "PEM",
+        requires = "tls_cert_file"
+    )]
+    pub tls_key_file: Option<String>,
+}
+
+impl Endpoints {
+    /// What `https://` channels of this command trust and present.
+    pub fn configure_tls(&self) -> anyhow::Result<()> {
+        let identity = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => Some((cert.as_str(), key.as_str())),
+            _ => None,
+        };
+        sluice_common::tls::configure_client_files(self.tls_ca_file.as_deref(), identity)?;
+        Ok(())
+    }
 }
 
 /// `127.0.0.1:50051` and `http://127.0.0.1:50051` both work.
@@ -68,7 +103,7 @@ pub fn normalized(endpoint: &str) -> String {
 /// the call's `UNAVAILABLE`, with the service and endpoint named.
 pub fn channel(endpoint: &str) -> anyhow::Result<Channel> {
     let endpoint = normalized(endpoint);
-    Ok(tonic::transport::Endpoint::from_shared(endpoint.clone())
+    Ok(sluice_common::tls::endpoint(&endpoint)
         .with_context(|| format!("bad endpoint {endpoint:?}"))?
         .connect_timeout(Duration::from_secs(3))
         .timeout(Duration::from_secs(15))

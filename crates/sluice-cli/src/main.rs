@@ -141,6 +141,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    cli.endpoints.configure_tls()?;
     let format = cli.output;
     let printable: Box<dyn Printable> = match cli.command {
         Command::Jobs { command } => jobs::run(&cli.endpoints, command).await?,

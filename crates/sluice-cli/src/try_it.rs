@@ -27,7 +27,7 @@ pub struct TryOptions {
 }
 
 pub async fn run(config: &SluiceConfig, options: TryOptions) -> anyhow::Result<()> {
-    let channel = tonic::transport::Endpoint::from_shared(options.endpoint.clone())?
+    let channel = sluice_common::tls::endpoint(&options.endpoint)?
         .connect()
         .await
         .with_context(|| {

@@ -9,21 +9,34 @@ use sluice_proto::v1::refresh_client::RefreshClient;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{Error, Result};
+use crate::options::ClientOptions;
 
-fn lazy_channel(field: &'static str, endpoint: &str, timeout: Duration) -> Result<Channel> {
+/// An endpoint for `url`: TLS for `https://` with `tls`.
+pub(crate) fn endpoint(
+    url: &str,
+    tls: &tonic::transport::ClientTlsConfig,
+) -> std::result::Result<Endpoint, tonic::transport::Error> {
+    let endpoint = Endpoint::from_shared(url.trim().to_string())?;
+    if url.trim().starts_with("https://") {
+        return endpoint.tls_config(tls.clone());
+    }
+    Ok(endpoint)
+}
+
+fn lazy_channel(field: &'static str, endpoint: &str, options: &ClientOptions) -> Result<Channel> {
     if endpoint.trim().is_empty() {
         return Err(Error::Config {
             field,
             message: "must not be empty".to_string(),
         });
     }
-    let endpoint = Endpoint::from_shared(endpoint.trim().to_string())
+    let endpoint = self::endpoint(endpoint, &options.tls())
         .map_err(|error| Error::Config {
             field,
             message: format!("{endpoint:?} is not a URL: {error}"),
         })?
         .connect_timeout(Duration::from_secs(5))
-        .timeout(timeout)
+        .timeout(options.request_timeout)
         .tcp_nodelay(true);
     Ok(endpoint.connect_lazy())
 }
@@ -36,9 +49,9 @@ pub(crate) struct Admission {
 }
 
 impl Admission {
-    pub fn new(endpoint: &str, timeout: Duration) -> Result<Self> {
+    pub fn new(endpoint: &str, options: &ClientOptions) -> Result<Self> {
         Ok(Admission {
-            client: AdmissionClient::new(lazy_channel("admission_endpoint", endpoint, timeout)?),
+            client: AdmissionClient::new(lazy_channel("admission_endpoint", endpoint, options)?),
             endpoint: endpoint.to_string(),
         })
     }
@@ -52,9 +65,9 @@ pub(crate) struct Refresh {
 }
 
 impl Refresh {
-    pub fn new(endpoint: &str, timeout: Duration) -> Result<Self> {
+    pub fn new(endpoint: &str, options: &ClientOptions) -> Result<Self> {
         Ok(Refresh {
-            client: RefreshClient::new(lazy_channel("refresh_endpoint", endpoint, timeout)?),
+            client: RefreshClient::new(lazy_channel("refresh_endpoint", endpoint, options)?),
             endpoint: endpoint.to_string(),
         })
     }

@@ -48,6 +48,13 @@ pub struct ClientOptions {
     /// Extra librdkafka settings of consumers only (session.timeout.ms,
     /// max.poll.interval.ms, ...), applied after `kafka_properties`.
     pub consumer_properties: BTreeMap<String, String>,
+    /// CA certificates (PEM) trusted for `https://` endpoints (the
+    /// services' `tls.ca_file`). `https://` needs it: no system roots are
+    /// loaded.
+    pub tls_ca_pem: Option<Vec<u8>>,
+    /// Client certificate chain and key (PEM), for services that require
+    /// client certificates (`tls.client_ca_file`).
+    pub tls_identity_pem: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Default for ClientOptions {
@@ -66,11 +73,25 @@ impl Default for ClientOptions {
             request_timeout: Duration::from_secs(10),
             kafka_properties: BTreeMap::new(),
             consumer_properties: BTreeMap::new(),
+            tls_ca_pem: None,
+            tls_identity_pem: None,
         }
     }
 }
 
 impl ClientOptions {
+    /// The TLS settings of `https://` channels.
+    pub(crate) fn tls(&self) -> tonic::transport::ClientTlsConfig {
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        if let Some(ca) = &self.tls_ca_pem {
+            tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(ca));
+        }
+        if let Some((cert, key)) = &self.tls_identity_pem {
+            tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        tls
+    }
+
     /// Set one extra librdkafka property of every client.
     pub fn kafka_property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.kafka_properties.insert(name.into(), value.into());

@@ -75,7 +75,7 @@ impl Producer {
         Ok(Producer {
             kafka,
             requested_topic: options.requested_topic(),
-            admission: Admission::new(&options.admission_endpoint, options.request_timeout)?,
+            admission: Admission::new(&options.admission_endpoint, options)?,
             delivery_timeout: Duration::from_secs(30),
         })
     }

@@ -232,18 +232,22 @@ static CLIENT: RwLock<Option<ClientSettings>> = RwLock::new(None);
 /// present (the certificate pair, when the server side requires client
 /// certificates). Read once per new channel.
 pub fn configure_clients(config: &TlsConfig) -> Result<(), TlsError> {
-    let ca = if config.ca_file.trim().is_empty() {
-        None
-    } else {
-        Some(read("ca_file", &config.ca_file)?)
+    let identity = (config.server_enabled() && !config.client_ca_file.trim().is_empty())
+        .then_some((config.cert_file.as_str(), config.key_file.as_str()));
+    configure_client_files(Some(config.ca_file.as_str()), identity)
+}
+
+/// The same from files named directly (the `sluice` command's flags):
+/// `ca_file` trusted, `identity` (certificate, key) presented. Empty or
+/// `None`: not set.
+pub fn configure_client_files(ca_file: Option<&str>, identity: Option<(&str, &str)>) -> Result<(), TlsError> {
+    let ca = match ca_file.map(str::trim) {
+        Some(path) if !path.is_empty() => Some(read("ca_file", path)?),
+        _ => None,
     };
-    let identity = if config.server_enabled() && !config.client_ca_file.trim().is_empty() {
-        Some((
-            read("cert_file", &config.cert_file)?,
-            read("key_file", &config.key_file)?,
-        ))
-    } else {
-        None
+    let identity = match identity {
+        Some((cert, key)) => Some((read("cert_file", cert)?, read("key_file", key)?)),
+        None => None,
     };
     *CLIENT.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(ClientSettings { ca, identity });
     Ok(())

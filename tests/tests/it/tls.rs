@@ -3,64 +3,14 @@
 //! plaintext client is refused; a rotated certificate is served without a
 //! restart; with a client CA, a client without a certificate is refused.
 
-use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use sluice_common::Shutdown;
+use sluice_e2e::pki::{folder, new_pki, write_pki};
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
-
-/// A CA, and a certificate for 127.0.0.1 and localhost signed by it.
-struct Pki {
-    ca_pem: String,
-    cert_pem: String,
-    key_pem: String,
-}
-
-fn new_pki(name: &str) -> anyhow::Result<Pki> {
-    let ca_key = KeyPair::generate()?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, format!("{name} CA"));
-    let ca_cert = ca_params.self_signed(&ca_key)?;
-    let issuer = Issuer::new(ca_params, ca_key);
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
-    params
-        .distinguished_name
-        .push(DnType::CommonName, format!("{name} server"));
-    let cert = params.signed_by(&key, &issuer)?;
-    Ok(Pki {
-        ca_pem: ca_cert.pem(),
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-    })
-}
-
-/// A folder of its own for one test's files.
-fn folder(name: &str) -> anyhow::Result<PathBuf> {
-    let folder = std::env::temp_dir().join(format!("sluice-tls-{name}-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&folder)?;
-    Ok(folder)
-}
-
-/// Write `pki`'s files into `folder`; returns (cert, key, ca) paths.
-fn write_pki(folder: &std::path::Path, pki: &Pki) -> anyhow::Result<(String, String, String)> {
-    let path = |file: &str| folder.join(file).to_string_lossy().into_owned();
-    // Written beside, then renamed: a reader never sees half a file.
-    for (file, text) in [
-        ("tls.crt", &pki.cert_pem),
-        ("tls.key", &pki.key_pem),
-        ("ca.crt", &pki.ca_pem),
-    ] {
-        std::fs::write(path(&format!("{file}.new")), text)?;
-        std::fs::rename(path(&format!("{file}.new")), path(file))?;
-    }
-    Ok((path("tls.crt"), path("tls.key"), path("ca.crt")))
-}
 
 /// Health over a new channel to `endpoint`, trusting `ca` and presenting
 /// `identity`.
@@ -111,8 +61,33 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
     let admission_endpoint = stack.admissions[0].endpoint.clone();
     assert!(admission_endpoint.starts_with("https://"), "{admission_endpoint}");
 
-    // A job under a concurrency limit is admitted: admission asked
-    // limit-grant over its TLS link and got the grant back.
+    // An SDK worker on a Work stream over TLS, trusting the CA.
+    let ran = Arc::new(AtomicUsize::new(0));
+    let options = sluice_client::ClientOptions {
+        brokers: String::new(),
+        admission_endpoint: admission_endpoint.clone(),
+        tls_ca_pem: Some(pki.ca_pem.as_bytes().to_vec()),
+        ..sluice_client::ClientOptions::default()
+    };
+    let counted = ran.clone();
+    let worker = sluice_client::Worker::builder(options, move |_job: sluice_client::Job| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok(()) }
+    })
+    .task_group("default")
+    .transport(sluice_client::Transport::Stream)
+    .build()?;
+    let status = worker.status();
+    let token = sluice_client::CancellationToken::new();
+    tokio::spawn(worker.run(token.clone()));
+    eventually(Duration::from_secs(30), "the worker's TLS stream open", || async {
+        Ok(status.snapshot().streams >= 1)
+    })
+    .await?;
+
+    // A job under a concurrency limit runs: admission asked limit-grant
+    // over its TLS link, got the grant back, and pushed the job to the
+    // worker over TLS.
     let mut admission = stack.admission_client().await?;
     let job_id = admission
         .enqueue(pb::EnqueueRequest {
@@ -121,7 +96,7 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
         .await?
         .into_inner()
         .job_id;
-    eventually(Duration::from_secs(60), "the job admitted over TLS links", || {
+    eventually(Duration::from_secs(60), "the job run over TLS", || {
         let mut admission = admission.clone();
         let job_id = job_id.clone();
         async move {
@@ -131,10 +106,12 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
                 .into_inner()
                 .job
                 .unwrap_or_default();
-            Ok(job.status == pb::JobStatus::Admitted as i32)
+            Ok(job.status == pb::JobStatus::Succeeded as i32)
         }
     })
     .await?;
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    token.cancel();
 
     // A plaintext client gets no answer from a TLS server.
     let plaintext = admission_endpoint.replacen("https://", "http://", 1);

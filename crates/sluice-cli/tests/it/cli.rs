@@ -746,3 +746,54 @@ async fn demo_runs_producers_and_workers_and_reports_each_key_within_its_limit()
     stack.stop().await;
     Ok(())
 }
+
+/// `sluice` reaches a TLS server when it trusts the server's CA
+/// (`--tls-ca-file`), and not without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_over_tls_needs_the_ca_file() -> anyhow::Result<()> {
+    use sluice_e2e::pki::{folder, new_pki, write_pki};
+
+    init_logging();
+    let folder = folder("cli")?;
+    let pki = new_pki("cli")?;
+    let (cert, key, ca) = write_pki(&folder, &pki)?;
+    let config = sluice_common::tls::TlsConfig {
+        cert_file: cert,
+        key_file: key,
+        client_ca_file: String::new(),
+        ca_file: String::new(),
+        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
+    };
+    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
+    let endpoint = format!("https://{}", listener.local_addr()?);
+    let (routes, health) = sluice_common::grpc::base_routes(vec![])?;
+    health.set_serving(true).await;
+    let stop = sluice_common::Shutdown::new();
+    tokio::spawn(sluice_common::grpc::serve(
+        listener,
+        routes,
+        sluice_common::tls::ServerTls::load(&config)?,
+        stop.clone(),
+    ));
+    let health = |ca_file: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
+        command.args(["health", "--endpoint", &endpoint]);
+        if let Some(ca_file) = ca_file {
+            command.args(["--tls-ca-file", ca_file]);
+        }
+        command.env_remove("SLUICE_TLS_CA_FILE");
+        command.output()
+    };
+    let trusted = tokio::task::block_in_place(|| health(Some(&ca)))?;
+    assert!(
+        trusted.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&trusted.stdout),
+        String::from_utf8_lossy(&trusted.stderr)
+    );
+    let untrusted = tokio::task::block_in_place(|| health(None))?;
+    assert!(!untrusted.status.success(), "answered without trusting the CA");
+    stop.trigger();
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
+}

@@ -225,12 +225,9 @@ impl WorkerBuilder {
                 message: "a worker needs Kafka brokers".to_string(),
             });
         }
-        let admission = Admission::new(&self.options.admission_endpoint, self.options.request_timeout)?;
+        let admission = Admission::new(&self.options.admission_endpoint, &self.options)?;
         let refresh = match &self.refresh_handler {
-            Some(_) => Some(Refresh::new(
-                &self.options.refresh_endpoint,
-                self.options.request_timeout,
-            )?),
+            Some(_) => Some(Refresh::new(&self.options.refresh_endpoint, &self.options)?),
             None => None,
         };
         let worker_id = self.worker_id.unwrap_or_else(default_worker_id);
@@ -534,6 +531,7 @@ impl Worker {
                 task_groups: self.task_groups.clone(),
                 concurrency: self.concurrency,
                 seed_endpoint: self.admission.endpoint.clone(),
+                tls: self.options.tls(),
                 request_timeout: self.options.request_timeout,
                 handler: self.handler.clone(),
                 heartbeat_interval: self.heartbeat_interval,

@@ -48,6 +48,8 @@ pub(crate) struct StreamSettings {
     pub task_groups: Vec<String>,
     pub concurrency: usize,
     pub seed_endpoint: String,
+    /// For `https://` instances.
+    pub tls: tonic::transport::ClientTlsConfig,
     pub request_timeout: Duration,
     pub handler: Arc<dyn JobHandler>,
     pub heartbeat_interval: Option<Duration>,
@@ -213,9 +215,10 @@ impl StreamWorker {
     fn discover(&self) {
         let seed = self.settings.seed_endpoint.clone();
         let timeout = self.settings.request_timeout;
+        let tls = self.settings.tls.clone();
         let events = self.events.clone();
         tokio::spawn(async move {
-            let endpoints = match instances(&seed, timeout).await {
+            let endpoints = match instances(&seed, &tls, timeout).await {
                 Ok(endpoints) if !endpoints.is_empty() => endpoints,
                 Ok(_) => vec![seed],
                 Err(status) => {
@@ -304,8 +307,9 @@ impl StreamWorker {
         );
         let events = self.events.clone();
         let timeout = self.settings.request_timeout;
+        let tls = self.settings.tls.clone();
         tokio::spawn(async move {
-            match connect(&endpoint, timeout).await {
+            match connect(&endpoint, &tls, timeout).await {
                 Ok(client) => read_stream(client, endpoint.clone(), up_receiver, &events).await,
                 Err(error) => tracing::debug!(%endpoint, %error, "work stream could not connect"),
             }
@@ -599,8 +603,12 @@ impl StreamWorker {
     }
 }
 
-async fn connect(endpoint: &str, timeout: Duration) -> Result<AdmissionClient<tonic::transport::Channel>, String> {
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+async fn connect(
+    endpoint: &str,
+    tls: &tonic::transport::ClientTlsConfig,
+    timeout: Duration,
+) -> Result<AdmissionClient<tonic::transport::Channel>, String> {
+    let channel = crate::grpc::endpoint(endpoint, tls)
         .map_err(|error| error.to_string())?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
@@ -612,8 +620,12 @@ async fn connect(endpoint: &str, timeout: Duration) -> Result<AdmissionClient<to
     Ok(AdmissionClient::new(channel))
 }
 
-async fn instances(seed: &str, timeout: Duration) -> Result<Vec<String>, tonic::Status> {
-    let mut client = connect(seed, timeout).await.map_err(tonic::Status::unavailable)?;
+async fn instances(
+    seed: &str,
+    tls: &tonic::transport::ClientTlsConfig,
+    timeout: Duration,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut client = connect(seed, tls, timeout).await.map_err(tonic::Status::unavailable)?;
     let mut request = tonic::Request::new(pb::InstancesRequest {});
     request.set_timeout(timeout);
     Ok(client.instances(request).await?.into_inner().endpoints)

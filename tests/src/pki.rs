@@ -1,0 +1,57 @@
+//! Certificates for TLS tests, generated at test time (rcgen): a CA and a
+//! certificate for 127.0.0.1 and localhost signed by it.
+
+use std::path::{Path, PathBuf};
+
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+
+/// A CA, and a certificate for 127.0.0.1 and localhost signed by it.
+pub struct Pki {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+pub fn new_pki(name: &str) -> anyhow::Result<Pki> {
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} CA"));
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("{name} server"));
+    let cert = params.signed_by(&key, &issuer)?;
+    Ok(Pki {
+        ca_pem: ca_cert.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    })
+}
+
+/// A folder of its own for one test's files.
+pub fn folder(name: &str) -> anyhow::Result<PathBuf> {
+    let folder = std::env::temp_dir().join(format!("sluice-tls-{name}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&folder)?;
+    Ok(folder)
+}
+
+/// Write `pki`'s files into `folder`; returns (cert, key, ca) paths.
+pub fn write_pki(folder: &Path, pki: &Pki) -> anyhow::Result<(String, String, String)> {
+    let path = |file: &str| folder.join(file).to_string_lossy().into_owned();
+    // Written beside, then renamed: a reader never sees half a file.
+    for (file, text) in [
+        ("tls.crt", &pki.cert_pem),
+        ("tls.key", &pki.key_pem),
+        ("ca.crt", &pki.ca_pem),
+    ] {
+        std::fs::write(path(&format!("{file}.new")), text)?;
+        std::fs::rename(path(&format!("{file}.new")), path(file))?;
+    }
+    Ok((path("tls.crt"), path("tls.key"), path("ca.crt")))
+}
