@@ -226,6 +226,8 @@ pub struct TelemetryConfig {
     pub log_format: LogFormat,
     pub log_level: String,
     pub otlp_endpoint: String,
+    /// CA (PEM) trusted for an `https://` OTLP endpoint; required for one.
+    pub otlp_ca_file: String,
     pub sampling_ratio: f64,
     /// Prometheus scrape endpoint (`GET /metrics`); empty: none.
     pub metrics_listen: String,

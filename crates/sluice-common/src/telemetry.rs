@@ -89,6 +89,35 @@ pub fn otlp_endpoint(config: &TelemetryConfig) -> Option<String> {
         .filter(|value| !value.is_empty())
 }
 
+/// For an `https://` OTLP endpoint, a channel over TLS trusting
+/// `telemetry.otlp_ca_file`; `None` for plaintext `http://`.
+fn otlp_tls_channel(
+    endpoint: &str,
+    config: &TelemetryConfig,
+) -> Result<Option<tonic::transport::Channel>, TelemetryError> {
+    if !endpoint.starts_with("https://") {
+        return Ok(None);
+    }
+    let failed = |message: String| TelemetryError::Exporter {
+        endpoint: endpoint.to_string(),
+        message,
+    };
+    if config.otlp_ca_file.trim().is_empty() {
+        return Err(failed(
+            "an https:// endpoint needs telemetry.otlp_ca_file (the CA that signed the collector's certificate)"
+                .to_string(),
+        ));
+    }
+    let ca = std::fs::read(config.otlp_ca_file.trim())
+        .map_err(|error| failed(format!("telemetry.otlp_ca_file {:?}: {error}", config.otlp_ca_file)))?;
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .and_then(|built| built.tls_config(crate::tls::client_tls(Some(&ca), None)))
+        .map_err(|error| failed(error.to_string()))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect_lazy();
+    Ok(Some(channel))
+}
+
 /// Install the global subscriber. A second call in one process (tests,
 /// `sluice dev`) keeps the first subscriber and still returns a guard.
 pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
@@ -103,12 +132,21 @@ pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGua
         LogFormat::Json => tracing_subscriber::fmt::layer().event_format(JsonWithTrace).boxed(),
     };
     let endpoint = otlp_endpoint(config);
+    let tls_channel = match &endpoint {
+        Some(endpoint) => otlp_tls_channel(endpoint, config)?,
+        None => None,
+    };
     let provider = match &endpoint {
-        Some(endpoint) => Some(build_provider(endpoint, config.sampling_ratio, service_name)?),
+        Some(endpoint) => Some(build_provider(
+            endpoint,
+            tls_channel.clone(),
+            config.sampling_ratio,
+            service_name,
+        )?),
         None => None,
     };
     let registry = prometheus::Registry::new();
-    let meters = build_meter_provider(endpoint.as_deref(), &registry, service_name)?;
+    let meters = build_meter_provider(endpoint.as_deref(), tls_channel, &registry, service_name)?;
     let installed_meters = METER_PROVIDER_SET.set(()).is_ok();
     if installed_meters {
         opentelemetry::global::set_meter_provider(meters.clone());
@@ -146,6 +184,7 @@ static METER_PROVIDER_SET: std::sync::OnceLock<()> = std::sync::OnceLock::new();
 
 fn build_meter_provider(
     endpoint: Option<&str>,
+    tls_channel: Option<tonic::transport::Channel>,
     registry: &prometheus::Registry,
     service_name: &str,
 ) -> Result<SdkMeterProvider, TelemetryError> {
@@ -163,15 +202,17 @@ fn build_meter_provider(
         .with_reader(prometheus_reader)
         .with_resource(resource);
     if let Some(endpoint) = endpoint {
-        use opentelemetry_otlp::WithExportConfig;
-        let exporter = opentelemetry_otlp::MetricExporter::builder()
+        use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
+        let mut exporter = opentelemetry_otlp::MetricExporter::builder()
             .with_tonic()
-            .with_endpoint(endpoint)
-            .build()
-            .map_err(|error| TelemetryError::Exporter {
-                endpoint: endpoint.to_string(),
-                message: error.to_string(),
-            })?;
+            .with_endpoint(endpoint);
+        if let Some(channel) = tls_channel {
+            exporter = exporter.with_channel(channel);
+        }
+        let exporter = exporter.build().map_err(|error| TelemetryError::Exporter {
+            endpoint: endpoint.to_string(),
+            message: error.to_string(),
+        })?;
         builder = builder.with_reader(opentelemetry_sdk::metrics::PeriodicReader::builder(exporter).build());
     }
     Ok(builder.build())
@@ -346,18 +387,21 @@ fn extract(remote: &TraceContext) -> opentelemetry::Context {
 
 fn build_provider(
     endpoint: &str,
+    tls_channel: Option<tonic::transport::Channel>,
     sampling_ratio: f64,
     service_name: &str,
 ) -> Result<SdkTracerProvider, TelemetryError> {
-    use opentelemetry_otlp::WithExportConfig;
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
+    use opentelemetry_otlp::{WithExportConfig, WithTonicConfig};
+    let mut builder = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
-        .with_endpoint(endpoint)
-        .build()
-        .map_err(|error| TelemetryError::Exporter {
-            endpoint: endpoint.to_string(),
-            message: error.to_string(),
-        })?;
+        .with_endpoint(endpoint);
+    if let Some(channel) = tls_channel {
+        builder = builder.with_channel(channel);
+    }
+    let exporter = builder.build().map_err(|error| TelemetryError::Exporter {
+        endpoint: endpoint.to_string(),
+        message: error.to_string(),
+    })?;
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(service_name.to_string())
         .build();

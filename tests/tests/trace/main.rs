@@ -2,7 +2,8 @@
 //! `TraceServiceServer` on 127.0.0.1:0) collects what every service exports
 //! for one job that waits on a concurrency limit and then on a rate limit,
 //! on the real broker and PostgreSQL, and the test checks the trace's shape.
-//! Its own test binary: telemetry is initialised once per process.
+//! Spans also reach a collector over TLS. Its own test binary: telemetry is
+//! initialised once per process (nextest runs each test in a process).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -406,4 +407,83 @@ fn unix_nanos() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|elapsed| u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX))
         .unwrap_or(0)
+}
+
+/// An `https://` collector: spans are exported over TLS, trusting
+/// `telemetry.otlp_ca_file`; without the CA file startup refuses the
+/// endpoint, naming the setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_an_https_collector_trusting_the_configured_ca() -> anyhow::Result<()> {
+    use sluice_e2e::pki::{folder, new_pki, write_pki};
+
+    std::env::remove_var("OTEL_EXPORTER_OTLP_ENDPOINT");
+    std::env::remove_var("RUST_LOG");
+    let folder = folder("otlp")?;
+    let pki = new_pki("collector")?;
+    let (cert, key, ca) = write_pki(&folder, &pki)?;
+    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
+    let otlp_endpoint = format!("https://{}", listener.local_addr()?);
+    let receiver = Receiver::default();
+    let mut routes = tonic::service::RoutesBuilder::default();
+    routes
+        .add_service(TraceServiceServer::new(receiver.clone()))
+        .add_service(MetricsServiceServer::new(MetricsSink));
+    let server_tls = sluice_common::tls::TlsConfig {
+        cert_file: cert,
+        key_file: key,
+        client_ca_file: String::new(),
+        ca_file: String::new(),
+        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
+    };
+    let stop = sluice_common::Shutdown::new();
+    tokio::spawn(sluice_common::grpc::serve(
+        listener,
+        routes,
+        sluice_common::tls::ServerTls::load(&server_tls)?,
+        stop.clone(),
+    ));
+
+    let without_ca = test_config(
+        "otlpnoca",
+        &[
+            ("telemetry.otlp_endpoint", otlp_endpoint.as_str()),
+            ("telemetry.metrics_listen", ""),
+        ],
+    )?;
+    let refused = telemetry::init(&without_ca.telemetry, "sluice-otlp-test").err();
+    assert!(
+        refused
+            .as_ref()
+            .is_some_and(|error| error.to_string().contains("telemetry.otlp_ca_file")),
+        "{refused:?}"
+    );
+
+    let config = test_config(
+        "otlptls",
+        &[
+            ("telemetry.otlp_endpoint", otlp_endpoint.as_str()),
+            ("telemetry.otlp_ca_file", ca.as_str()),
+            ("telemetry.sampling_ratio", "1.0"),
+            ("telemetry.metrics_listen", ""),
+        ],
+    )?;
+    let guard = telemetry::init(&config.telemetry, "sluice-otlp-test")?;
+    assert!(guard.exporting());
+    tracing::info_span!("over.tls").in_scope(|| tracing::info!("a span for the collector"));
+    eventually(Duration::from_secs(30), "the span received over TLS", || {
+        guard.flush();
+        let receiver = receiver.clone();
+        async move {
+            Ok(receiver
+                .spans
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|span| span.name == "over.tls"))
+        }
+    })
+    .await?;
+    stop.trigger();
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
 }
