@@ -204,6 +204,8 @@ async fn security_headers(mut response: Response) -> Response {
 /// Serve the console on `listener` until `shutdown`, with its background
 /// readers. Takes the listener so tests and `sluice dev` bind their own.
 pub async fn run(config: Arc<SluiceConfig>, listener: TcpListener, shutdown: Shutdown) -> Result<(), ConsoleError> {
+    // The services it reads may speak TLS (`https://` endpoints, `tls.ca_file`).
+    sluice_common::tls::configure_clients(&config.tls).map_err(sluice_common::grpc::GrpcError::from)?;
     let console = Arc::new(Console::new(config)?);
     let (routes, health) = sluice_common::grpc::base_routes(vec![])?;
     health.set_serving(true).await;

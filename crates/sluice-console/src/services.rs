@@ -12,7 +12,7 @@ use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::owner_link_client::OwnerLinkClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use sluice_proto::v1::refresh_client::RefreshClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 /// How long one call may take before the page says the service is slow.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -63,7 +63,7 @@ impl<C> Target<C> {
 }
 
 fn lazy_channel(field: &'static str, endpoint: &str) -> Result<Channel, EndpointError> {
-    Endpoint::from_shared(endpoint.to_string())
+    sluice_common::tls::endpoint(endpoint)
         .map(|endpoint| {
             endpoint
                 .connect_timeout(CONNECT_TIMEOUT)
@@ -350,7 +350,7 @@ pub async fn watch_grants(service: OwnerService, endpoint: &str) -> Result<tonic
         code,
         message,
     };
-    let channel = Endpoint::from_shared(endpoint.to_string())
+    let channel = sluice_common::tls::endpoint(endpoint)
         .map_err(|error| failed(tonic::Code::InvalidArgument, error.to_string()))?
         .connect_timeout(CONNECT_TIMEOUT)
         .connect()

@@ -479,3 +479,37 @@ async fn a_floating_key_page_shows_the_floating_max_and_the_refreshes_seen() -> 
     stop.trigger();
     console.stop().await
 }
+
+/// The services speak only TLS: the console reads them over `https://`,
+/// trusting `tls.ca_file`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_reads_services_that_speak_only_tls() -> anyhow::Result<()> {
+    use sluice_e2e::pki::{folder, new_pki, write_pki};
+
+    let folder = folder("console")?;
+    let pki = new_pki("console")?;
+    let (cert, key, ca) = write_pki(&folder, &pki)?;
+    let console = ConsoleStack::start_with(
+        "consoletls",
+        &[
+            ("tls.cert_file", cert.as_str()),
+            ("tls.key_file", key.as_str()),
+            ("tls.ca_file", ca.as_str()),
+        ],
+    )
+    .await?;
+    assert!(console.stack.admissions[0].endpoint.starts_with("https://"));
+    let holder = format!("{}tls-holder", console.stack.config.kafka.topic_prefix);
+    console.enqueue(&holder, "tls-key", 1, 10).await?;
+    console.wait_key("tls-key", &[&holder], &[]).await?;
+    let page = console
+        .http()
+        .get(&sluice_console::html::key_link(&console.tenant, "tls-key"))
+        .await?;
+    assert_eq!(page.status, 200, "{}", page.body);
+    let holders = element(&page.body, "holders", "</table>").expect("a holders table");
+    assert_eq!(attribute_values(holders, "data-job-id"), vec![holder]);
+    console.stop().await?;
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
+}

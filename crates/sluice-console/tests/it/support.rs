@@ -28,7 +28,12 @@ pub struct ConsoleStack {
 
 impl ConsoleStack {
     pub async fn start(name: &str) -> anyhow::Result<ConsoleStack> {
-        let stack = Stack::start(test_config(name, &[])?, 1).await?;
+        Self::start_with(name, &[]).await
+    }
+
+    /// The same with settings of its own (TLS, say).
+    pub async fn start_with(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<ConsoleStack> {
+        let stack = Stack::start(test_config(name, overrides)?, 1).await?;
         let tenant = format!("{}tenant", stack.config.kafka.topic_prefix);
         let mut config = (*stack.config).clone();
         let console = &mut config.console;
