@@ -177,7 +177,7 @@ pub async fn run(
     .with_links(Arc::new(links.clone()));
 
     let jobs_partitions = config.kafka.partitions.jobs;
-    let (mut grpc_routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"])?;
+    let (mut grpc_routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"], config.process.grpc_reflection)?;
     let api = service::AdmissionApi {
         config: config.clone(),
         registry: registry.clone(),

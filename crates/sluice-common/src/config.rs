@@ -137,6 +137,9 @@ pub struct ProcessConfig {
     /// producer flush, leaving the consumer groups) may take before the
     /// process exits anyway with status 1.
     pub drain_timeout: HumanDuration,
+    /// Serve gRPC reflection (grpcurl's `list` and `describe`) beside the
+    /// health service. Health always stays open for probes.
+    pub grpc_reflection: bool,
 }
 
 #[derive(Clone, Debug, Deserialize)]

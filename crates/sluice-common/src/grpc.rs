@@ -64,18 +64,21 @@ impl Health {
     }
 }
 
-/// Routes with health and reflection already added, plus the health handle.
-/// `services` are the fully qualified names reported by health (e.g.
-/// "sluice.v1.Admission").
-pub fn base_routes(services: Vec<&'static str>) -> Result<(RoutesBuilder, Health), GrpcError> {
+/// Routes with health (and reflection, when `reflection`) already added,
+/// plus the health handle. `services` are the fully qualified names
+/// reported by health (e.g. "sluice.v1.Admission").
+pub fn base_routes(services: Vec<&'static str>, reflection: bool) -> Result<(RoutesBuilder, Health), GrpcError> {
     let (reporter, health_service) = tonic_health::server::health_reporter();
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|error| GrpcError::Reflection(error.to_string()))?;
     let mut routes = RoutesBuilder::default();
-    routes.add_service(health_service).add_service(reflection);
+    routes.add_service(health_service);
+    if reflection {
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|error| GrpcError::Reflection(error.to_string()))?;
+        routes.add_service(reflection);
+    }
     Ok((routes, Health { reporter, services }))
 }
 

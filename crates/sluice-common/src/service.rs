@@ -314,7 +314,7 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
         }
         None => None,
     };
-    let (mut routes, health) = crate::grpc::base_routes(grpc_services)?;
+    let (mut routes, health) = crate::grpc::base_routes(grpc_services, config.process.grpc_reflection)?;
     if let Some(link_service) = link_service {
         routes.add_service(sluice_proto::v1::owner_link_server::OwnerLinkServer::new(link_service));
     }

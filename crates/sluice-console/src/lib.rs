@@ -206,8 +206,9 @@ async fn security_headers(mut response: Response) -> Response {
 pub async fn run(config: Arc<SluiceConfig>, listener: TcpListener, shutdown: Shutdown) -> Result<(), ConsoleError> {
     // The services it reads may speak TLS (`https://` endpoints, `tls.ca_file`).
     sluice_common::tls::configure_clients(&config.tls).map_err(sluice_common::grpc::GrpcError::from)?;
+    let reflection = config.process.grpc_reflection;
     let console = Arc::new(Console::new(config)?);
-    let (routes, health) = sluice_common::grpc::base_routes(vec![])?;
+    let (routes, health) = sluice_common::grpc::base_routes(vec![], reflection)?;
     health.set_serving(true).await;
     let app = router(console.clone(), routes.routes().into_axum_router());
     if let Ok(address) = listener.local_addr() {

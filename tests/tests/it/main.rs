@@ -18,6 +18,7 @@ mod jobs_api;
 mod limits;
 mod membership;
 mod rate;
+mod reflection;
 mod storage;
 mod tls;
 mod work;

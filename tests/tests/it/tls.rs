@@ -35,7 +35,7 @@ async fn health_over_tls(endpoint: &str, ca: &str, identity: Option<(&str, &str)
 async fn tls_server(config: &sluice_common::tls::TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
     let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
     let endpoint = format!("https://{}", listener.local_addr()?);
-    let (routes, health) = sluice_common::grpc::base_routes(vec![])?;
+    let (routes, health) = sluice_common::grpc::base_routes(vec![], false)?;
     health.set_serving(true).await;
     let tls = sluice_common::tls::ServerTls::load(config)?;
     assert!(tls.is_some(), "TLS is on when a certificate is configured");

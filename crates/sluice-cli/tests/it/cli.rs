@@ -766,7 +766,7 @@ async fn health_over_tls_needs_the_ca_file() -> anyhow::Result<()> {
     };
     let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
     let endpoint = format!("https://{}", listener.local_addr()?);
-    let (routes, health) = sluice_common::grpc::base_routes(vec![])?;
+    let (routes, health) = sluice_common::grpc::base_routes(vec![], false)?;
     health.set_serving(true).await;
     let stop = sluice_common::Shutdown::new();
     tokio::spawn(sluice_common::grpc::serve(
