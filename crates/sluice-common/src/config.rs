@@ -92,7 +92,25 @@ pub struct SluiceConfig {
     pub task_groups: BTreeMap<String, TaskGroupConfig>,
     pub process: ProcessConfig,
     pub console: ConsoleConfig,
-    pub tls: crate::tls::TlsConfig,
+    pub tls: TlsConfig,
+}
+
+/// `[tls]`: empty files mean plaintext gRPC.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// The server's certificate chain (PEM). With `key_file`, turns TLS on
+    /// for every gRPC server of the process.
+    pub cert_file: String,
+    /// The private key of `cert_file` (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key_file: String,
+    /// Require client certificates signed by this CA (PEM); empty: none.
+    pub client_ca_file: String,
+    /// The CA (PEM) this process trusts for `https://` endpoints of other
+    /// services; empty: none configured, `https://` calls fail to connect.
+    pub ca_file: String,
+    /// How often the certificate files are read again.
+    pub reload_interval: HumanDuration,
 }
 
 /// The web console (`sluice-console`): where it listens, the services it

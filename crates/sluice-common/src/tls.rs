@@ -16,29 +16,11 @@ use std::time::Duration;
 
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use serde::Deserialize;
 use tokio_rustls::rustls;
 
-use crate::config::HumanDuration;
 use crate::shutdown::Shutdown;
 
-/// `[tls]`: empty files mean plaintext gRPC.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TlsConfig {
-    /// The server's certificate chain (PEM). With `key_file`, turns TLS on
-    /// for every gRPC server of the process.
-    pub cert_file: String,
-    /// The private key of `cert_file` (PEM: PKCS#8, PKCS#1 or SEC1).
-    pub key_file: String,
-    /// Require client certificates signed by this CA (PEM); empty: none.
-    pub client_ca_file: String,
-    /// The CA (PEM) this process trusts for `https://` endpoints of other
-    /// services; empty: none configured, `https://` calls fail to connect.
-    pub ca_file: String,
-    /// How often the certificate files are read again.
-    pub reload_interval: HumanDuration,
-}
+pub use crate::config::TlsConfig;
 
 impl TlsConfig {
     pub fn server_enabled(&self) -> bool {
