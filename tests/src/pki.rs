@@ -13,6 +13,12 @@ pub struct Pki {
 }
 
 pub fn new_pki(name: &str) -> anyhow::Result<Pki> {
+    new_pki_for(name, &["127.0.0.1", "localhost"])
+}
+
+/// A CA, and a certificate for `names` (host names or IP addresses) signed
+/// by it.
+pub fn new_pki_for(name: &str, names: &[&str]) -> anyhow::Result<Pki> {
     let ca_key = KeyPair::generate()?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -22,7 +28,7 @@ pub fn new_pki(name: &str) -> anyhow::Result<Pki> {
     let ca_cert = ca_params.self_signed(&ca_key)?;
     let issuer = Issuer::new(ca_params, ca_key);
     let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
+    let mut params = CertificateParams::new(names.iter().map(|name| name.to_string()).collect::<Vec<_>>())?;
     params
         .distinguished_name
         .push(DnType::CommonName, format!("{name} server"));

@@ -67,6 +67,10 @@ pub struct Endpoints {
         requires = "tls_key_file"
     )]
     pub tls_cert_file: Option<String>,
+    /// The name to check in the services' certificates, whatever address is
+    /// dialled (the services' `tls.server_name`).
+    #[arg(long, global = true, env = "SLUICE_TLS_SERVER_NAME", value_name = "NAME")]
+    pub tls_server_name: Option<String>,
     /// The key of `--tls-cert-file` (PEM).
     #[arg(
         long,
@@ -85,7 +89,11 @@ impl Endpoints {
             (Some(cert), Some(key)) => Some((cert.as_str(), key.as_str())),
             _ => None,
         };
-        sluice_common::tls::configure_client_files(self.tls_ca_file.as_deref(), identity)?;
+        sluice_common::tls::configure_client_files(
+            self.tls_ca_file.as_deref(),
+            identity,
+            self.tls_server_name.as_deref(),
+        )?;
         Ok(())
     }
 }

@@ -55,6 +55,10 @@ pub struct ClientOptions {
     /// Client certificate chain and key (PEM), for services that require
     /// client certificates (`tls.client_ca_file`).
     pub tls_identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+    /// The name to check in the services' certificates, whatever address is
+    /// dialled (the services' `tls.server_name`; Work streams dial the
+    /// instances' advertised addresses, pod IPs in Kubernetes).
+    pub tls_server_name: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -75,6 +79,7 @@ impl Default for ClientOptions {
             consumer_properties: BTreeMap::new(),
             tls_ca_pem: None,
             tls_identity_pem: None,
+            tls_server_name: None,
         }
     }
 }
@@ -88,6 +93,9 @@ impl ClientOptions {
         }
         if let Some((cert, key)) = &self.tls_identity_pem {
             tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+        }
+        if let Some(name) = &self.tls_server_name {
+            tls = tls.domain_name(name.clone());
         }
         tls
     }

@@ -109,6 +109,10 @@ pub struct TlsConfig {
     /// The CA (PEM) this process trusts for `https://` endpoints of other
     /// services; empty: none configured, `https://` calls fail to connect.
     pub ca_file: String,
+    /// The name clients check in the services' certificates, whatever
+    /// address they dial (instances advertise `https://<pod IP>:<port>`,
+    /// which a certificate rarely names); empty: the endpoint's host.
+    pub server_name: String,
     /// How often the certificate files are read again.
     pub reload_interval: HumanDuration,
 }

@@ -206,6 +206,7 @@ impl ServerTls {
 struct ClientSettings {
     ca: Option<Vec<u8>>,
     identity: Option<(Vec<u8>, Vec<u8>)>,
+    server_name: Option<String>,
 }
 
 static CLIENT: RwLock<Option<ClientSettings>> = RwLock::new(None);
@@ -216,13 +217,22 @@ static CLIENT: RwLock<Option<ClientSettings>> = RwLock::new(None);
 pub fn configure_clients(config: &TlsConfig) -> Result<(), TlsError> {
     let identity = (config.server_enabled() && !config.client_ca_file.trim().is_empty())
         .then_some((config.cert_file.as_str(), config.key_file.as_str()));
-    configure_client_files(Some(config.ca_file.as_str()), identity)
+    configure_client_files(
+        Some(config.ca_file.as_str()),
+        identity,
+        Some(config.server_name.as_str()),
+    )
 }
 
 /// The same from files named directly (the `sluice` command's flags):
-/// `ca_file` trusted, `identity` (certificate, key) presented. Empty or
-/// `None`: not set.
-pub fn configure_client_files(ca_file: Option<&str>, identity: Option<(&str, &str)>) -> Result<(), TlsError> {
+/// `ca_file` trusted, `identity` (certificate, key) presented,
+/// `server_name` checked in the servers' certificates. Empty or `None`: not
+/// set.
+pub fn configure_client_files(
+    ca_file: Option<&str>,
+    identity: Option<(&str, &str)>,
+    server_name: Option<&str>,
+) -> Result<(), TlsError> {
     let ca = match ca_file.map(str::trim) {
         Some(path) if !path.is_empty() => Some(read("ca_file", path)?),
         _ => None,
@@ -231,7 +241,15 @@ pub fn configure_client_files(ca_file: Option<&str>, identity: Option<(&str, &st
         Some((cert, key)) => Some((read("cert_file", cert)?, read("key_file", key)?)),
         None => None,
     };
-    *CLIENT.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(ClientSettings { ca, identity });
+    let server_name = server_name
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(str::to_string);
+    *CLIENT.write().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(ClientSettings {
+        ca,
+        identity,
+        server_name,
+    });
     Ok(())
 }
 
@@ -246,7 +264,11 @@ pub fn endpoint(url: &str) -> Result<tonic::transport::Endpoint, tonic::transpor
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .clone()
         .unwrap_or_default();
-    endpoint.tls_config(client_tls(settings.ca.as_deref(), settings.identity))
+    let mut tls = client_tls(settings.ca.as_deref(), settings.identity);
+    if let Some(name) = settings.server_name {
+        tls = tls.domain_name(name);
+    }
+    endpoint.tls_config(tls)
 }
 
 /// A client TLS configuration trusting `ca` (PEM) and presenting `identity`

@@ -8,17 +8,31 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_common::Shutdown;
-use sluice_e2e::pki::{folder, new_pki, write_pki};
+use sluice_e2e::pki::{folder, new_pki, new_pki_for, write_pki};
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 
 /// Health over a new channel to `endpoint`, trusting `ca` and presenting
 /// `identity`.
 async fn health_over_tls(endpoint: &str, ca: &str, identity: Option<(&str, &str)>) -> anyhow::Result<()> {
-    let tls = sluice_common::tls::client_tls(
+    health_over_tls_as(endpoint, ca, identity, None).await
+}
+
+/// The same, checking `server_name` in the certificate instead of the host
+/// dialled.
+async fn health_over_tls_as(
+    endpoint: &str,
+    ca: &str,
+    identity: Option<(&str, &str)>,
+    server_name: Option<&str>,
+) -> anyhow::Result<()> {
+    let mut tls = sluice_common::tls::client_tls(
         Some(ca.as_bytes()),
         identity.map(|(cert, key)| (cert.as_bytes().to_vec(), key.as_bytes().to_vec())),
     );
+    if let Some(name) = server_name {
+        tls = tls.domain_name(name);
+    }
     let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())?
         .tls_config(tls)?
         .connect_timeout(Duration::from_secs(5))
@@ -47,7 +61,9 @@ async fn tls_server(config: &sluice_common::tls::TlsConfig, stop: &Shutdown) -> 
 async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> anyhow::Result<()> {
     init_logging();
     let folder = folder("stack")?;
-    let pki = new_pki("stack")?;
+    // As in Kubernetes: the certificate names the service, not the
+    // addresses instances advertise (127.0.0.1 here, pod IPs there).
+    let pki = new_pki_for("stack", &["sluice.internal"])?;
     let (cert, key, ca) = write_pki(&folder, &pki)?;
     let config = test_config(
         "tlsstack",
@@ -55,6 +71,7 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
             ("tls.cert_file", cert.as_str()),
             ("tls.key_file", key.as_str()),
             ("tls.ca_file", ca.as_str()),
+            ("tls.server_name", "sluice.internal"),
         ],
     )?;
     let stack = Stack::start(config, 1).await?;
@@ -67,6 +84,7 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
         brokers: String::new(),
         admission_endpoint: admission_endpoint.clone(),
         tls_ca_pem: Some(pki.ca_pem.as_bytes().to_vec()),
+        tls_server_name: Some("sluice.internal".to_string()),
         ..sluice_client::ClientOptions::default()
     };
     let counted = ran.clone();
@@ -132,11 +150,18 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
         "a plaintext client was answered by {plaintext}"
     );
     // A client trusting another CA is refused too.
-    let stranger = new_pki("stranger")?;
-    assert!(health_over_tls(&admission_endpoint, &stranger.ca_pem, None)
-        .await
-        .is_err());
-    assert!(health_over_tls(&admission_endpoint, &pki.ca_pem, None).await.is_ok());
+    let stranger = new_pki_for("stranger", &["sluice.internal"])?;
+    let internal = Some("sluice.internal");
+    assert!(
+        health_over_tls_as(&admission_endpoint, &stranger.ca_pem, None, internal)
+            .await
+            .is_err()
+    );
+    assert!(
+        health_over_tls(&admission_endpoint, &pki.ca_pem, None).await.is_err(),
+        "the certificate does not name 127.0.0.1"
+    );
+    health_over_tls_as(&admission_endpoint, &pki.ca_pem, None, internal).await?;
     stack.stop().await;
     std::fs::remove_dir_all(folder)?;
     Ok(())
@@ -153,6 +178,7 @@ async fn a_rotated_certificate_is_served_without_a_restart() -> anyhow::Result<(
         key_file: key,
         client_ca_file: String::new(),
         ca_file: String::new(),
+        server_name: String::new(),
         reload_interval: sluice_common::config::HumanDuration(Duration::from_millis(100)),
     };
     let stop = Shutdown::new();
@@ -191,6 +217,7 @@ async fn with_a_client_ca_a_client_without_a_certificate_is_refused() -> anyhow:
         key_file: key,
         client_ca_file: ca,
         ca_file: String::new(),
+        server_name: String::new(),
         reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
     };
     let stop = Shutdown::new();
@@ -221,6 +248,7 @@ fn a_configured_certificate_that_does_not_load_is_an_error_naming_the_setting() 
         key_file: "/nonexistent/tls.key".to_string(),
         client_ca_file: String::new(),
         ca_file: String::new(),
+        server_name: String::new(),
         reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
     };
     let error = sluice_common::tls::ServerTls::load(&config)

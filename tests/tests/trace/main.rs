@@ -433,6 +433,7 @@ async fn spans_reach_an_https_collector_trusting_the_configured_ca() -> anyhow::
         key_file: key,
         client_ca_file: String::new(),
         ca_file: String::new(),
+        server_name: String::new(),
         reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
     };
     let stop = sluice_common::Shutdown::new();

@@ -762,6 +762,7 @@ async fn health_over_tls_needs_the_ca_file() -> anyhow::Result<()> {
         key_file: key,
         client_ca_file: String::new(),
         ca_file: String::new(),
+        server_name: String::new(),
         reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
     };
     let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
