@@ -2,8 +2,12 @@
 //! certificate for 127.0.0.1 and localhost signed by it.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use sluice_common::tls::TlsConfig;
+use sluice_common::Shutdown;
+use tonic::service::RoutesBuilder;
 
 /// A CA, and a certificate for 127.0.0.1 and localhost signed by it.
 pub struct Pki {
@@ -60,4 +64,35 @@ pub fn write_pki(folder: &Path, pki: &Pki) -> anyhow::Result<(String, String, St
         std::fs::rename(path(&format!("{file}.new")), path(file))?;
     }
     Ok((path("tls.crt"), path("tls.key"), path("ca.crt")))
+}
+
+/// `[tls]` settings serving `cert` / `key`, requiring client certificates
+/// signed by `client_ca` when it is not empty, read again every `reload`.
+pub fn server_tls(cert: &str, key: &str, client_ca: &str, reload: Duration) -> TlsConfig {
+    TlsConfig {
+        cert_file: cert.to_string(),
+        key_file: key.to_string(),
+        client_ca_file: client_ca.to_string(),
+        ca_file: String::new(),
+        server_name: String::new(),
+        reload_interval: sluice_common::config::HumanDuration(reload),
+    }
+}
+
+/// Serve `routes` over the TLS of `config` on 127.0.0.1:0 until `stop`;
+/// returns the `https://` endpoint.
+pub async fn serve_over_tls(routes: RoutesBuilder, config: &TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
+    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
+    let endpoint = format!("https://{}", listener.local_addr()?);
+    let tls = sluice_common::tls::ServerTls::load(config)?;
+    anyhow::ensure!(tls.is_some(), "TLS is on when a certificate is configured");
+    tokio::spawn(sluice_common::grpc::serve(listener, routes, tls, stop.clone()));
+    Ok(endpoint)
+}
+
+/// A server with only health (SERVING) over the TLS of `config`.
+pub async fn health_over_tls_server(config: &TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
+    let (routes, health) = sluice_common::grpc::base_routes(vec![], false)?;
+    health.set_serving(true).await;
+    serve_over_tls(routes, config, stop).await
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_common::Shutdown;
-use sluice_e2e::pki::{folder, new_pki, new_pki_for, write_pki};
+use sluice_e2e::pki::{folder, health_over_tls_server, new_pki, new_pki_for, server_tls, write_pki};
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 
@@ -43,18 +43,6 @@ async fn health_over_tls_as(
         .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
         .await?;
     Ok(())
-}
-
-/// A gRPC server with only health, over the TLS of `config`.
-async fn tls_server(config: &sluice_common::tls::TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
-    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
-    let endpoint = format!("https://{}", listener.local_addr()?);
-    let (routes, health) = sluice_common::grpc::base_routes(vec![], false)?;
-    health.set_serving(true).await;
-    let tls = sluice_common::tls::ServerTls::load(config)?;
-    assert!(tls.is_some(), "TLS is on when a certificate is configured");
-    tokio::spawn(sluice_common::grpc::serve(listener, routes, tls, stop.clone()));
-    Ok(endpoint)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -114,20 +102,7 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
         .await?
         .into_inner()
         .job_id;
-    eventually(Duration::from_secs(60), "the job run over TLS", || {
-        let mut admission = admission.clone();
-        let job_id = job_id.clone();
-        async move {
-            let job = admission
-                .get_job(pb::GetJobRequest { job_id })
-                .await?
-                .into_inner()
-                .job
-                .unwrap_or_default();
-            Ok(job.status == pb::JobStatus::Succeeded as i32)
-        }
-    })
-    .await?;
+    wait_status(&admission, &job_id, pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
     assert_eq!(ran.load(Ordering::SeqCst), 1);
     token.cancel();
 
@@ -173,16 +148,9 @@ async fn a_rotated_certificate_is_served_without_a_restart() -> anyhow::Result<(
     let folder = folder("rotate")?;
     let first = new_pki("first")?;
     let (cert, key, _) = write_pki(&folder, &first)?;
-    let config = sluice_common::tls::TlsConfig {
-        cert_file: cert,
-        key_file: key,
-        client_ca_file: String::new(),
-        ca_file: String::new(),
-        server_name: String::new(),
-        reload_interval: sluice_common::config::HumanDuration(Duration::from_millis(100)),
-    };
+    let config = server_tls(&cert, &key, "", Duration::from_millis(100));
     let stop = Shutdown::new();
-    let endpoint = tls_server(&config, &stop).await?;
+    let endpoint = health_over_tls_server(&config, &stop).await?;
     health_over_tls(&endpoint, &first.ca_pem, None).await?;
 
     // cert-manager writes a certificate from another CA.
@@ -212,16 +180,9 @@ async fn with_a_client_ca_a_client_without_a_certificate_is_refused() -> anyhow:
     let folder = folder("mtls")?;
     let pki = new_pki("mutual")?;
     let (cert, key, ca) = write_pki(&folder, &pki)?;
-    let config = sluice_common::tls::TlsConfig {
-        cert_file: cert,
-        key_file: key,
-        client_ca_file: ca,
-        ca_file: String::new(),
-        server_name: String::new(),
-        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
-    };
+    let config = server_tls(&cert, &key, &ca, Duration::from_secs(10));
     let stop = Shutdown::new();
-    let endpoint = tls_server(&config, &stop).await?;
+    let endpoint = health_over_tls_server(&config, &stop).await?;
     assert!(
         health_over_tls(&endpoint, &pki.ca_pem, None).await.is_err(),
         "no client certificate"

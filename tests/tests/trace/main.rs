@@ -414,35 +414,20 @@ fn unix_nanos() -> u64 {
 /// endpoint, naming the setting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_an_https_collector_trusting_the_configured_ca() -> anyhow::Result<()> {
-    use sluice_e2e::pki::{folder, new_pki, write_pki};
+    use sluice_e2e::pki::{folder, new_pki, serve_over_tls, server_tls, write_pki};
 
     std::env::remove_var("OTEL_EXPORTER_OTLP_ENDPOINT");
     std::env::remove_var("RUST_LOG");
     let folder = folder("otlp")?;
     let pki = new_pki("collector")?;
     let (cert, key, ca) = write_pki(&folder, &pki)?;
-    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
-    let otlp_endpoint = format!("https://{}", listener.local_addr()?);
     let receiver = Receiver::default();
     let mut routes = tonic::service::RoutesBuilder::default();
     routes
         .add_service(TraceServiceServer::new(receiver.clone()))
         .add_service(MetricsServiceServer::new(MetricsSink));
-    let server_tls = sluice_common::tls::TlsConfig {
-        cert_file: cert,
-        key_file: key,
-        client_ca_file: String::new(),
-        ca_file: String::new(),
-        server_name: String::new(),
-        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
-    };
     let stop = sluice_common::Shutdown::new();
-    tokio::spawn(sluice_common::grpc::serve(
-        listener,
-        routes,
-        sluice_common::tls::ServerTls::load(&server_tls)?,
-        stop.clone(),
-    ));
+    let otlp_endpoint = serve_over_tls(routes, &server_tls(&cert, &key, "", Duration::from_secs(10)), &stop).await?;
 
     let without_ca = test_config(
         "otlpnoca",

@@ -751,31 +751,14 @@ async fn demo_runs_producers_and_workers_and_reports_each_key_within_its_limit()
 /// (`--tls-ca-file`), and not without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_over_tls_needs_the_ca_file() -> anyhow::Result<()> {
-    use sluice_e2e::pki::{folder, new_pki, write_pki};
+    use sluice_e2e::pki::{folder, health_over_tls_server, new_pki, server_tls, write_pki};
 
     init_logging();
     let folder = folder("cli")?;
     let pki = new_pki("cli")?;
     let (cert, key, ca) = write_pki(&folder, &pki)?;
-    let config = sluice_common::tls::TlsConfig {
-        cert_file: cert,
-        key_file: key,
-        client_ca_file: String::new(),
-        ca_file: String::new(),
-        server_name: String::new(),
-        reload_interval: sluice_common::config::HumanDuration(Duration::from_secs(10)),
-    };
-    let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
-    let endpoint = format!("https://{}", listener.local_addr()?);
-    let (routes, health) = sluice_common::grpc::base_routes(vec![], false)?;
-    health.set_serving(true).await;
     let stop = sluice_common::Shutdown::new();
-    tokio::spawn(sluice_common::grpc::serve(
-        listener,
-        routes,
-        sluice_common::tls::ServerTls::load(&config)?,
-        stop.clone(),
-    ));
+    let endpoint = health_over_tls_server(&server_tls(&cert, &key, "", Duration::from_secs(10)), &stop).await?;
     let health = |ca_file: Option<&str>| {
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"));
         command.args(["health", "--endpoint", &endpoint]);
