@@ -25,6 +25,12 @@ async fn a_producer_that_turned_fatal_is_rebuilt_and_jobs_keep_flowing() -> anyh
     // Only the faulted instance: it takes every job partition, so it is the
     // one that publishes the admitted jobs.
     stack.admissions.remove(0).stop().await;
+    // Its job partitions move over a rebalance; calls meanwhile would wait
+    // for a new owner (up to 5 s, then UNAVAILABLE), which a loaded CI run
+    // outlasted.
+    stack
+        .wait_admission_owns_all(&stack.admissions[0].endpoint, Duration::from_secs(60))
+        .await?;
     stack.limit_grants[0].faults.arm(FaultPoint::ProducerFatal, 0, 1);
     let admission =
         sluice_proto::v1::admission_client::AdmissionClient::new(connect(&stack.admissions[0].endpoint).await?);
