@@ -30,7 +30,7 @@ impl TlsConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("tls.{setting}: cannot read {path:?}: {source}")]
+    #[error("tls.{setting}: cannot read {path:?}")]
     Read {
         setting: &'static str,
         path: String,
@@ -234,11 +234,24 @@ pub fn configure_client_files(
     server_name: Option<&str>,
 ) -> Result<(), TlsError> {
     let ca = match ca_file.map(str::trim) {
-        Some(path) if !path.is_empty() => Some(read("ca_file", path)?),
+        Some(path) if !path.is_empty() => {
+            let pem = read("ca_file", path)?;
+            certificates("ca_file", path, &pem)?;
+            Some(pem)
+        }
         _ => None,
     };
     let identity = match identity {
-        Some((cert, key)) => Some((read("cert_file", cert)?, read("key_file", key)?)),
+        Some((cert, key)) => {
+            let (cert_pem, key_pem) = (read("cert_file", cert)?, read("key_file", key)?);
+            certificates("cert_file", cert, &cert_pem)?;
+            PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| TlsError::Pem {
+                setting: "key_file",
+                path: key.to_string(),
+                what: "private key",
+            })?;
+            Some((cert_pem, key_pem))
+        }
         None => None,
     };
     let server_name = server_name

@@ -228,3 +228,32 @@ fn a_configured_certificate_that_does_not_load_is_an_error_naming_the_setting() 
         "half a pair is refused"
     );
 }
+
+/// Client files that are not PEM are refused when they are configured,
+/// naming the setting, not at the first connection.
+#[test]
+fn client_files_that_are_not_pem_are_refused_naming_the_setting() -> anyhow::Result<()> {
+    let folder = folder("badclient")?;
+    let garbage = folder.join("garbage.pem");
+    std::fs::write(&garbage, b"not a pem\0\xff")?;
+    let garbage = garbage.to_string_lossy().into_owned();
+    let error = sluice_common::tls::configure_client_files(Some(&garbage), None, None)
+        .err()
+        .map(|error| error.to_string());
+    assert!(
+        error.as_deref().is_some_and(|error| error.contains("tls.ca_file")),
+        "{error:?}"
+    );
+    let pki = new_pki("goodca")?;
+    let (cert, _, ca) = write_pki(&folder, &pki)?;
+    let error = sluice_common::tls::configure_client_files(Some(&ca), Some((&cert, &garbage)), None)
+        .err()
+        .map(|error| error.to_string());
+    assert!(
+        error.as_deref().is_some_and(|error| error.contains("tls.key_file")),
+        "{error:?}"
+    );
+    sluice_common::tls::configure_client_files(Some(&ca), None, None)?;
+    std::fs::remove_dir_all(folder)?;
+    Ok(())
+}
