@@ -4,6 +4,7 @@
 //! groups, so tests run in parallel and rerun without cleanup.
 
 pub mod pki;
+pub mod tokens;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,6 +71,8 @@ const TEST_SETTINGS: &[(&str, &str)] = &[
     ("admission.claim_timeout", "10s"),
     ("admission.stand_behind_interval", "1s"),
     ("limit_grant.ticket_grace", "3s"),
+    // Tests of authentication turn it on with their own keys.
+    ("auth.enabled", "false"),
 ];
 
 /// Test configuration: defaults, the test's prefixes, small partition counts

@@ -14,6 +14,19 @@ pub struct Pki {
     pub ca_pem: String,
     pub cert_pem: String,
     pub key_pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl Pki {
+    /// A client certificate (PEM certificate, PEM key) named `name` (its
+    /// common name and a DNS subject alternative name), signed by the CA.
+    pub fn client_certificate(&self, name: &str) -> anyhow::Result<(String, String)> {
+        let key = KeyPair::generate()?;
+        let mut params = CertificateParams::new(vec![name.to_string()])?;
+        params.distinguished_name.push(DnType::CommonName, name);
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
 }
 
 pub fn new_pki(name: &str) -> anyhow::Result<Pki> {
@@ -41,6 +54,7 @@ pub fn new_pki_for(name: &str, names: &[&str]) -> anyhow::Result<Pki> {
         ca_pem: ca_cert.pem(),
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),
+        issuer,
     })
 }
 

@@ -65,15 +65,17 @@ pub async fn migrate(config: &SluiceConfig) -> Result<(), AdmissionServiceError>
     Ok(())
 }
 
-fn lazy_channel(endpoint: &str) -> Result<tonic::transport::Channel, AdmissionServiceError> {
-    Ok(sluice_common::tls::endpoint(endpoint)
-        .map_err(|error| AdmissionServiceError::Endpoint {
-            endpoint: endpoint.to_string(),
-            message: error.to_string(),
-        })?
-        .connect_timeout(Duration::from_secs(3))
-        .timeout(Duration::from_secs(10))
-        .connect_lazy())
+fn lazy_channel(endpoint: &str) -> Result<sluice_common::auth::Channel, AdmissionServiceError> {
+    Ok(sluice_common::auth::with_credentials(
+        sluice_common::tls::endpoint(endpoint)
+            .map_err(|error| AdmissionServiceError::Endpoint {
+                endpoint: endpoint.to_string(),
+                message: error.to_string(),
+            })?
+            .connect_timeout(Duration::from_secs(3))
+            .timeout(Duration::from_secs(10))
+            .connect_lazy(),
+    ))
 }
 
 /// The hot path's streams to limit-grant and rate-window.
@@ -123,6 +125,7 @@ pub async fn run(
 ) -> Result<(), AdmissionServiceError> {
     let tls = sluice_common::tls::ServerTls::load(&config.tls).map_err(grpc::GrpcError::from)?;
     sluice_common::tls::configure_clients(&config.tls).map_err(grpc::GrpcError::from)?;
+    let auth = sluice_common::auth::start(&config.auth, &shutdown).map_err(grpc::GrpcError::from)?;
     let pool = open_database(&config, SCHEMA, &[&sluice_common::owner::MIGRATOR, &MIGRATOR]).await?;
     kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
     let readiness = Readiness::new();
@@ -190,7 +193,10 @@ pub async fn run(
         hub,
         shutdown: shutdown.clone(),
     };
-    grpc_routes.add_service(sluice_proto::v1::admission_server::AdmissionServer::new(api.clone()));
+    grpc_routes.add_service(sluice_common::auth::guarded(
+        sluice_proto::v1::admission_server::AdmissionServer::new(api.clone()),
+        &auth,
+    ));
 
     let mut supervisor = Supervisor::new(shutdown.clone());
     let jobs_topic = config.topic(&config.topics.jobs);

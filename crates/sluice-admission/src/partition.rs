@@ -10,6 +10,7 @@ use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
+use sluice_common::auth::JobScope;
 use sluice_common::kafka::{batch_entries, InMsg, Outbox};
 use sluice_common::link::Link;
 use sluice_common::owner::{OwnedState, Rejected, Reply, WriteSet};
@@ -76,24 +77,30 @@ pub enum Local {
         job_id: String,
         reply: oneshot::Sender<Option<JobRow>>,
     },
+    /// `scope`, here and below: the jobs the caller may touch; a job out
+    /// of scope is answered as if it did not exist.
     Cancel {
         job_id: String,
         reason: String,
+        scope: JobScope,
         reply: oneshot::Sender<Option<Status>>,
     },
     Claim {
         worker_id: String,
         attempts: Vec<(String, u32)>,
+        scope: JobScope,
         reply: oneshot::Sender<Vec<pb::ClaimResult>>,
     },
     Heartbeat {
         worker_id: String,
         attempts: Vec<(String, u32)>,
+        scope: JobScope,
         reply: oneshot::Sender<Vec<pb::HeartbeatResult>>,
     },
     Complete {
         worker_id: String,
         completions: Vec<(String, u32, AttemptEnd)>,
+        scope: JobScope,
         /// The worker's trace context, when its call carried one.
         caller_trace: pb::TraceContext,
         reply: oneshot::Sender<Vec<pb::CompleteResult>>,
@@ -430,20 +437,21 @@ impl AdmissionPartition {
             return;
         }
         let task_group = active.row.task_group.clone();
+        let tenant = active.row.tenant.clone();
         let hub = self.settings.hub.clone();
-        if let Some(session) = hub.take(&task_group) {
+        if let Some(session) = hub.take(&task_group, &tenant) {
             self.dispatch(job_id, session);
             return;
         }
         // Ask to be woken by the next credit, then look once more: a credit
         // that came in between is not missed.
         hub.want(&task_group, self.settings.partition);
-        if let Some(session) = hub.take(&task_group) {
+        if let Some(session) = hub.take(&task_group, &tenant) {
             self.dispatch(job_id, session);
             return;
         }
         self.remember_unclaimed(&task_group, job_id);
-        if hub.has_sessions(&task_group) {
+        if hub.has_sessions(&task_group, &tenant) {
             // Stream workers of the group are connected: the job waits for
             // their credit.
             return;
@@ -540,26 +548,34 @@ impl AdmissionPartition {
 
     /// Stream workers have credits again: push the admitted jobs that wait
     /// for them, oldest first, while credits last.
+    /// A job whose tenant no session with a credit may run (stream workers
+    /// scoped to other tenants) keeps its place and lets the jobs behind it
+    /// go.
     fn dispatch_unclaimed(&mut self) {
         let groups: Vec<String> = self.unclaimed.keys().cloned().collect();
         for task_group in groups {
+            let mut kept: VecDeque<String> = VecDeque::new();
             while let Some(job_id) = self.unclaimed.get_mut(&task_group).and_then(VecDeque::pop_front) {
-                let still_admitted = self
-                    .jobs
-                    .get(&job_id)
-                    .is_some_and(|active| active.row.state.status == Status::Admitted && active.payload_loaded);
-                if !still_admitted {
+                let tenant = match self.jobs.get(&job_id) {
+                    Some(active) if active.row.state.status == Status::Admitted && active.payload_loaded => {
+                        active.row.tenant.clone()
+                    }
+                    _ => continue,
+                };
+                if let Some(session) = self.settings.hub.take(&task_group, &tenant) {
+                    self.dispatch(&job_id, session);
                     continue;
                 }
-                match self.settings.hub.take(&task_group) {
-                    Some(session) => self.dispatch(&job_id, session),
-                    None => {
-                        if let Some(queue) = self.unclaimed.get_mut(&task_group) {
-                            queue.push_front(job_id);
-                        }
-                        self.settings.hub.want(&task_group, self.settings.partition);
-                        break;
-                    }
+                kept.push_back(job_id);
+                if !self.settings.hub.has_credit(&task_group) {
+                    break;
+                }
+            }
+            if !kept.is_empty() {
+                self.settings.hub.want(&task_group, self.settings.partition);
+                let queue = self.unclaimed.entry(task_group.clone()).or_default();
+                while let Some(job_id) = kept.pop_back() {
+                    queue.push_front(job_id);
                 }
             }
             if self.unclaimed.get(&task_group).is_some_and(VecDeque::is_empty) {
@@ -1320,8 +1336,17 @@ impl AdmissionPartition {
                     let _ = reply.send(job);
                 }));
             }
-            Local::Cancel { job_id, reason, reply } => {
-                let status = self.cancel(now_ms, &job_id, &reason, out);
+            Local::Cancel {
+                job_id,
+                reason,
+                scope,
+                reply,
+            } => {
+                let status = if self.in_scope(&job_id, &scope) {
+                    self.cancel(now_ms, &job_id, &reason, out)
+                } else {
+                    None
+                };
                 out.replies.push(Box::new(move || {
                     let _ = reply.send(status);
                 }));
@@ -1329,9 +1354,21 @@ impl AdmissionPartition {
             Local::Claim {
                 worker_id,
                 attempts,
+                scope,
                 reply,
             } => {
-                let results = self.claim(now_ms, &worker_id, &attempts);
+                let shown = self.shown(attempts.iter().map(|(job_id, _)| job_id.as_str()), &scope);
+                let results = within_scope(
+                    attempts,
+                    &shown,
+                    |(job_id, attempt)| pb::ClaimResult {
+                        job_id: job_id.clone(),
+                        attempt: *attempt,
+                        outcome: pb::ClaimOutcome::NotFound as i32,
+                        ..Default::default()
+                    },
+                    |attempts| self.claim(now_ms, &worker_id, &attempts),
+                );
                 out.replies.push(Box::new(move || {
                     let _ = reply.send(results);
                 }));
@@ -1339,9 +1376,21 @@ impl AdmissionPartition {
             Local::Heartbeat {
                 worker_id,
                 attempts,
+                scope,
                 reply,
             } => {
-                let results = self.heartbeat(now_ms, &worker_id, &attempts);
+                let shown = self.shown(attempts.iter().map(|(job_id, _)| job_id.as_str()), &scope);
+                let results = within_scope(
+                    attempts,
+                    &shown,
+                    |(job_id, attempt)| pb::HeartbeatResult {
+                        job_id: job_id.clone(),
+                        attempt: *attempt,
+                        outcome: pb::HeartbeatOutcome::LeaseLost as i32,
+                        lease_expires_at_ms: 0,
+                    },
+                    |attempts| self.heartbeat(now_ms, &worker_id, &attempts),
+                );
                 out.replies.push(Box::new(move || {
                     let _ = reply.send(results);
                 }));
@@ -1349,10 +1398,22 @@ impl AdmissionPartition {
             Local::Complete {
                 worker_id,
                 completions,
+                scope,
                 caller_trace,
                 reply,
             } => {
-                let results = self.complete(now_ms, &worker_id, completions, &caller_trace, out);
+                let shown = self.shown(completions.iter().map(|(job_id, _, _)| job_id.as_str()), &scope);
+                let results = within_scope(
+                    completions,
+                    &shown,
+                    |(job_id, attempt, _)| pb::CompleteResult {
+                        job_id: job_id.clone(),
+                        attempt: *attempt,
+                        outcome: pb::CompleteOutcome::NotFound as i32,
+                        ..Default::default()
+                    },
+                    |completions| self.complete(now_ms, &worker_id, completions, &caller_trace, out),
+                );
                 out.replies.push(Box::new(move || {
                     let _ = reply.send(results);
                 }));
@@ -1368,6 +1429,29 @@ impl AdmissionPartition {
                 }));
             }
         }
+    }
+
+    /// Whether a caller of `scope` may see `job_id` (a job this partition
+    /// does not know is not hidden: it answers not found anyway).
+    fn in_scope(&self, job_id: &str, scope: &JobScope) -> bool {
+        if *scope == JobScope::All {
+            return true;
+        }
+        let tenant = self
+            .jobs
+            .get(job_id)
+            .map(|active| active.row.tenant.as_str())
+            .or_else(|| {
+                self.prepared
+                    .stored
+                    .get(job_id)
+                    .map(|stored| stored.row.tenant.as_str())
+            });
+        tenant.is_none_or(|tenant| scope.allows(tenant))
+    }
+
+    fn shown<'a>(&self, job_ids: impl Iterator<Item = &'a str>, scope: &JobScope) -> Vec<bool> {
+        job_ids.map(|job_id| self.in_scope(job_id, scope)).collect()
     }
 
     /// A hand-over entry checked now (when `prepare` did not).
@@ -1587,3 +1671,31 @@ fn is_duplicate_completion(state: &JobState, attempt: u32) -> bool {
 #[cfg(test)]
 #[path = "partition_tests.rs"]
 mod tests;
+
+/// The answers to a call's `entries` in call order: those `shown` from
+/// `act`, the others `hidden` (as if their jobs did not exist).
+fn within_scope<T, R>(
+    entries: Vec<T>,
+    shown: &[bool],
+    hidden: impl Fn(&T) -> R,
+    act: impl FnOnce(Vec<T>) -> Vec<R>,
+) -> Vec<R> {
+    if shown.iter().all(|shown| *shown) {
+        return act(entries);
+    }
+    let mut answers: Vec<Option<R>> = Vec::with_capacity(entries.len());
+    let mut acted_on = Vec::new();
+    for (entry, shown) in entries.into_iter().zip(shown) {
+        if *shown {
+            answers.push(None);
+            acted_on.push(entry);
+        } else {
+            answers.push(Some(hidden(&entry)));
+        }
+    }
+    let mut acted = act(acted_on).into_iter();
+    answers
+        .into_iter()
+        .filter_map(|answer| answer.or_else(|| acted.next()))
+        .collect()
+}

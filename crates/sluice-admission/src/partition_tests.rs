@@ -170,6 +170,7 @@ fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), Tes
             let before = harness.state(job).map(|state| (state.status, state.attempt));
             let (reply, mut answer) = oneshot::channel();
             harness.apply(vec![Local::Claim {
+                scope: sluice_common::auth::JobScope::All,
                 worker_id: worker_id(worker),
                 attempts: vec![(job_id(job), attempt)],
                 reply,
@@ -197,6 +198,7 @@ fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), Tes
         Op::Heartbeat { worker, job, attempt } => {
             let (reply, mut answer) = oneshot::channel();
             harness.apply(vec![Local::Heartbeat {
+                scope: sluice_common::auth::JobScope::All,
                 worker_id: worker_id(worker),
                 attempts: vec![(job_id(job), attempt)],
                 reply,
@@ -233,6 +235,7 @@ fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), Tes
             };
             let (reply, mut answer) = oneshot::channel();
             harness.apply(vec![Local::Complete {
+                scope: sluice_common::auth::JobScope::All,
                 worker_id: worker_id(worker),
                 completions: vec![(job_id(job), attempt, end)],
                 caller_trace: pb::TraceContext::default(),
@@ -411,6 +414,7 @@ proptest! {
                     prop_assert_eq!(harness.state(job).map(|state| state.step), Some(2), "admitted without every grant");
                     let (reply, mut answer) = oneshot::channel();
                     harness.apply(vec![Local::Claim {
+                        scope: sluice_common::auth::JobScope::All,
                         worker_id: worker_id(0),
                         attempts: vec![(job_id(job), attempt)],
                         reply,
@@ -424,6 +428,7 @@ proptest! {
                     };
                     let (reply, mut answer) = oneshot::channel();
                     harness.apply(vec![Local::Complete {
+                        scope: sluice_common::auth::JobScope::All,
                         worker_id: worker_id(0),
                         completions: vec![(job_id(job), attempt, end)],
                         caller_trace: pb::TraceContext::default(),
@@ -548,6 +553,7 @@ impl StreamWorkers {
             // Undelivered: the worker never held them; hand them back.
             let (reply, _answer) = oneshot::channel();
             harness.apply(vec![Local::Complete {
+                scope: sluice_common::auth::JobScope::All,
                 worker_id: handed.worker_id.clone(),
                 completions: handed
                     .attempts
@@ -594,7 +600,9 @@ proptest! {
                 StreamOp::Open { worker } => {
                     if !workers.sessions.contains_key(&worker) {
                         let (sender, downstream) = tokio::sync::mpsc::channel(64);
-                        let session = workers.hub.open(worker_id(worker), vec!["default".to_string()], 0, Some(sender));
+                        let session = workers
+                            .hub
+                            .open(worker_id(worker), vec!["default".to_string()], sluice_common::auth::JobScope::All, 0, Some(sender));
                         workers.sessions.insert(worker, (session, downstream));
                     }
                 }

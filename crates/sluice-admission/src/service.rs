@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_common::auth::{principal_of, Action, Channel, JobScope, Principal};
 use sluice_common::forward::{forwarded_request, is_forwarded, owner_endpoint, ChannelCache};
 use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::job_partition;
@@ -17,7 +18,6 @@ use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
-use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::chain;
@@ -237,7 +237,15 @@ impl AdmissionApi {
     /// with another request) saves none of the call's jobs when they all
     /// belong to one partition; across partitions, saved rows are checked
     /// first, so only a conflict racing this call can save the others.
-    async fn enqueue_all(&self, incoming: Vec<Incoming>, forwarded: bool) -> Result<Vec<pb::EnqueueResponse>, Status> {
+    async fn enqueue_all(
+        &self,
+        caller: &Principal,
+        incoming: Vec<Incoming>,
+        forwarded: bool,
+    ) -> Result<Vec<pb::EnqueueResponse>, Status> {
+        for job in &incoming {
+            caller.authorize(&job.valid.request.tenant, Action::Enqueue, "tenant")?;
+        }
         let count = incoming.len();
         let groups = by_partition(incoming, |job| self.partition_of(&job.job_id));
         if groups.len() > 1 {
@@ -267,7 +275,7 @@ impl AdmissionApi {
                         let indexes = &indexes;
                         async move {
                             Ok(owner
-                                .enqueue_batch(forwarded_request(pb::EnqueueBatchRequest { jobs: requests }))
+                                .enqueue_batch(forwarded_request(pb::EnqueueBatchRequest { jobs: requests }, caller))
                                 .await
                                 .map_err(|status| renumber_conflict(status, indexes))?
                                 .into_inner()
@@ -505,12 +513,13 @@ impl AdmissionApi {
 impl pb::admission_server::Admission for AdmissionApi {
     async fn enqueue(&self, request: Request<pb::EnqueueRequest>) -> Result<Response<pb::EnqueueResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let Some(job) = request.into_inner().job else {
             return Err(FieldError::new("job", "must be set").into());
         };
         let incoming = self.incoming(None, job, &trace)?;
-        let mut results = self.enqueue_all(vec![incoming], forwarded).await?;
+        let mut results = self.enqueue_all(&caller, vec![incoming], forwarded).await?;
         let result = results
             .pop()
             .ok_or_else(|| Status::internal("enqueue returned nothing"))?;
@@ -522,6 +531,7 @@ impl pb::admission_server::Admission for AdmissionApi {
         request: Request<pb::EnqueueBatchRequest>,
     ) -> Result<Response<pb::EnqueueBatchResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let jobs = request.into_inner().jobs;
         check_batch("jobs", &jobs)?;
@@ -530,12 +540,14 @@ impl pb::admission_server::Admission for AdmissionApi {
             .enumerate()
             .map(|(index, job)| self.incoming(Some(format!("jobs[{index}]")), job, &trace))
             .collect::<Result<Vec<_>, Status>>()?;
-        let results = self.enqueue_all(incoming, forwarded).await?;
+        let results = self.enqueue_all(&caller, incoming, forwarded).await?;
         Ok(Response::new(pb::EnqueueBatchResponse { results }))
     }
 
     async fn get_job(&self, request: Request<pb::GetJobRequest>) -> Result<Response<pb::GetJobResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
+        let scope = caller.job_scope(Action::Read)?;
         let message = request.into_inner();
         let job_id = message.job_id.clone();
         check_name("job_id", &job_id, MAX_ID_BYTES)?;
@@ -549,7 +561,7 @@ impl pb::admission_server::Admission for AdmissionApi {
                     reply,
                 },
                 |mut owner| {
-                    let request = forwarded_request(message.clone());
+                    let request = forwarded_request(message.clone(), &caller);
                     async move { owner.get_job(request).await }
                 },
             )
@@ -572,6 +584,9 @@ impl pb::admission_server::Admission for AdmissionApi {
                 }
             }
         };
+        if !scope.allows(&row.tenant) {
+            return Err(Status::not_found(format!("job {job_id} not found")));
+        }
         Ok(Response::new(pb::GetJobResponse {
             job: Some(self.view(row).await),
         }))
@@ -582,6 +597,8 @@ impl pb::admission_server::Admission for AdmissionApi {
         request: Request<pb::CancelJobRequest>,
     ) -> Result<Response<pb::CancelJobResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
+        let scope = caller.job_scope(Action::Operate)?;
         let message = request.into_inner();
         check_name("job_id", &message.job_id, MAX_ID_BYTES)?;
         check_text("reason", &message.reason, MAX_TEXT_BYTES)?;
@@ -598,10 +615,11 @@ impl pb::admission_server::Admission for AdmissionApi {
                 |reply| Local::Cancel {
                     job_id: message.job_id.clone(),
                     reason: reason.clone(),
+                    scope: scope.clone(),
                     reply,
                 },
                 |mut owner| {
-                    let request = forwarded_request(message.clone());
+                    let request = forwarded_request(message.clone(), &caller);
                     async move { owner.cancel_job(request).await }
                 },
             )
@@ -615,6 +633,8 @@ impl pb::admission_server::Admission for AdmissionApi {
 
     async fn claim(&self, request: Request<pb::ClaimRequest>) -> Result<Response<pb::ClaimResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
+        let scope = caller.job_scope(Action::Work)?;
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
@@ -626,13 +646,17 @@ impl pb::admission_server::Admission for AdmissionApi {
                 |attempts, reply| Local::Claim {
                     worker_id: worker_id.clone(),
                     attempts,
+                    scope: scope.clone(),
                     reply,
                 },
                 |mut owner, jobs| {
-                    let request = forwarded_request(pb::ClaimRequest {
-                        worker_id: worker_id.clone(),
-                        jobs,
-                    });
+                    let request = forwarded_request(
+                        pb::ClaimRequest {
+                            worker_id: worker_id.clone(),
+                            jobs,
+                        },
+                        &caller,
+                    );
                     async move { Ok(owner.claim(request).await?.into_inner().results) }
                 },
             )
@@ -645,21 +669,26 @@ impl pb::admission_server::Admission for AdmissionApi {
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
-        let results = self.heartbeat_attempts(forwarded, &message.worker_id, attempts).await?;
+        let results = self
+            .heartbeat_attempts(&caller, forwarded, &message.worker_id, attempts)
+            .await?;
         Ok(Response::new(pb::HeartbeatResponse { results }))
     }
 
     async fn complete(&self, request: Request<pb::CompleteRequest>) -> Result<Response<pb::CompleteResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         // The worker's span, when it sent one: the completion hangs below it.
         let caller_trace = sluice_common::telemetry::trace_context_from_metadata(request.metadata());
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let results = self
             .complete_attempts(
+                &caller,
                 forwarded,
                 &message.worker_id,
                 "completions",
@@ -676,7 +705,8 @@ impl pb::admission_server::Admission for AdmissionApi {
         &self,
         request: Request<tonic::Streaming<pb::WorkRequest>>,
     ) -> Result<Response<Self::WorkStream>, Status> {
-        crate::work_stream::serve(self.clone(), request.into_inner()).await
+        let caller = principal_of(&request);
+        crate::work_stream::serve(self.clone(), caller, request.into_inner()).await
     }
 
     async fn instances(
@@ -695,23 +725,29 @@ impl AdmissionApi {
     /// Heartbeats of `worker_id` (checked), each at its job's owner.
     pub async fn heartbeat_attempts(
         &self,
+        caller: &Principal,
         forwarded: bool,
         worker_id: &str,
         attempts: Vec<(String, u32)>,
     ) -> Result<Vec<pb::HeartbeatResult>, Status> {
+        let scope = caller.job_scope(Action::Work)?;
         self.ask_per_partition(
             forwarded,
             attempts,
             |attempts, reply| Local::Heartbeat {
                 worker_id: worker_id.to_string(),
                 attempts,
+                scope: scope.clone(),
                 reply,
             },
             |mut owner, jobs| {
-                let request = forwarded_request(pb::HeartbeatRequest {
-                    worker_id: worker_id.to_string(),
-                    jobs,
-                });
+                let request = forwarded_request(
+                    pb::HeartbeatRequest {
+                        worker_id: worker_id.to_string(),
+                        jobs,
+                    },
+                    caller,
+                );
                 async move { Ok(owner.heartbeat(request).await?.into_inner().results) }
             },
         )
@@ -722,12 +758,14 @@ impl AdmissionApi {
     /// checked here, named `<field>[i]`), each at its job's owner.
     pub async fn complete_attempts(
         &self,
+        caller: &Principal,
         forwarded: bool,
         worker_id: &str,
         field: &str,
         completions: Vec<pb::Completion>,
         caller_trace: &pb::TraceContext,
     ) -> Result<Vec<pb::CompleteResult>, Status> {
+        let scope: JobScope = caller.job_scope(Action::Work)?;
         check_batch(field, &completions)?;
         let mut checked = Vec::with_capacity(completions.len());
         for (index, completion) in completions.iter().enumerate() {
@@ -747,14 +785,18 @@ impl AdmissionApi {
                     |reply| Local::Complete {
                         worker_id: worker_id.to_string(),
                         completions: completions.clone(),
+                        scope: scope.clone(),
                         caller_trace: caller_trace.clone(),
                         reply,
                     },
                     |mut owner| {
-                        let mut request = forwarded_request(pb::CompleteRequest {
-                            worker_id: worker_id.to_string(),
-                            completions: original.iter().map(|(_, completion)| completion.clone()).collect(),
-                        });
+                        let mut request = forwarded_request(
+                            pb::CompleteRequest {
+                                worker_id: worker_id.to_string(),
+                                completions: original.iter().map(|(_, completion)| completion.clone()).collect(),
+                            },
+                            caller,
+                        );
                         sluice_common::telemetry::inject_into_metadata(caller_trace, request.metadata_mut());
                         async move { Ok(owner.complete(request).await?.into_inner().results) }
                     },

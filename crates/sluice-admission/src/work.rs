@@ -16,6 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
+use sluice_common::auth::JobScope;
 use sluice_proto::v1 as pb;
 use tokio::sync::mpsc;
 
@@ -27,6 +28,8 @@ pub struct WorkSession {
     pub id: u64,
     pub worker_id: String,
     pub task_groups: Vec<String>,
+    /// The jobs its worker may run (its principal's tenants).
+    pub scope: JobScope,
     credits: AtomicU32,
     closed: AtomicBool,
     sender: Option<WorkSender>,
@@ -158,6 +161,7 @@ impl WorkerHub {
         &self,
         worker_id: String,
         task_groups: Vec<String>,
+        scope: JobScope,
         credits: u32,
         sender: Option<WorkSender>,
     ) -> Arc<WorkSession> {
@@ -165,6 +169,7 @@ impl WorkerHub {
             id: self.next_session.fetch_add(1, Ordering::Relaxed),
             worker_id,
             task_groups,
+            scope,
             credits: AtomicU32::new(credits),
             closed: AtomicBool::new(false),
             sender,
@@ -216,8 +221,18 @@ impl WorkerHub {
         wake
     }
 
-    /// Whether an open session of `task_group` exists (credit or not).
-    pub fn has_sessions(&self, task_group: &str) -> bool {
+    /// Whether an open session of `task_group` that may run `tenant`'s jobs
+    /// exists (credit or not).
+    pub fn has_sessions(&self, task_group: &str, tenant: &str) -> bool {
+        self.any_session(task_group, |session| session.scope.allows(tenant))
+    }
+
+    /// Whether an open session of `task_group` has a credit.
+    pub fn has_credit(&self, task_group: &str) -> bool {
+        self.any_session(task_group, |session| session.credits() > 0)
+    }
+
+    fn any_session(&self, task_group: &str, test: impl Fn(&WorkSession) -> bool) -> bool {
         let groups = self.groups.read().unwrap_or_else(|poisoned| poisoned.into_inner());
         groups.get(task_group).is_some_and(|entry| {
             entry
@@ -225,13 +240,14 @@ impl WorkerHub {
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .sessions
                 .iter()
-                .any(|session| !session.is_closed())
+                .any(|session| !session.is_closed() && test(session))
         })
     }
 
-    /// Take one credit from a session of `task_group`, taking turns among
-    /// them. `None`: no session has room.
-    pub fn take(&self, task_group: &str) -> Option<Arc<WorkSession>> {
+    /// Take one credit from a session of `task_group` that may run
+    /// `tenant`'s jobs, taking turns among them. `None`: no such session
+    /// has room.
+    pub fn take(&self, task_group: &str, tenant: &str) -> Option<Arc<WorkSession>> {
         let groups = self.groups.read().unwrap_or_else(|poisoned| poisoned.into_inner());
         let mut entry = groups
             .get(task_group)?
@@ -240,7 +256,7 @@ impl WorkerHub {
         let count = entry.sessions.len();
         for offset in 0..count {
             let index = (entry.turn + offset) % count;
-            if entry.sessions[index].take_credit() {
+            if entry.sessions[index].scope.allows(tenant) && entry.sessions[index].take_credit() {
                 entry.turn = (index + 1) % count;
                 return Some(entry.sessions[index].clone());
             }
@@ -369,27 +385,42 @@ mod tests {
     }
 
     #[test]
+    fn a_session_takes_only_the_jobs_of_its_tenants() {
+        let (hub, _undelivered) = WorkerHub::new();
+        let scoped = JobScope::Tenants(Arc::new(["a".to_string()].into_iter().collect()));
+        let session = hub.open("w".into(), vec!["g".into()], scoped, 1, None);
+        assert!(hub.has_sessions("g", "a"));
+        assert!(!hub.has_sessions("g", "b"));
+        assert!(
+            hub.take("g", "b").is_none(),
+            "a job of tenant b went to a worker of tenant a"
+        );
+        assert_eq!(session.credits(), 1);
+        assert!(hub.take("g", "a").is_some());
+    }
+
+    #[test]
     fn credits_are_taken_in_turns_and_never_below_zero() {
         let hub = WorkerHub::without_workers();
-        let first = hub.open("a".into(), vec!["g".into()], 2, None);
-        let second = hub.open("b".into(), vec!["g".into()], 1, None);
-        let taken: Vec<String> = std::iter::from_fn(|| hub.take("g"))
+        let first = hub.open("a".into(), vec!["g".into()], JobScope::All, 2, None);
+        let second = hub.open("b".into(), vec!["g".into()], JobScope::All, 1, None);
+        let taken: Vec<String> = std::iter::from_fn(|| hub.take("g", "t"))
             .map(|session| session.worker_id.clone())
             .collect();
         assert_eq!(taken, vec!["a", "b", "a"]);
         assert_eq!(first.credits(), 0);
         assert_eq!(second.credits(), 0);
-        assert!(hub.take("other").is_none());
+        assert!(hub.take("other", "t").is_none());
         hub.close(&first);
-        assert!(hub.has_sessions("g"));
+        assert!(hub.has_sessions("g", "t"));
         hub.close(&second);
-        assert!(!hub.has_sessions("g"));
+        assert!(!hub.has_sessions("g", "t"));
     }
 
     #[test]
     fn credits_wake_the_partitions_that_wait_for_them_once() {
         let hub = WorkerHub::without_workers();
-        let session = hub.open("a".into(), vec!["g".into()], 0, None);
+        let session = hub.open("a".into(), vec!["g".into()], JobScope::All, 0, None);
         hub.want("g", 3);
         hub.want("g", 1);
         assert_eq!(hub.add_credits(&session, 2).into_iter().collect::<Vec<_>>(), vec![1, 3]);
@@ -400,8 +431,8 @@ mod tests {
     #[test]
     fn a_push_to_a_gone_stream_is_handed_back_with_its_credit() {
         let (hub, mut undelivered) = WorkerHub::new();
-        let session = hub.open("w".into(), vec!["g".into()], 1, None);
-        assert!(hub.take("g").is_some());
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
+        assert!(hub.take("g", "t").is_some());
         let mut push = Push::new(hub.clone(), session.clone());
         push.add(dispatched("j1"));
         push.send();
@@ -415,8 +446,8 @@ mod tests {
     fn a_push_written_to_an_open_stream_is_not_handed_back() {
         let (hub, mut undelivered) = WorkerHub::new();
         let (sender, mut receiver) = mpsc::channel(4);
-        let session = hub.open("w".into(), vec!["g".into()], 1, Some(sender));
-        assert!(hub.take("g").is_some());
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, Some(sender));
+        assert!(hub.take("g", "t").is_some());
         let mut push = Push::new(hub.clone(), session.clone());
         push.add(dispatched("j1"));
         push.send();
@@ -429,8 +460,8 @@ mod tests {
     #[test]
     fn a_lost_push_neither_returns_credit_nor_hands_back() {
         let (hub, mut undelivered) = WorkerHub::new();
-        let session = hub.open("w".into(), vec!["g".into()], 1, None);
-        assert!(hub.take("g").is_some());
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
+        assert!(hub.take("g", "t").is_some());
         let mut push = Push::new(hub.clone(), session.clone());
         push.add(dispatched("j1"));
         push.lose();

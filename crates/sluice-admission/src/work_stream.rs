@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_common::auth::{Action, Principal};
 use sluice_common::validate::{check_name, FieldError, MAX_ID_BYTES};
 use sluice_common::Shutdown;
 use sluice_proto::v1 as pb;
@@ -31,8 +32,12 @@ const IN_FLIGHT_PER_STREAM: usize = 64;
 /// Open a session from the stream's first message and serve the rest.
 pub async fn serve(
     api: AdmissionApi,
+    caller: Arc<Principal>,
     mut inbound: Streaming<pb::WorkRequest>,
 ) -> Result<Response<ReceiverStream<Result<pb::WorkResponse, Status>>>, Status> {
+    // Jobs of other tenants are neither pushed to this stream nor
+    // heartbeated or completed through it.
+    let scope = caller.job_scope(Action::Work)?;
     let open = match inbound.message().await? {
         Some(pb::WorkRequest {
             message: Some(pb::work_request::Message::Open(open)),
@@ -45,6 +50,7 @@ pub async fn serve(
     let session = api.hub.open(
         open.worker_id.clone(),
         open.task_groups.clone(),
+        scope,
         0,
         Some(sender.clone()),
     );
@@ -53,6 +59,7 @@ pub async fn serve(
     tokio::spawn(async move {
         let reader = StreamReader {
             api,
+            caller,
             session,
             sender,
             in_flight: Arc::new(Semaphore::new(IN_FLIGHT_PER_STREAM)),
@@ -85,6 +92,7 @@ fn check_open(api: &AdmissionApi, open: &pb::WorkOpen) -> Result<(), Status> {
 
 struct StreamReader {
     api: AdmissionApi,
+    caller: Arc<Principal>,
     session: Arc<WorkSession>,
     sender: mpsc::Sender<Result<pb::WorkResponse, Status>>,
     in_flight: Arc<Semaphore>,
@@ -144,9 +152,10 @@ impl StreamReader {
             Some(pb::work_request::Message::Heartbeat(heartbeat)) => {
                 let api = self.api.clone();
                 let worker_id = self.session.worker_id.clone();
+                let caller = self.caller.clone();
                 self.answer(heartbeat.id, async move {
                     let attempts = attempts_of("heartbeat.jobs", heartbeat.jobs)?;
-                    let results = api.heartbeat_attempts(false, &worker_id, attempts).await?;
+                    let results = api.heartbeat_attempts(&caller, false, &worker_id, attempts).await?;
                     Ok(pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results }))
                 })
                 .await;
@@ -155,9 +164,11 @@ impl StreamReader {
             Some(pb::work_request::Message::Complete(complete)) => {
                 let api = self.api.clone();
                 let worker_id = self.session.worker_id.clone();
+                let caller = self.caller.clone();
                 self.answer(complete.id, async move {
                     let results = api
                         .complete_attempts(
+                            &caller,
                             false,
                             &worker_id,
                             "complete.completions",
@@ -238,9 +249,11 @@ pub async fn hand_back_undelivered(
             })
             .collect();
         let mut delay = Duration::from_millis(100);
+        let system = Principal::system();
         for _ in 0..5 {
             match api
                 .complete_attempts(
+                    &system,
                     false,
                     &push.worker_id,
                     "completions",

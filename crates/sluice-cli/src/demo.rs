@@ -23,13 +23,13 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Message, TopicPartitionList};
 use serde::Serialize;
+use sluice_common::auth::Channel;
 use sluice_common::kafka::client_config;
 use sluice_common::SluiceConfig;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
 
 use crate::endpoints::Endpoints;
 use crate::output::{self, OutputFormat, Render, Table};

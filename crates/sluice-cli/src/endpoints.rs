@@ -4,11 +4,11 @@
 use std::time::Duration;
 
 use anyhow::Context;
+use sluice_common::auth::Channel;
 use sluice_proto::v1::admission_client::AdmissionClient;
 use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use sluice_proto::v1::refresh_client::RefreshClient;
-use tonic::transport::Channel;
 
 use crate::output::RpcError;
 
@@ -80,11 +80,20 @@ pub struct Endpoints {
         requires = "tls_cert_file"
     )]
     pub tls_key_file: Option<String>,
+    /// A file holding the bearer token (JWT) sent on every call, for
+    /// services with `auth.enabled`.
+    #[arg(long, global = true, env = "SLUICE_TOKEN_FILE", value_name = "PATH")]
+    pub token_file: Option<String>,
 }
 
 impl Endpoints {
-    /// What `https://` channels of this command trust and present.
-    pub fn configure_tls(&self) -> anyhow::Result<()> {
+    /// What this command's channels trust and present: TLS files and the
+    /// bearer token.
+    pub fn configure_clients(&self) -> anyhow::Result<()> {
+        if let Some(path) = &self.token_file {
+            let token = std::fs::read_to_string(path).with_context(|| format!("--token-file: cannot read {path:?}"))?;
+            sluice_common::auth::set_client_token(&token).with_context(|| format!("--token-file {path:?}"))?;
+        }
         let identity = match (&self.tls_cert_file, &self.tls_key_file) {
             (Some(cert), Some(key)) => Some((cert.as_str(), key.as_str())),
             _ => None,
@@ -111,11 +120,12 @@ pub fn normalized(endpoint: &str) -> String {
 /// the call's `UNAVAILABLE`, with the service and endpoint named.
 pub fn channel(endpoint: &str) -> anyhow::Result<Channel> {
     let endpoint = normalized(endpoint);
-    Ok(sluice_common::tls::endpoint(&endpoint)
+    let channel = sluice_common::tls::endpoint(&endpoint)
         .with_context(|| format!("bad endpoint {endpoint:?}"))?
         .connect_timeout(Duration::from_secs(3))
         .timeout(Duration::from_secs(15))
-        .connect_lazy())
+        .connect_lazy();
+    Ok(sluice_common::auth::with_credentials(channel))
 }
 
 /// A client of one service, with what to say when a call fails.

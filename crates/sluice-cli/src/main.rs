@@ -141,7 +141,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    cli.endpoints.configure_tls()?;
+    cli.endpoints.configure_clients()?;
     let format = cli.output;
     let printable: Box<dyn Printable> = match cli.command {
         Command::Jobs { command } => jobs::run(&cli.endpoints, command).await?,
@@ -193,7 +193,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             return demo::run(&config, &cli.endpoints, args, format).await;
         }
         Command::Dev { expose } => {
-            let mut config = SluiceConfig::load(cli.config.as_deref())?;
+            let mut config = SluiceConfig::load_dev(cli.config.as_deref())?;
             let moved = if expose { Vec::new() } else { loopback_only(&mut config) };
             let config = Arc::new(config);
             let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;

@@ -36,7 +36,7 @@ pub async fn run(config: &SluiceConfig, options: TryOptions) -> anyhow::Result<(
                 options.endpoint
             )
         })?;
-    let mut admission = AdmissionClient::new(channel);
+    let mut admission = AdmissionClient::new(sluice_common::auth::with_credentials(channel));
 
     let mut settings = client_config(&config.kafka);
     settings

@@ -6,10 +6,33 @@ use std::time::Duration;
 
 use sluice_proto::v1::admission_client::AdmissionClient;
 use sluice_proto::v1::refresh_client::RefreshClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::error::{Error, Result};
 use crate::options::ClientOptions;
+
+/// Adds the configured bearer token to every call.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Bearer(pub Option<tonic::metadata::AsciiMetadataValue>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut request: tonic::Request<()>) -> std::result::Result<tonic::Request<()>, tonic::Status> {
+        if let Some(token) = &self.0 {
+            request.metadata_mut().insert("authorization", token.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A channel whose calls carry the bearer token.
+pub(crate) type Channel = tonic::service::interceptor::InterceptedService<tonic::transport::Channel, Bearer>;
+
+/// How to reach the services: TLS settings and credentials.
+#[derive(Clone, Debug)]
+pub(crate) struct Dial {
+    pub tls: tonic::transport::ClientTlsConfig,
+    pub bearer: Bearer,
+}
 
 /// An endpoint for `url`: TLS for `https://` with `tls`.
 pub(crate) fn endpoint(
@@ -30,7 +53,8 @@ fn lazy_channel(field: &'static str, endpoint: &str, options: &ClientOptions) ->
             message: "must not be empty".to_string(),
         });
     }
-    let endpoint = self::endpoint(endpoint, &options.tls())
+    let dial = options.dial()?;
+    let endpoint = self::endpoint(endpoint, &dial.tls)
         .map_err(|error| Error::Config {
             field,
             message: format!("{endpoint:?} is not a URL: {error}"),
@@ -38,7 +62,7 @@ fn lazy_channel(field: &'static str, endpoint: &str, options: &ClientOptions) ->
         .connect_timeout(Duration::from_secs(5))
         .timeout(options.request_timeout)
         .tcp_nodelay(true);
-    Ok(endpoint.connect_lazy())
+    Ok(Channel::new(endpoint.connect_lazy(), dial.bearer))
 }
 
 /// An admission client and the endpoint it talks to (for errors).

@@ -59,6 +59,9 @@ pub struct ClientOptions {
     /// dialled (the services' `tls.server_name`; Work streams dial the
     /// instances' advertised addresses, pod IPs in Kubernetes).
     pub tls_server_name: Option<String>,
+    /// The bearer token (a JWT) sent on every gRPC call, for services with
+    /// `auth.enabled`; its claims name the tenants and roles it may use.
+    pub bearer_token: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -80,11 +83,31 @@ impl Default for ClientOptions {
             tls_ca_pem: None,
             tls_identity_pem: None,
             tls_server_name: None,
+            bearer_token: None,
         }
     }
 }
 
 impl ClientOptions {
+    /// The TLS settings and credentials of every channel.
+    pub(crate) fn dial(&self) -> crate::error::Result<crate::grpc::Dial> {
+        let bearer = match &self.bearer_token {
+            None => None,
+            Some(token) => Some(
+                tonic::metadata::AsciiMetadataValue::try_from(format!("Bearer {}", token.trim())).map_err(|_| {
+                    crate::error::Error::Config {
+                        field: "bearer_token",
+                        message: "must be printable ASCII".to_string(),
+                    }
+                })?,
+            ),
+        };
+        Ok(crate::grpc::Dial {
+            tls: self.tls(),
+            bearer: crate::grpc::Bearer(bearer),
+        })
+    }
+
     /// The TLS settings of `https://` channels.
     pub(crate) fn tls(&self) -> tonic::transport::ClientTlsConfig {
         let mut tls = tonic::transport::ClientTlsConfig::new();

@@ -11,6 +11,10 @@ use serde::{Deserialize, Deserializer};
 
 const DEFAULT_TOML: &str = include_str!("default.toml");
 
+/// What `sluice dev` changes in the defaults (a file or the environment
+/// still wins).
+const DEV_TOML: &str = "[auth]\nenabled = false\n";
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot load configuration: {0}")]
@@ -93,6 +97,107 @@ pub struct SluiceConfig {
     pub process: ProcessConfig,
     pub console: ConsoleConfig,
     pub tls: TlsConfig,
+    pub auth: AuthConfig,
+}
+
+/// `[auth]`: who may call the services (see `auth.rs`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// Refuse calls without credentials. On by default; `sluice dev` turns
+    /// it off (and binds to loopback).
+    pub enabled: bool,
+    /// A secret (at least 16 printable characters) the services send on
+    /// their calls to each other; every instance and the console read the
+    /// same file. Required when auth is on.
+    pub internal_token_file: String,
+    /// A JWKS document (RSA, EC or Ed25519 public keys) verifying bearer
+    /// tokens; a token's `kid` picks the key.
+    pub jwks_file: String,
+    /// PEM public keys (RSA, EC or Ed25519) verifying bearer tokens.
+    #[serde(default, deserialize_with = "list_or_comma_separated")]
+    pub public_key_files: Vec<String>,
+    /// A token's `iss` must be this (required with keys).
+    pub issuer: String,
+    /// A token's `aud` must hold this (required with keys).
+    pub audience: String,
+    /// The claims listing a token's tenants and roles.
+    pub tenants_claim: String,
+    pub roles_claim: String,
+    /// Clock skew allowed on `exp` and `nbf`.
+    pub leeway: HumanDuration,
+    /// How often the key files are read again.
+    pub reload_interval: HumanDuration,
+    /// Client certificates (mutual TLS) mapped to principals by common name
+    /// or DNS / URI subject alternative name.
+    #[serde(default)]
+    pub client_certificates: Vec<ClientCertificatePrincipal>,
+}
+
+impl AuthConfig {
+    /// With auth on: the internal token is set, keys come with an issuer
+    /// and an audience, and something can authenticate a caller.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.internal_token_file.trim().is_empty() {
+            return Err(invalid(
+                "auth.internal_token_file",
+                "must be set when auth is on: a file holding a random secret (at least 16 characters) shared by every \
+                 Sluice process, which the services send each other (or set auth.enabled = false, only on a trusted network)",
+            ));
+        }
+        let has_keys = !self.jwks_file.trim().is_empty() || !self.public_key_files.is_empty();
+        if has_keys && self.issuer.trim().is_empty() {
+            return Err(invalid("auth.issuer", "must be set with jwks_file or public_key_files"));
+        }
+        if has_keys && self.audience.trim().is_empty() {
+            return Err(invalid(
+                "auth.audience",
+                "must be set with jwks_file or public_key_files",
+            ));
+        }
+        for (index, mapping) in self.client_certificates.iter().enumerate() {
+            let field = format!("auth.client_certificates[{index}]");
+            if mapping.name.trim().is_empty() {
+                return Err(invalid(format!("{field}.name"), "must not be empty"));
+            }
+            for role in &mapping.roles {
+                if crate::auth::Role::parse(role).is_none() {
+                    return Err(invalid(
+                        format!("{field}.roles"),
+                        format!("{role:?} is not a role: producer, worker, operator, reader or admin"),
+                    ));
+                }
+            }
+            if mapping.tenants.iter().any(|tenant| tenant == "*") {
+                return Err(invalid(
+                    format!("{field}.tenants"),
+                    "tenant `*` (global caps) is reached through the admin role, not listed",
+                ));
+            }
+        }
+        for (field, value) in [
+            ("auth.tenants_claim", &self.tenants_claim),
+            ("auth.roles_claim", &self.roles_claim),
+        ] {
+            if value.trim().is_empty() {
+                return Err(invalid(field, "must not be empty"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[[auth.client_certificates]]`: a certificate name and what it may do.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientCertificatePrincipal {
+    pub name: String,
+    #[serde(default)]
+    pub tenants: Vec<String>,
+    pub roles: Vec<String>,
 }
 
 /// `[tls]`: empty files mean plaintext gRPC.
@@ -407,14 +512,32 @@ impl SluiceConfig {
         Self::load_from(file, None, overrides)
     }
 
+    /// `sluice dev`'s configuration: like `load`, but authentication is off
+    /// unless the file or the environment turns it on.
+    pub fn load_dev(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_layered(file, None, &[], Some(DEV_TOML))
+    }
+
     /// `environment` replaces the process environment when given (tests).
     fn load_from(
         file: Option<&Path>,
         environment: Option<config::Map<String, String>>,
         overrides: &[(&str, &str)],
     ) -> Result<Self, ConfigError> {
+        Self::load_layered(file, environment, overrides, None)
+    }
+
+    fn load_layered(
+        file: Option<&Path>,
+        environment: Option<config::Map<String, String>>,
+        overrides: &[(&str, &str)],
+        defaults: Option<&str>,
+    ) -> Result<Self, ConfigError> {
         let mut builder =
             config::Config::builder().add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
+        if let Some(defaults) = defaults {
+            builder = builder.add_source(config::File::from_str(defaults, config::FileFormat::Toml));
+        }
         if let Some(path) = file {
             builder = builder.add_source(config::File::from(path).required(true));
         }

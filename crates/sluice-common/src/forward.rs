@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use tonic::transport::Channel;
 use tonic::Status;
+
+use crate::auth::{Channel, Principal};
 
 pub const FORWARDED_HEADER: &str = "x-sluice-forwarded";
 
@@ -15,12 +16,17 @@ pub fn is_forwarded(metadata: &tonic::metadata::MetadataMap) -> bool {
     metadata.contains_key(FORWARDED_HEADER)
 }
 
-/// Mark a request as forwarded and carry the current trace context.
-pub fn forwarded_request<T>(message: T) -> tonic::Request<T> {
+/// Mark a request as forwarded, made for `caller` (the owner authorizes
+/// the call as the caller's: the forwarding instance authenticates with the
+/// internal token), and carry the current trace context.
+pub fn forwarded_request<T>(message: T, caller: &Principal) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     request
         .metadata_mut()
         .insert(FORWARDED_HEADER, tonic::metadata::MetadataValue::from_static("1"));
+    if let Some(principal) = caller.encode() {
+        request.metadata_mut().insert(crate::auth::PRINCIPAL_HEADER, principal);
+    }
     crate::telemetry::inject_current_into_metadata(request.metadata_mut());
     request
 }
@@ -95,6 +101,7 @@ impl ChannelCache {
             .connect_timeout(Duration::from_secs(3))
             .timeout(Duration::from_secs(30))
             .connect_lazy();
+        let channel = crate::auth::with_credentials(channel);
         channels.insert(endpoint.to_string(), channel.clone());
         Ok(channel)
     }

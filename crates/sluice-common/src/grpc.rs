@@ -23,6 +23,8 @@ pub enum GrpcError {
     Reflection(String),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Auth(#[from] crate::auth::AuthError),
     #[error("gRPC server failed: {0}")]
     Serve(#[from] tonic::transport::Error),
 }

@@ -2,6 +2,7 @@
 //! `main`; this crate gives them configuration, telemetry, Kafka plumbing,
 //! PostgreSQL storage, gRPC bootstrap and the owner runtime.
 
+pub mod auth;
 pub mod cli;
 pub mod clock;
 pub mod config;

@@ -261,11 +261,23 @@ pub struct LinkService<L> {
     pub shutdown: Shutdown,
 }
 
+/// `OwnerLink` is the services' own API: only a caller with the internal
+/// token (or any caller, with auth off) may use it.
+fn services_only<T>(request: &Request<T>) -> Result<(), Status> {
+    if crate::auth::principal_of(request).service {
+        return Ok(());
+    }
+    Err(Status::permission_denied(
+        "OwnerLink is the Sluice services' own API (callers authenticate with auth.internal_token_file)",
+    ))
+}
+
 #[tonic::async_trait]
 impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
     type LinkStream = ReceiverStream<Result<pb::LinkDown, Status>>;
 
     async fn link(&self, request: Request<Streaming<pb::LinkUp>>) -> Result<Response<Self::LinkStream>, Status> {
+        services_only(&request)?;
         let mut inbound = request.into_inner();
         let (down, down_receiver) = mpsc::channel(STREAM_BUFFER);
         let stream = self.router.new_stream_id();
@@ -306,8 +318,9 @@ impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
 
     async fn watch_grants(
         &self,
-        _request: Request<pb::WatchGrantsRequest>,
+        request: Request<pb::WatchGrantsRequest>,
     ) -> Result<Response<Self::WatchGrantsStream>, Status> {
+        services_only(&request)?;
         use futures::StreamExt as _;
         let watched = tokio_stream::wrappers::BroadcastStream::new(self.router.watchers.subscribe());
         let service = self.service;
@@ -331,8 +344,9 @@ impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
 
     async fn directory(
         &self,
-        _request: Request<pb::DirectoryRequest>,
+        request: Request<pb::DirectoryRequest>,
     ) -> Result<Response<pb::DirectoryResponse>, Status> {
+        services_only(&request)?;
         let rows: Vec<(i32, String, i64)> = sqlx::query_as("SELECT partition, endpoint, epoch FROM owners")
             .fetch_all(&self.pool)
             .await
@@ -891,7 +905,7 @@ async fn read_directory(seed: &str) -> Result<HashMap<i32, Arc<str>>, String> {
         .connect()
         .await
         .map_err(|error| format!("connecting to {seed}: {error}"))?;
-    let response = OwnerLinkClient::new(channel)
+    let response = OwnerLinkClient::new(crate::auth::with_credentials(channel))
         .directory(pb::DirectoryRequest {})
         .await
         .map_err(|status| format!("{seed} answered {status}"))?;
@@ -943,7 +957,7 @@ async fn open_and_read(
         .await
         .map_err(|error| format!("connecting: {error}"))?;
     let (sender, receiver) = mpsc::channel(STREAM_BUFFER);
-    let response = OwnerLinkClient::new(channel)
+    let response = OwnerLinkClient::new(crate::auth::with_credentials(channel))
         .link(ReceiverStream::new(receiver))
         .await
         .map_err(|status| format!("opening the stream: {status}"))?;

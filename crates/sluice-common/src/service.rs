@@ -237,6 +237,8 @@ pub type LinkLocal<S> =
 
 /// What a service's gRPC API needs to reach the keys' owners.
 pub struct OwnerApiParts<L> {
+    /// Put in front of the service's API (`auth::guarded`).
+    pub auth: crate::auth::Authenticator,
     pub registry: std::sync::Arc<crate::owner::OwnerRegistry<L>>,
     pub pool: PgPool,
     /// This instance's advertised endpoint.
@@ -276,6 +278,7 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
 
     let tls = crate::tls::ServerTls::load(&config.tls).map_err(crate::grpc::GrpcError::from)?;
     crate::tls::configure_clients(&config.tls).map_err(crate::grpc::GrpcError::from)?;
+    let auth = crate::auth::start(&config.auth, &shutdown).map_err(crate::grpc::GrpcError::from)?;
     let pool = open_database(&config, spec.schema, &[&crate::owner::MIGRATOR, spec.migrator]).await?;
     crate::kafka::ensure_topics(&config.kafka, &all_topics(&config), config.kafka.create_topics).await?;
     let readiness = crate::readiness::Readiness::new();
@@ -316,11 +319,15 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
     };
     let (mut routes, health) = crate::grpc::base_routes(grpc_services, config.process.grpc_reflection)?;
     if let Some(link_service) = link_service {
-        routes.add_service(sluice_proto::v1::owner_link_server::OwnerLinkServer::new(link_service));
+        routes.add_service(crate::auth::guarded(
+            sluice_proto::v1::owner_link_server::OwnerLinkServer::new(link_service),
+            &auth,
+        ));
     }
     add_api(
         &mut routes,
         OwnerApiParts {
+            auth,
             registry: registry.clone(),
             pool: pool.clone(),
             endpoint: endpoint.clone(),

@@ -206,6 +206,12 @@ async fn security_headers(mut response: Response) -> Response {
 pub async fn run(config: Arc<SluiceConfig>, listener: TcpListener, shutdown: Shutdown) -> Result<(), ConsoleError> {
     // The services it reads may speak TLS (`https://` endpoints, `tls.ca_file`).
     sluice_common::tls::configure_clients(&config.tls).map_err(sluice_common::grpc::GrpcError::from)?;
+    // It calls them as a Sluice process (the internal token): it has no
+    // login of its own, so it must only be reachable by operators.
+    sluice_common::auth::configure_clients(&config.auth).map_err(sluice_common::grpc::GrpcError::from)?;
+    if config.auth.enabled {
+        tracing::warn!(listen = %config.console.listen, "the console has no login yet and acts on every tenant with the internal token: keep it reachable only by operators (port-forward, or an authenticating proxy)");
+    }
     let reflection = config.process.grpc_reflection;
     let console = Arc::new(Console::new(config)?);
     let (routes, health) = sluice_common::grpc::base_routes(vec![], reflection)?;

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use sluice_common::auth::Channel;
 use sluice_common::config::ConsoleConfig;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
@@ -12,7 +13,6 @@ use sluice_proto::v1::limits_client::LimitsClient;
 use sluice_proto::v1::owner_link_client::OwnerLinkClient;
 use sluice_proto::v1::rate_limits_client::RateLimitsClient;
 use sluice_proto::v1::refresh_client::RefreshClient;
-use tonic::transport::Channel;
 
 /// How long one call may take before the page says the service is slow.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -65,10 +65,12 @@ impl<C> Target<C> {
 fn lazy_channel(field: &'static str, endpoint: &str) -> Result<Channel, EndpointError> {
     sluice_common::tls::endpoint(endpoint)
         .map(|endpoint| {
-            endpoint
-                .connect_timeout(CONNECT_TIMEOUT)
-                .timeout(CALL_TIMEOUT)
-                .connect_lazy()
+            sluice_common::auth::with_credentials(
+                endpoint
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .timeout(CALL_TIMEOUT)
+                    .connect_lazy(),
+            )
         })
         .map_err(|error| EndpointError {
             field,
@@ -356,7 +358,7 @@ pub async fn watch_grants(service: OwnerService, endpoint: &str) -> Result<tonic
         .connect()
         .await
         .map_err(|error| failed(tonic::Code::Unavailable, error.to_string()))?;
-    let response = OwnerLinkClient::new(channel)
+    let response = OwnerLinkClient::new(sluice_common::auth::with_credentials(channel))
         .watch_grants(pb::WatchGrantsRequest {})
         .await
         .map_err(|status| failed(status.code(), status.message().to_string()))?;

@@ -65,14 +65,18 @@ pub async fn run(
         LimitStore { topology },
         Some(state::LocalRequest::Link),
         |routes, parts| {
-            routes.add_service(sluice_proto::v1::limits_server::LimitsServer::new(service::LimitsApi {
+            let api = service::LimitsApi {
                 registry: parts.registry,
                 pool: parts.pool,
                 limit_partitions,
                 own_endpoint: parts.endpoint,
                 channels: ChannelCache::default(),
                 max_key_bytes,
-            }));
+            };
+            routes.add_service(sluice_common::auth::guarded(
+                sluice_proto::v1::limits_server::LimitsServer::new(api),
+                &parts.auth,
+            ));
         },
     )
     .await

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use sluice_common::auth::{principal_of, Action};
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::{LocalCallError, OwnerRegistry};
 use sluice_common::partition::key_partition;
@@ -85,7 +86,7 @@ impl LimitsApi {
         &self,
         partition: i32,
         forwarded: bool,
-    ) -> Result<LimitsClient<tonic::transport::Channel>, Status> {
+    ) -> Result<LimitsClient<sluice_common::auth::Channel>, Status> {
         let endpoint = owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await?;
         Ok(LimitsClient::new(self.channels.channel(&endpoint)?))
     }
@@ -95,8 +96,10 @@ impl LimitsApi {
 impl pb::limits_server::Limits for LimitsApi {
     async fn set_limit(&self, request: Request<pb::SetLimitRequest>) -> Result<Response<pb::SetLimitResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         let (tenant, key) = checked_key(message.key.as_ref(), self.max_key_bytes)?;
+        caller.authorize(&tenant, Action::Operate, format_args!("key {tenant}/{key}"))?;
         let max = match message.change {
             Some(pb::set_limit_request::Change::Max(max)) => {
                 check_u32("max", max, 0, MAX_CONCURRENCY)?;
@@ -122,7 +125,7 @@ impl pb::limits_server::Limits for LimitsApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .set_limit(forwarded_request(message))
+                    .set_limit(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -134,8 +137,10 @@ impl pb::limits_server::Limits for LimitsApi {
         request: Request<pb::DescribeKeyRequest>,
     ) -> Result<Response<pb::DescribeKeyResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         let (tenant, key) = checked_key(message.key.as_ref(), self.max_key_bytes)?;
+        caller.authorize(&tenant, Action::Read, format_args!("key {tenant}/{key}"))?;
         let partition = key_partition(&tenant, &key, self.limit_partitions);
         let first_waiters = if message.first_waiters == 0 {
             10
@@ -160,7 +165,7 @@ impl pb::limits_server::Limits for LimitsApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .describe_key(forwarded_request(message))
+                    .describe_key(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -172,8 +177,10 @@ impl pb::limits_server::Limits for LimitsApi {
     /// once, forwarded (a forwarded call answers for its own partitions only).
     async fn list_keys(&self, request: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
+        caller.authorize(&message.tenant, Action::Read, format_args!("tenant {}", message.tenant))?;
         check_text("prefix", &message.prefix, self.max_key_bytes)?;
         check_text("page_token", &message.page_token, self.max_key_bytes)?;
         let page_size = match message.page_size {
@@ -212,7 +219,7 @@ impl pb::limits_server::Limits for LimitsApi {
         }
         for endpoint in endpoints {
             let answer = LimitsClient::new(self.channels.channel(&endpoint)?)
-                .list_keys(forwarded_request(message.clone()))
+                .list_keys(forwarded_request(message.clone(), &caller))
                 .await?;
             found.extend(answer.into_inner().keys);
         }

@@ -64,15 +64,17 @@ pub async fn run(
         RateStore { topology },
         Some(state::LocalRequest::Link),
         |routes, parts| {
-            routes.add_service(sluice_proto::v1::rate_limits_server::RateLimitsServer::new(
-                service::RateLimitsApi {
-                    registry: parts.registry,
-                    pool: parts.pool,
-                    rate_partitions,
-                    own_endpoint: parts.endpoint,
-                    channels: ChannelCache::default(),
-                    max_key_bytes,
-                },
+            let api = service::RateLimitsApi {
+                registry: parts.registry,
+                pool: parts.pool,
+                rate_partitions,
+                own_endpoint: parts.endpoint,
+                channels: ChannelCache::default(),
+                max_key_bytes,
+            };
+            routes.add_service(sluice_common::auth::guarded(
+                sluice_proto::v1::rate_limits_server::RateLimitsServer::new(api),
+                &parts.auth,
             ));
         },
     )

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use sluice_common::auth::{principal_of, Action};
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::rate_key_partition;
@@ -38,7 +39,7 @@ impl RateLimitsApi {
         &self,
         partition: i32,
         forwarded: bool,
-    ) -> Result<RateLimitsClient<tonic::transport::Channel>, Status> {
+    ) -> Result<RateLimitsClient<sluice_common::auth::Channel>, Status> {
         let endpoint = owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await?;
         Ok(RateLimitsClient::new(self.channels.channel(&endpoint)?))
     }
@@ -72,8 +73,14 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         request: Request<pb::PutRateLimitRequest>,
     ) -> Result<Response<pb::PutRateLimitResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         let resource = self.check_resource(message.resource.as_ref())?;
+        caller.authorize(
+            &resource.tenant,
+            Action::Operate,
+            format_args!("rate limit {}/{}", resource.tenant, resource.resource_key),
+        )?;
         let partition = rate_key_partition(
             &resource_ref(&resource.tenant, &resource.resource_key),
             self.rate_partitions,
@@ -92,7 +99,7 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .put_rate_limit(forwarded_request(message))
+                    .put_rate_limit(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -103,8 +110,10 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         &self,
         request: Request<pb::ListRateLimitsRequest>,
     ) -> Result<Response<pb::ListRateLimitsResponse>, Status> {
+        let caller = principal_of(&request);
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
+        caller.authorize(&message.tenant, Action::Read, format_args!("tenant {}", message.tenant))?;
         check_text("page_token", &message.page_token, self.max_key_bytes)?;
         let page_size = match message.page_size {
             0 => 100,
@@ -149,8 +158,14 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         request: Request<pb::DeleteRateLimitRequest>,
     ) -> Result<Response<pb::DeleteRateLimitResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
+        caller.authorize(
+            &message.tenant,
+            Action::Operate,
+            format_args!("rate limit {}/{}", message.tenant, message.resource_key),
+        )?;
         check_name("resource_key", &message.resource_key, self.max_key_bytes)?;
         let partition = rate_key_partition(
             &resource_ref(&message.tenant, &message.resource_key),
@@ -169,7 +184,7 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .delete_rate_limit(forwarded_request(message))
+                    .delete_rate_limit(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -181,8 +196,10 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         request: Request<pb::TryAcquireRequest>,
     ) -> Result<Response<pb::TryAcquireResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         check_name("tenant", &message.tenant, self.max_key_bytes)?;
+        caller.authorize(&message.tenant, Action::Work, format_args!("tenant {}", message.tenant))?;
         let Some(spec) = message.limit.as_ref().and_then(|limit| limit.spec.as_ref()) else {
             return Err(FieldError::new("limit", "set inline or rate_limit_key").into());
         };
@@ -236,7 +253,7 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .try_acquire(forwarded_request(message))
+                    .try_acquire(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -248,8 +265,10 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
         request: Request<pb::DescribeRateKeyRequest>,
     ) -> Result<Response<pb::DescribeRateKeyResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         let key = self.check_key("key", message.key.as_ref())?;
+        caller.authorize(&key.tenant, Action::Read, format_args!("rate key {}", key.tenant))?;
         let partition = rate_key_partition(&key, self.rate_partitions);
         let ticket = message.ticket.as_ref().map(TicketKey::from_proto);
         on_owner(
@@ -260,7 +279,7 @@ impl pb::rate_limits_server::RateLimits for RateLimitsApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .describe_rate_key(forwarded_request(message))
+                    .describe_rate_key(forwarded_request(message, &caller))
                     .await
             },
         )

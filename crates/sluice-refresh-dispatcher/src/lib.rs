@@ -82,15 +82,17 @@ pub async fn run(
         RefreshStore { settings },
         None,
         |routes, parts| {
-            routes.add_service(sluice_proto::v1::refresh_server::RefreshServer::new(
-                service::RefreshApi {
-                    registry: parts.registry,
-                    pool: parts.pool,
-                    refresh_due_partitions,
-                    own_endpoint: parts.endpoint,
-                    channels: ChannelCache::default(),
-                    max_key_bytes,
-                },
+            let api = service::RefreshApi {
+                registry: parts.registry,
+                pool: parts.pool,
+                refresh_due_partitions,
+                own_endpoint: parts.endpoint,
+                channels: ChannelCache::default(),
+                max_key_bytes,
+            };
+            routes.add_service(sluice_common::auth::guarded(
+                sluice_proto::v1::refresh_server::RefreshServer::new(api),
+                &parts.auth,
             ));
         },
     )

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use sluice_common::auth::{principal_of, Action};
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::OwnerRegistry;
 use sluice_common::partition::key_partition;
@@ -29,7 +30,7 @@ impl RefreshApi {
         &self,
         partition: i32,
         forwarded: bool,
-    ) -> Result<RefreshClient<tonic::transport::Channel>, Status> {
+    ) -> Result<RefreshClient<sluice_common::auth::Channel>, Status> {
         let endpoint = owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await?;
         Ok(RefreshClient::new(self.channels.channel(&endpoint)?))
     }
@@ -52,6 +53,7 @@ impl pb::refresh_server::Refresh for RefreshApi {
         request: Request<pb::ReportRefreshRequest>,
     ) -> Result<Response<pb::ReportRefreshResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         if message.task_id.trim().is_empty() {
             return Err(FieldError::new("task_id", "must not be empty").into());
@@ -61,6 +63,7 @@ impl pb::refresh_server::Refresh for RefreshApi {
             check_text("error", error, MAX_TEXT_BYTES)?;
         }
         let (key, partition) = self.check_key(message.key.as_ref())?;
+        caller.authorize(&key.0, Action::Work, format_args!("floating key {}/{}", key.0, key.1))?;
         let result = match &message.result {
             Some(pb::report_refresh_request::Result::NewMax(value)) => RefreshResult::NewMax(*value),
             Some(pb::report_refresh_request::Result::Error(error)) => RefreshResult::Error(error.clone()),
@@ -80,7 +83,7 @@ impl pb::refresh_server::Refresh for RefreshApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .report_refresh(forwarded_request(message))
+                    .report_refresh(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -92,8 +95,10 @@ impl pb::refresh_server::Refresh for RefreshApi {
         request: Request<pb::DescribeFloatingLimitRequest>,
     ) -> Result<Response<pb::DescribeFloatingLimitResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         let (key, partition) = self.check_key(message.key.as_ref())?;
+        caller.authorize(&key.0, Action::Read, format_args!("floating key {}/{}", key.0, key.1))?;
         let missing = format!(
             "no refresh has been due for floating key ({:?}, {:?}) yet; limit-grant's DescribeKey shows \
              its current max",
@@ -107,7 +112,7 @@ impl pb::refresh_server::Refresh for RefreshApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .describe_floating_limit(forwarded_request(message))
+                    .describe_floating_limit(forwarded_request(message, &caller))
                     .await
             },
         )
@@ -119,8 +124,14 @@ impl pb::refresh_server::Refresh for RefreshApi {
         request: Request<pb::DeleteFloatingLimitRequest>,
     ) -> Result<Response<pb::DeleteFloatingLimitResponse>, Status> {
         let forwarded = is_forwarded(request.metadata());
+        let caller = principal_of(&request);
         let message = request.into_inner();
         let (key, partition) = self.check_key(message.key.as_ref())?;
+        caller.authorize(
+            &key.0,
+            Action::Operate,
+            format_args!("floating key {}/{}", key.0, key.1),
+        )?;
         on_owner(
             &self.registry,
             partition,
@@ -129,7 +140,7 @@ impl pb::refresh_server::Refresh for RefreshApi {
             async {
                 self.owner_client(partition, forwarded)
                     .await?
-                    .delete_floating_limit(forwarded_request(message))
+                    .delete_floating_limit(forwarded_request(message, &caller))
                     .await
             },
         )

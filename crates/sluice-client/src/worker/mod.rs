@@ -531,7 +531,7 @@ impl Worker {
                 task_groups: self.task_groups.clone(),
                 concurrency: self.concurrency,
                 seed_endpoint: self.admission.endpoint.clone(),
-                tls: self.options.tls(),
+                dial: self.options.dial()?,
                 request_timeout: self.options.request_timeout,
                 handler: self.handler.clone(),
                 heartbeat_interval: self.heartbeat_interval,

@@ -49,7 +49,7 @@ pub(crate) struct StreamSettings {
     pub concurrency: usize,
     pub seed_endpoint: String,
     /// For `https://` instances.
-    pub tls: tonic::transport::ClientTlsConfig,
+    pub dial: crate::grpc::Dial,
     pub request_timeout: Duration,
     pub handler: Arc<dyn JobHandler>,
     pub heartbeat_interval: Option<Duration>,
@@ -215,10 +215,10 @@ impl StreamWorker {
     fn discover(&self) {
         let seed = self.settings.seed_endpoint.clone();
         let timeout = self.settings.request_timeout;
-        let tls = self.settings.tls.clone();
+        let dial = self.settings.dial.clone();
         let events = self.events.clone();
         tokio::spawn(async move {
-            let endpoints = match instances(&seed, &tls, timeout).await {
+            let endpoints = match instances(&seed, &dial, timeout).await {
                 Ok(endpoints) if !endpoints.is_empty() => endpoints,
                 Ok(_) => vec![seed],
                 Err(status) => {
@@ -307,9 +307,9 @@ impl StreamWorker {
         );
         let events = self.events.clone();
         let timeout = self.settings.request_timeout;
-        let tls = self.settings.tls.clone();
+        let dial = self.settings.dial.clone();
         tokio::spawn(async move {
-            match connect(&endpoint, &tls, timeout).await {
+            match connect(&endpoint, &dial, timeout).await {
                 Ok(client) => read_stream(client, endpoint.clone(), up_receiver, &events).await,
                 Err(error) => tracing::debug!(%endpoint, %error, "work stream could not connect"),
             }
@@ -605,10 +605,10 @@ impl StreamWorker {
 
 async fn connect(
     endpoint: &str,
-    tls: &tonic::transport::ClientTlsConfig,
+    dial: &crate::grpc::Dial,
     timeout: Duration,
-) -> Result<AdmissionClient<tonic::transport::Channel>, String> {
-    let channel = crate::grpc::endpoint(endpoint, tls)
+) -> Result<AdmissionClient<crate::grpc::Channel>, String> {
+    let channel = crate::grpc::endpoint(endpoint, &dial.tls)
         .map_err(|error| error.to_string())?
         .connect_timeout(Duration::from_secs(5))
         .tcp_nodelay(true)
@@ -617,15 +617,14 @@ async fn connect(
         .connect()
         .await
         .map_err(|error| error.to_string())?;
-    Ok(AdmissionClient::new(channel))
+    Ok(AdmissionClient::new(crate::grpc::Channel::new(
+        channel,
+        dial.bearer.clone(),
+    )))
 }
 
-async fn instances(
-    seed: &str,
-    tls: &tonic::transport::ClientTlsConfig,
-    timeout: Duration,
-) -> Result<Vec<String>, tonic::Status> {
-    let mut client = connect(seed, tls, timeout).await.map_err(tonic::Status::unavailable)?;
+async fn instances(seed: &str, dial: &crate::grpc::Dial, timeout: Duration) -> Result<Vec<String>, tonic::Status> {
+    let mut client = connect(seed, dial, timeout).await.map_err(tonic::Status::unavailable)?;
     let mut request = tonic::Request::new(pb::InstancesRequest {});
     request.set_timeout(timeout);
     Ok(client.instances(request).await?.into_inner().endpoints)
@@ -633,7 +632,7 @@ async fn instances(
 
 /// Carry one stream: requests up from `up`, everything down to `events`.
 async fn read_stream(
-    mut client: AdmissionClient<tonic::transport::Channel>,
+    mut client: AdmissionClient<crate::grpc::Channel>,
     endpoint: Arc<str>,
     up: mpsc::Receiver<pb::WorkRequest>,
     events: &mpsc::Sender<Event>,
