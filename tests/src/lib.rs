@@ -729,12 +729,18 @@ pub struct RequestProducer {
 
 impl RequestProducer {
     pub fn new(config: &SluiceConfig) -> anyhow::Result<Self> {
+        Self::to_topic(config, &config.topics.requested)
+    }
+
+    /// A producer writing to `topic` (before the prefix), e.g. a tenant's
+    /// own requested-jobs topic.
+    pub fn to_topic(config: &SluiceConfig, topic: &str) -> anyhow::Result<Self> {
         let mut client = client_config(&config.kafka);
         client.set("linger.ms", "5").set("enable.idempotence", "true");
         sluice_common::kafka::apply_producer_properties(&mut client, &config.kafka);
         Ok(RequestProducer {
             producer: client.create()?,
-            topic: config.topic(&config.topics.requested),
+            topic: config.topic(topic),
         })
     }
 

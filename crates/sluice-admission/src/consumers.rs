@@ -153,13 +153,43 @@ pub struct RequestConsumer {
     pub publisher: Publisher,
     pub readiness: Readiness,
     pub faults: Faults,
-    /// The topic it reads (`jobs.requested`).
+    /// The topic it reads (`jobs.requested`, or a tenant's own).
     pub topic: Arc<str>,
+    /// Whose requests may come on it.
+    pub tenants: TopicTenants,
     /// Where requests are handed over (`sluice.jobs`).
     pub jobs_topic: Arc<str>,
     /// This instance's job partitions: requests for them are handed over
     /// in process.
     pub registry: Arc<OwnerRegistry<Local>>,
+}
+
+/// The tenants whose requests a requested-jobs topic carries.
+#[derive(Clone, Debug)]
+pub enum TopicTenants {
+    /// A tenant's own topic: that tenant only.
+    Only(Arc<str>),
+    /// The shared topic: every tenant but those with a topic of their own.
+    AllBut(Arc<std::collections::BTreeSet<String>>),
+}
+
+impl TopicTenants {
+    /// Why a request of `tenant` may not come on `topic`, if it may not.
+    pub fn refusal(&self, topic: &str, tenant: &str) -> Option<Refusal> {
+        let reason = match self {
+            TopicTenants::Only(own) if own.as_ref() != tenant => format!(
+                "tenant_mismatch: the request names tenant {tenant:?} but came on {topic}, the topic of tenant {own:?}"
+            ),
+            TopicTenants::AllBut(own_topics) if own_topics.contains(tenant) => format!(
+                "tenant_mismatch: tenant {tenant:?} sends its requests on its own topic (topics.tenant_requested), not on {topic}"
+            ),
+            _ => return None,
+        };
+        Some(Refusal {
+            class: DeadLetterClass::TenantMismatch,
+            reason,
+        })
+    }
 }
 
 impl PartitionTaskFactory for RequestConsumer {
@@ -171,6 +201,7 @@ impl PartitionTaskFactory for RequestConsumer {
             readiness: self.readiness.clone(),
             faults: self.faults.clone(),
             topic: self.topic.clone(),
+            tenants: self.tenants.clone(),
             jobs_topic: self.jobs_topic.clone(),
             registry: self.registry.clone(),
         };
@@ -191,6 +222,7 @@ struct RequestContext {
     readiness: Readiness,
     faults: Faults,
     topic: Arc<str>,
+    tenants: TopicTenants,
     jobs_topic: Arc<str>,
     registry: Arc<OwnerRegistry<Local>>,
 }
@@ -205,7 +237,13 @@ impl RequestContext {
             let mut local: BTreeMap<i32, Vec<(&InMsg, Incoming)>> = BTreeMap::new();
             let mut dead_letters: Vec<(OutMsg, DeadLetterClass)> = Vec::new();
             for message in &batch {
-                match admit_message(&self.config, &self.topic, message) {
+                let admitted = admit_message(&self.config, &self.topic, message).and_then(|incoming| {
+                    match self.tenants.refusal(&self.topic, &incoming.valid.request.tenant) {
+                        Some(refusal) => Err(refusal),
+                        None => Ok(incoming),
+                    }
+                });
+                match admitted {
                     Ok(incoming) => {
                         let partition = job_partition(&incoming.job_id, self.routes.jobs_partitions);
                         if self.registry.owns(partition) {

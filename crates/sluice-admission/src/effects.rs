@@ -332,6 +332,9 @@ pub enum DeadLetterClass {
     Storage,
     /// Checking it failed inside Sluice (a bug); it is kept, not lost.
     Internal,
+    /// Its tenant is not the tenant of the topic it came on
+    /// (`topics.tenant_requested`).
+    TenantMismatch,
 }
 
 impl DeadLetterClass {
@@ -342,6 +345,7 @@ impl DeadLetterClass {
             DeadLetterClass::Conflict => "conflict",
             DeadLetterClass::Storage => "storage",
             DeadLetterClass::Internal => "internal",
+            DeadLetterClass::TenantMismatch => "tenant_mismatch",
         }
     }
 }

@@ -221,20 +221,37 @@ pub async fn run(
             .await
         });
     }
-    {
-        let requested_topic = config.topic(&config.topics.requested);
+    // The shared requested-jobs topic, and one per tenant with its own
+    // (topics.tenant_requested), each in a consumer group of its own.
+    let own_topics: Arc<std::collections::BTreeSet<String>> =
+        Arc::new(config.topics.tenant_requested.iter().cloned().collect());
+    let mut request_topics = vec![(
+        config.topics.requested.clone(),
+        consumers::TopicTenants::AllBut(own_topics.clone()),
+        String::new(),
+    )];
+    for tenant in &config.topics.tenant_requested {
+        request_topics.push((
+            config.tenant_requested_topic(tenant),
+            consumers::TopicTenants::Only(Arc::from(tenant.as_str())),
+            format!("-{tenant}"),
+        ));
+    }
+    for (topic, tenants, group_suffix) in request_topics {
+        let requested_topic = config.topic(&topic);
         let factory = Arc::new(consumers::RequestConsumer {
             config: config.clone(),
-            routes,
+            routes: routes.clone(),
             publisher: publisher.clone(),
             readiness: readiness.clone(),
-            faults,
+            faults: faults.clone(),
             topic: Arc::from(requested_topic.as_str()),
+            tenants,
             jobs_topic: Arc::from(jobs_topic.as_str()),
             registry: registry.clone(),
         });
         let options = ConsumerOptions {
-            group: config.group(&format!("{}-requests", config.admission.consumer_group)),
+            group: config.group(&format!("{}-requests{group_suffix}", config.admission.consumer_group)),
             topic: requested_topic,
             channel_capacity: 10_000,
             track_end: false,

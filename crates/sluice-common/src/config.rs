@@ -334,6 +334,12 @@ pub struct PartitionCounts {
 #[serde(deny_unknown_fields)]
 pub struct TopicsConfig {
     pub requested: String,
+    /// Tenants whose requests come on a topic of their own,
+    /// `<requested>.<tenant>` (so Kafka ACLs can tell producers apart): a
+    /// request there naming another tenant, or one naming such a tenant on
+    /// the shared topic, is dead-lettered `tenant_mismatch`.
+    #[serde(default, deserialize_with = "list_or_comma_separated")]
+    pub tenant_requested: Vec<String>,
     pub admitted_prefix: String,
     pub refresh_tasks: String,
     pub deadletter: String,
@@ -714,7 +720,21 @@ impl SluiceConfig {
                 }
             }
         }
+        for (index, tenant) in self.topics.tenant_requested.iter().enumerate() {
+            if !is_task_group_name(tenant) {
+                return Err(invalid(
+                    format!("topics.tenant_requested[{index}]"),
+                    "a tenant with a topic of its own uses letters, digits, '-', '_' and '.' (it becomes a topic name)",
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The topic a tenant listed in `topics.tenant_requested` writes its
+    /// requests to (before the prefix).
+    pub fn tenant_requested_topic(&self, tenant: &str) -> String {
+        format!("{}.{tenant}", self.topics.requested)
     }
 
     /// The full name of a topic after the configured prefix.

@@ -94,6 +94,13 @@ pub fn all_topics(config: &SluiceConfig) -> Vec<TopicSpec> {
             internal: false,
         });
     }
+    for tenant in &topics.tenant_requested {
+        specs.push(TopicSpec {
+            name: config.topic(&config.tenant_requested_topic(tenant)),
+            partitions: counts.requested,
+            internal: false,
+        });
+    }
     specs
 }
 

@@ -88,3 +88,92 @@ async fn malformed_requests_are_dead_lettered_with_the_reason_and_the_next_job_i
     stack.stop().await;
     Ok(())
 }
+
+/// A dead letter's class and reason headers.
+fn class_and_reason(message: &rdkafka::message::BorrowedMessage<'_>) -> (String, String) {
+    let header = |name: &str| {
+        message
+            .headers()
+            .and_then(|headers| {
+                headers
+                    .iter()
+                    .find(|header| header.key == name)
+                    .and_then(|header| header.value)
+            })
+            .map(|value| String::from_utf8_lossy(value).to_string())
+            .unwrap_or_default()
+    };
+    (header("sluice-deadletter-class"), header("sluice-deadletter-reason"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_with_its_own_topic_is_refused_elsewhere_and_its_topic_carries_only_its_requests() -> anyhow::Result<()>
+{
+    let config = test_config(
+        "tenanttopic",
+        &[("kafka.partitions.requested", "1"), ("topics.tenant_requested", "acme")],
+    )?;
+    let stack = Stack::start(config, 1).await?;
+    let acme_topic = stack.config.tenant_requested_topic("acme");
+    let own = RequestProducer::to_topic(&stack.config, &acme_topic)?;
+    let shared = RequestProducer::new(&stack.config)?;
+    own.send(&[
+        concurrency_job("acme", "k", 5, 0, "acme on its topic"),
+        concurrency_job("globex", "k", 5, 0, "globex on acme's topic"),
+    ])
+    .await?;
+    shared
+        .send(&[
+            concurrency_job("acme", "k", 5, 0, "acme on the shared topic"),
+            concurrency_job("globex", "k", 5, 0, "globex on the shared topic"),
+        ])
+        .await?;
+
+    let mut settings = client_config(&stack.config.kafka);
+    settings
+        .set("group.id", format!("{}dlq-reader", stack.config.kafka.topic_prefix))
+        .set("auto.offset.reset", "earliest");
+    let consumer: StreamConsumer = settings.create()?;
+    consumer.subscribe(&[&stack.config.topic(&stack.config.topics.deadletter)])?;
+    let mut refused = Vec::new();
+    while refused.len() < 2 {
+        let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv()).await??;
+        refused.push(class_and_reason(&message));
+    }
+    refused.sort();
+    assert!(
+        refused.iter().all(|(class, _)| class == "tenant_mismatch"),
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .iter()
+            .any(|(_, reason)| reason.contains("names tenant \"globex\"") && reason.contains(&acme_topic)),
+        "{refused:?}"
+    );
+    assert!(
+        refused
+            .iter()
+            .any(|(_, reason)| reason.contains("tenant \"acme\" sends its requests on its own topic")),
+        "{refused:?}"
+    );
+    eventually(
+        Duration::from_secs(30),
+        "the two rightful requests admitted",
+        || async {
+            let statuses = stack.job_statuses().await?;
+            Ok(statuses.get(&(pb::JobStatus::Admitted as i16)) == Some(&2))
+        },
+    )
+    .await?;
+    let query = format!(
+        "SELECT tenant FROM \"{}\".jobs ORDER BY tenant",
+        stack.config.schema("admission")
+    );
+    let tenants: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(query))
+        .fetch_all(&stack.pool)
+        .await?;
+    assert_eq!(tenants, vec!["acme".to_string(), "globex".to_string()]);
+    stack.stop().await;
+    Ok(())
+}
