@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Checks the Helm chart offline (`make helm-check`, part of `make test`):
 #
-#   1. helm lint --strict, with the default values, ci/production-values.yaml
-#      and ci/options-values.yaml
+#   0. the chart's default values must NOT render: TLS and authentication
+#      are on by default and need a certificate and keys the defaults cannot
+#      hold, and rendering says so
+#   1. helm lint --strict, with ci/production-values.yaml (cert-manager,
+#      JWTs), ci/options-values.yaml (an existing TLS Secret, mutual TLS,
+#      client certificates) and ci/mesh-values.yaml (plaintext gRPC)
 #   2. helm template, with the same values files
 #   3. validates every rendered manifest against the Kubernetes JSON schemas of
 #      each version in KUBE_VERSIONS (kubernetes-validate --strict, offline).
-#      Custom resources (the ServiceMonitor, monitoring.coreos.com) have no
-#      schema there: they are set aside, named, and checked by the chart test.
+#      Custom resources (the ServiceMonitor, monitoring.coreos.com, and the
+#      cert-manager Certificate) have no schema there: they are set aside,
+#      named, and checked by the chart test.
 #   4. runs the chart test, tests/helm/test_chart.py
 #   5. checks the Grafana dashboard against the metrics in metrics.rs
 #      (tests/helm/test_dashboard.py) and deploy/ against the workspace and
@@ -38,12 +43,27 @@ KUBERNETES_VALIDATE="$TOOLS_DIR/venv/bin/kubernetes-validate"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
-# name=values file ("" means the chart's defaults). options-values.yaml
-# turns on the optional branches the other two leave off.
+step "helm template (default values: must fail, naming what TLS needs)"
+if output="$("$HELM" template sluice "$CHART" --namespace sluice --kube-version "$RENDER_KUBE_VERSION" 2>&1)"; then
+    echo "helm-check: the chart rendered with its default values; TLS and authentication are on by default and must ask for a certificate and keys" >&2
+    exit 1
+fi
+case "$output" in
+    *"tls.enabled is true (the default) but no certificate is configured"*)
+        echo "ok: refused: ${output:0:120}..." ;;
+    *)
+        printf '%s\n' "$output"
+        echo "helm-check: the default values failed for another reason than the missing TLS certificate" >&2
+        exit 1 ;;
+esac
+
+# name=values file. options-values.yaml turns on the optional branches the
+# other two leave off; mesh-values.yaml is the plaintext (tls.enabled=false)
+# install.
 VALUE_SETS=(
-    "default="
     "production=$CHART/ci/production-values.yaml"
     "options=$CHART/ci/options-values.yaml"
+    "mesh=$CHART/ci/mesh-values.yaml"
 )
 
 for entry in "${VALUE_SETS[@]}"; do
@@ -66,7 +86,7 @@ for entry in "${VALUE_SETS[@]}"; do
 import sys
 import yaml
 
-CUSTOM_GROUPS = ("monitoring.coreos.com/",)
+CUSTOM_GROUPS = ("monitoring.coreos.com/", "cert-manager.io/")
 source, target = sys.argv[1], sys.argv[2]
 with open(source) as handle:
     documents = [doc for doc in yaml.safe_load_all(handle) if doc]

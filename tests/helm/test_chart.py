@@ -13,6 +13,7 @@ if the property it names breaks.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -57,6 +58,7 @@ from config_contract import (  # noqa: E402
 CHART = Path(os.environ.get("SLUICE_CHART_DIR") or ROOT / "helm" / "sluice").resolve()
 PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
 OPTIONS_VALUES = CHART / "ci" / "options-values.yaml"
+MESH_VALUES = CHART / "ci" / "mesh-values.yaml"
 RELEASE = "rel"
 NAMESPACE = "sluice-test"
 KUBE_VERSION = "1.32.0"
@@ -74,7 +76,39 @@ COMPONENTS = {
 }
 SECRET_ENV = {"SLUICE__POSTGRES__URL", "SLUICE__KAFKA__SASL_USERNAME", "SLUICE__KAFKA__SASL_PASSWORD"}
 
-# Values sets every structural test runs against.
+# The smallest install the chart accepts with its secure defaults (TLS and
+# authentication on): a TLS Secret and the identity provider's JWKS. render()
+# starts from it unless a values file is given (the ci/ files are complete
+# installs) or base=() asks for the chart's bare defaults.
+TLS_SECRET = "sluice-tls"
+JWKS_SECRET = "sluice-jwks"
+ISSUER = "https://login.example.com/"
+AUDIENCE = "sluice"
+MINIMAL = (
+    "--set", f"tls.existingSecret={TLS_SECRET}",
+    "--set", f"auth.jwks.existingSecret={JWKS_SECRET}",
+    "--set", f"auth.issuer={ISSUER}",
+    "--set", f"auth.audience={AUDIENCE}",
+)
+# Where the chart mounts the Secrets (and names them in sluice.toml).
+TLS_DIR = "/var/run/secrets/sluice/tls"
+TOKEN_FILE = "/var/run/secrets/sluice/internal-token/token"
+JWKS_FILE = "/var/run/secrets/sluice/jwks/jwks.json"
+# The escape hatch for a throwaway cluster.
+INSECURE = ("--set", "tls.enabled=false", "--set", "auth.enabled=false")
+# The other certificate source: cert-manager.
+CERT_MANAGER = ("--set", "tls.existingSecret=", "--set", "tls.certManager.enabled=true",
+                "--set", "tls.certManager.issuerRef.name=internal-ca")
+# Callers authenticated by client certificates alone (mutual TLS, no JWKS).
+CLIENT_CERTIFICATES = (
+    "--set", "auth.jwks.existingSecret=", "--set", "auth.issuer=", "--set", "auth.audience=",
+    "--set", "tls.mutual=true",
+    "--set-json", 'auth.clientCertificates=[{"name":"worker.payments.svc","tenants":["payments"],'
+                  '"roles":["worker"]},{"name":"ops","roles":["admin","reader"]}]',
+)
+
+# Values sets every structural test runs against (on top of MINIMAL, except
+# the values files).
 EXISTING_SECRETS = (
     "--set", "postgres.existingSecret=pg-credentials",
     "--set", "postgres.urlKey=database-url",
@@ -84,7 +118,7 @@ EXISTING_SECRETS = (
     "--set", "kafka.sasl.passwordKey=pass",
 )
 VALUE_SETS = {
-    "default": (),
+    "minimal": (),
     "production": ("--values", str(PRODUCTION_VALUES)),
     "existing-secrets": EXISTING_SECRETS,
 }
@@ -110,23 +144,25 @@ class RenderError(Exception):
     pass
 
 
+def with_base(args: tuple[str, ...], base: tuple[str, ...] | None) -> tuple[str, ...]:
+    """MINIMAL first, unless a values file (a complete install) is given or
+    the caller chose the base."""
+    if base is None:
+        base = () if "--values" in args else MINIMAL
+    return (*base, *args)
+
+
 @lru_cache(maxsize=None)
-def render(*args: str) -> tuple[dict, ...]:
-    """`helm template` with extra arguments; the parsed documents."""
-    command = [
-        HELM, "template", RELEASE, str(CHART),
-        "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION, *args,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RenderError(result.stderr.strip())
-    return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
+def render(*args: str, base: tuple[str, ...] | None = None) -> tuple[dict, ...]:
+    """`helm template` with extra arguments (on top of MINIMAL, see
+    with_base); the parsed documents."""
+    return tuple(doc for doc in yaml.safe_load_all(render_text(*args, base=base)) if doc)
 
 
-def render_text(*args: str) -> str:
+def render_text(*args: str, base: tuple[str, ...] | None = None) -> str:
     command = [
         HELM, "template", RELEASE, str(CHART),
-        "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION, *args,
+        "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION, *with_base(args, base),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -191,9 +227,9 @@ def env_by_name(container: dict) -> dict:
 class ChartTestCase(unittest.TestCase):
     maxDiff = None
 
-    def assertRenderFails(self, *args: str, message: str) -> str:
+    def assertRenderFails(self, *args: str, message: str, base: tuple[str, ...] | None = None) -> str:
         with self.assertRaises(RenderError, msg=f"rendering with {args} should fail") as caught:
-            render(*args)
+            render(*args, base=base)
         self.assertIn(message, str(caught.exception))
         return str(caught.exception)
 
@@ -213,6 +249,11 @@ class SecretsTest(ChartTestCase):
         ("--set-string", f"kafka.properties.sasl\\.password={SENTINEL}"),
         ("--set-string", f"kafka.properties.sasl\\.jaas\\.config=user password={SENTINEL}"),
         ("--set-string", f"kafka.properties.ssl\\.key\\.password={SENTINEL}"),
+        # The internal token and the TLS key come only from Secrets too.
+        ("--set", f"auth.internalToken.value={SENTINEL}"),
+        ("--set", f"auth.internalToken.token={SENTINEL}"),
+        ("--set", f"tls.key={SENTINEL}"),
+        ("--set", f"auth.jwks.document={SENTINEL}"),
     )
 
     def test_sentinel_secret_never_reaches_a_configmap(self):
@@ -263,7 +304,7 @@ class SecretsTest(ChartTestCase):
 
     def test_credentials_come_only_from_secret_key_refs(self):
         expectations = {
-            "default": {"SLUICE__POSTGRES__URL": (f"{RELEASE}-sluice-postgres", "url")},
+            "minimal": {"SLUICE__POSTGRES__URL": (f"{RELEASE}-sluice-postgres", "url")},
             "production": {
                 "SLUICE__POSTGRES__URL": ("sluice-postgres", "url"),
                 "SLUICE__KAFKA__SASL_USERNAME": ("sluice-kafka", "username"),
@@ -299,10 +340,23 @@ class SecretsTest(ChartTestCase):
                     if "SLUICE__KAFKA__SASL_PASSWORD" not in expected:
                         self.assertNotIn("SLUICE__KAFKA__SASL_PASSWORD", env)
 
-    def test_chart_renders_no_secret_object(self):
+    def test_the_only_secret_rendered_is_the_internal_token(self):
+        """The chart renders no Secret but the generated internal token: the
+        PostgreSQL URL, Kafka credentials, TLS key and JWKS are the user's."""
         for name, args in VALUE_SETS.items():
             with self.subTest(values=name):
-                self.assertEqual(of_kind(render(*args), "Secret"), [])
+                secrets = of_kind(render(*args), "Secret")
+                self.assertEqual([secret["metadata"]["name"] for secret in secrets],
+                                 [f"{RELEASE}-sluice-internal-token"])
+        self.assertEqual(of_kind(render("--set", "auth.internalToken.existingSecret=token"), "Secret"), [])
+        self.assertEqual(of_kind(render(*INSECURE, base=()), "Secret"), [])
+
+    def test_generated_token_never_reaches_a_configmap(self):
+        documents = render()
+        secret = named(documents, "Secret", f"{RELEASE}-sluice-internal-token")
+        token = base64.b64decode(secret["data"]["internal-token"]).decode()
+        for config_map in of_kind(documents, "ConfigMap"):
+            self.assertNotIn(token, yaml.safe_dump(config_map), config_map["metadata"]["name"])
 
 
 class SecurityContextTest(ChartTestCase):
@@ -364,34 +418,90 @@ class SecurityContextTest(ChartTestCase):
 
 
 class ProbesTest(ChartTestCase):
-    """Every Deployment has native gRPC liveness and readiness probes on its
-    gRPC port; readiness asks for the overall ("") status."""
+    """Every Deployment has liveness, readiness and startup probes against the
+    standard gRPC health service on its gRPC port; readiness asks for the
+    overall ("") status, liveness and startup for probes.liveness.grpcService.
+    With TLS (the default) they are exec probes running `sluice health` over
+    TLS, since the kubelet's gRPC probes cannot; without, native gRPC
+    probes."""
 
-    def test_every_deployment_has_grpc_probes(self):
+    def health_command(self, port: int, service: str | None = None, mutual: bool = False,
+                       server_name: str = f"{RELEASE}-sluice.{NAMESPACE}.svc") -> list[str]:
+        command = ["/usr/local/bin/sluice", "health", "--endpoint", f"https://127.0.0.1:{port}",
+                   "--tls-ca-file", f"{TLS_DIR}/ca.crt", "--tls-server-name", server_name]
+        if mutual:
+            command += ["--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"]
+        if service:
+            command += ["--service", service]
+        return command
+
+    def test_tls_gives_exec_probes_running_sluice_health(self):
         for name, args in VALUE_SETS.items():
             with self.subTest(values=name):
-                deployments = of_kind(render(*args), "Deployment")
+                deployments = [d for d in of_kind(render(*args), "Deployment")]
                 self.assertEqual(len(deployments), 4)
+                for deployment in deployments:
+                    container = pod_spec(deployment)["containers"][0]
+                    where = deployment["metadata"]["name"]
+                    port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+                    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                        self.assertNotIn("grpc", container[probe], f"{where} {probe}: the kubelet cannot probe TLS")
+                        self.assertIn("exec", container[probe], f"{where} {probe}")
+                        self.assertIn("timeoutSeconds", container[probe], f"{where} {probe}")
+                    # Readiness: the overall status, which reflects rebuilds.
+                    self.assertEqual(container["readinessProbe"]["exec"]["command"], self.health_command(port), where)
+                    for probe in ("livenessProbe", "startupProbe"):
+                        self.assertEqual(container[probe]["exec"]["command"],
+                                         self.health_command(port, "liveness"), f"{where} {probe}")
+                    # The files the probe names are mounted.
+                    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+                    self.assertIn(TLS_DIR, mounts, where)
+
+    def test_exec_probes_follow_mutual_tls_server_name_and_liveness_service(self):
+        documents = render("--set", "tls.mutual=true", "--set", "tls.serverName=sluice.internal",
+                           "--set", "probes.liveness.grpcService=alive")
+        container = pod_spec(named(documents, "Deployment", component_name("limit-grant")))["containers"][0]
+        self.assertEqual(container["readinessProbe"]["exec"]["command"],
+                         self.health_command(50052, mutual=True, server_name="sluice.internal"))
+        self.assertEqual(container["livenessProbe"]["exec"]["command"],
+                         self.health_command(50052, "alive", mutual=True, server_name="sluice.internal"))
+        documents = render("--set", "probes.liveness.grpcService=")
+        container = pod_spec(named(documents, "Deployment", component_name("limit-grant")))["containers"][0]
+        self.assertNotIn("--service", container["livenessProbe"]["exec"]["command"])
+
+    def test_without_tls_native_grpc_probes(self):
+        for args, base in ((("--set", "tls.enabled=false"), None), (INSECURE, ()),
+                           (("--values", str(MESH_VALUES)), None)):
+            with self.subTest(args=args):
+                deployments = of_kind(render(*args, base=base), "Deployment")
+                self.assertGreaterEqual(len(deployments), 4)
                 for deployment in deployments:
                     for container in pod_spec(deployment)["containers"]:
                         where = f"{deployment['metadata']['name']}/{container['name']}"
                         ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-                        self.assertIn("grpc", ports, where)
-                        for probe in ("readinessProbe", "livenessProbe"):
+                        port = ports.get("grpc", ports.get("http"))
+                        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                             self.assertIn(probe, container, f"{where} has no {probe}")
                             self.assertIn("grpc", container[probe], f"{where} {probe} is not gRPC")
-                            self.assertEqual(container[probe]["grpc"]["port"], ports["grpc"], where)
+                            self.assertEqual(container[probe]["grpc"]["port"], port, where)
                         # Readiness reflects partition rebuilds: the overall status.
                         self.assertIn(container["readinessProbe"]["grpc"].get("service", ""), ("",), where)
+                        self.assertEqual(container["livenessProbe"]["grpc"].get("service"), "liveness", where)
 
     def test_probe_ports_follow_the_service_port(self):
         documents = render("--set", "rateWindow.port=6000")
         deployment = named(documents, "Deployment", component_name("rate-window"))
         container = pod_spec(deployment)["containers"][0]
-        self.assertEqual(container["readinessProbe"]["grpc"]["port"], 6000)
-        self.assertEqual(container["livenessProbe"]["grpc"]["port"], 6000)
+        self.assertEqual(container["readinessProbe"]["exec"]["command"], self.health_command(6000))
+        self.assertEqual(container["livenessProbe"]["exec"]["command"], self.health_command(6000, "liveness"))
         self.assertEqual(config_toml(documents)["rate_window"]["listen"], "0.0.0.0:6000")
         self.assertEqual(config_toml(documents)["admission"]["rate_window_endpoint"],
+                         f"https://{component_name('rate-window')}.{NAMESPACE}.svc:6000")
+        plaintext = render("--set", "rateWindow.port=6000", "--set", "tls.enabled=false")
+        container = pod_spec(named(plaintext, "Deployment", component_name("rate-window")))["containers"][0]
+        self.assertEqual(container["readinessProbe"]["grpc"]["port"], 6000)
+        self.assertEqual(container["livenessProbe"]["grpc"]["port"], 6000)
+        self.assertEqual(config_toml(plaintext)["admission"]["rate_window_endpoint"],
                          f"http://{component_name('rate-window')}.{NAMESPACE}.svc:6000")
 
 
@@ -599,7 +709,7 @@ class WiringTest(ChartTestCase):
         for key, component in (("limit_grant_endpoint", "limit-grant"), ("rate_window_endpoint", "rate-window")):
             service = named(documents, "Service", component_name(component))
             port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
-            self.assertEqual(config["admission"][key], f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
+            self.assertEqual(config["admission"][key], f"https://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
 
     def test_default_sampling_ratio_is_a_toml_float(self):
         config = config_toml(render())
@@ -632,23 +742,43 @@ class WiringTest(ChartTestCase):
         self.assertEqual(before, checksums(), "the checksum must be stable")
 
     def test_helm_test_pod_checks_every_service(self):
-        documents = render()
-        pods = of_kind(documents, "Pod")
-        self.assertEqual(len(pods), 1)
-        pod = pods[0]
-        self.assertIn("test", hook_phases(pod))
-        self.assertEqual(pod["spec"]["restartPolicy"], "Never")
-        endpoints = set()
-        for container in pod["spec"]["containers"]:
-            self.assertEqual(container["command"], ["/usr/local/bin/sluice"])
-            self.assertEqual(container["args"][:2], ["health", "--endpoint"])
-            endpoints.add(container["args"][2])
-        expected = set()
-        for component in COMPONENTS:
-            service = named(documents, "Service", component_name(component))
-            port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
-            expected.add(f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
-        self.assertEqual(endpoints, expected)
+        for args, scheme, base in ((("--set", "tls.mutual=true"), "https", None), (INSECURE, "http", ())):
+            with self.subTest(args=args):
+                documents = render(*args, base=base)
+                pods = of_kind(documents, "Pod")
+                self.assertEqual(len(pods), 1)
+                pod = pods[0]
+                self.assertIn("test", hook_phases(pod))
+                self.assertEqual(pod["spec"]["restartPolicy"], "Never")
+                endpoints = set()
+                for container in pod["spec"]["containers"]:
+                    self.assertEqual(container["command"], ["/usr/local/bin/sluice"])
+                    self.assertEqual(container["args"][:2], ["health", "--endpoint"])
+                    endpoints.add(container["args"][2])
+                    mounts = {m["name"]: m for m in container["volumeMounts"]}
+                    if scheme == "https":
+                        # It checks the certificate like the services do, and
+                        # presents the release's own under mutual TLS.
+                        self.assertEqual(container["args"][3:], [
+                            "--tls-ca-file", f"{TLS_DIR}/ca.crt",
+                            "--tls-server-name", f"{RELEASE}-sluice.{NAMESPACE}.svc",
+                            "--tls-cert-file", f"{TLS_DIR}/tls.crt", "--tls-key-file", f"{TLS_DIR}/tls.key"])
+                        self.assertEqual(mounts["tls"]["mountPath"], TLS_DIR)
+                        self.assertTrue(mounts["tls"]["readOnly"])
+                    else:
+                        self.assertEqual(container["args"][3:], [])
+                        self.assertNotIn("tls", mounts)
+                    # Health needs no credentials: no token in the test pod.
+                    self.assertNotIn("internal-token", mounts)
+                if scheme == "https":
+                    volume = {v["name"]: v for v in pod["spec"]["volumes"]}["tls"]
+                    self.assertEqual(volume["secret"]["secretName"], TLS_SECRET)
+                expected = set()
+                for component in COMPONENTS:
+                    service = named(documents, "Service", component_name(component))
+                    port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
+                    expected.add(f"{scheme}://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
+                self.assertEqual(endpoints, expected)
 
     def test_service_monitor_scrapes_the_metrics_ports(self):
         documents = render("--values", str(PRODUCTION_VALUES))
@@ -698,14 +828,23 @@ class ConfigContractTest(ChartTestCase):
     every pod at startup."""
 
     ALL_VALUE_SETS = {**VALUE_SETS, "options": ("--values", str(OPTIONS_VALUES)),
+                      "mesh": ("--values", str(MESH_VALUES)),
                       "metrics": ("--set", "metrics.enabled=true",
-                                  "--set-json", 'telemetry.keyMetrics.patterns=["acme/*","*/smtp"]')}
+                                  "--set-json", 'telemetry.keyMetrics.patterns=["acme/*","*/smtp"]'),
+                      "cert-manager": CERT_MANAGER,
+                      "client-certificates": CLIENT_CERTIFICATES,
+                      "insecure": ("--set", "tls.enabled=false", "--set", "auth.enabled=false")}
 
     def test_the_parser_reads_config_rs(self):
         structs = rust_config_structs()
         for name in ("SluiceConfig", "PostgresConfig", "KafkaConfig", "TelemetryConfig",
-                     "AdmissionConfig", "OwnerServiceConfig", "TaskGroupConfig", "CapConfig"):
+                     "AdmissionConfig", "OwnerServiceConfig", "TaskGroupConfig", "CapConfig",
+                     "TlsConfig", "AuthConfig", "ClientCertificatePrincipal", "ProcessConfig"):
             self.assertIn(name, structs)
+        self.assertEqual(structs["AuthConfig"]["client_certificates"][0], "Vec<ClientCertificatePrincipal>")
+        # A stray key inside an [[auth.client_certificates]] table is caught.
+        self.assertTrue(config_contract_errors({"auth": {"client_certificates": [{"name": "w", "role": ["worker"]}]}}))
+        self.assertTrue(config_contract_errors({"auth": {"client_certificates": {"name": "w"}}}))
         self.assertEqual(structs["SluiceConfig"]["task_groups"][0], "BTreeMap<String, TaskGroupConfig>")
         self.assertTrue(structs["OwnerServiceConfig"]["ticket_grace"][1], "serde default not seen")
         # The embedded defaults satisfy the same contract.
@@ -921,7 +1060,8 @@ class ConsoleTest(ChartTestCase):
                 self.assertNotIn("console", config_toml(documents))
 
     def test_same_probes_and_security_context_as_the_services(self):
-        documents = render(*self.ON)
+        # Without TLS the console's probes are the services' (native gRPC).
+        documents = render(*self.ON, "--set", "tls.enabled=false")
         console = named(documents, "Deployment", component_name("console"))
         for component in COMPONENTS:
             with self.subTest(component=component):
@@ -940,6 +1080,17 @@ class ConsoleTest(ChartTestCase):
                 self.assertEqual(container["volumeMounts"], service_container["volumeMounts"])
         container = pod_spec(console)["containers"][0]
         self.assertEqual(container["command"], ["/usr/local/bin/sluice-console"])
+        # With TLS the services get exec probes; the console serves plain
+        # HTTP and keeps native gRPC ones, but mounts the same Secrets (the
+        # CA and certificate to call the services, the internal token).
+        with_tls = render(*self.ON, "--set", "tls.mutual=true")
+        console_tls = pod_spec(named(with_tls, "Deployment", component_name("console")))["containers"][0]
+        service_tls = pod_spec(named(with_tls, "Deployment", component_name("admission")))["containers"][0]
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            self.assertEqual(console_tls[probe], container[probe], probe)
+        self.assertEqual(console_tls["volumeMounts"], service_tls["volumeMounts"])
+        self.assertEqual(pod_spec(named(with_tls, "Deployment", component_name("console")))["volumes"][1:],
+                         pod_spec(named(with_tls, "Deployment", component_name("admission")))["volumes"][1:])
         self.assertEqual(container["args"][-1], "run")
         self.assertNotIn("SLUICE__POSTGRES__URL", env_by_name(container), "the console owns no tables")
         with_sasl = render(*self.ON, *EXISTING_SECRETS)
@@ -958,7 +1109,7 @@ class ConsoleTest(ChartTestCase):
                                ("refresh_dispatcher_endpoint", "refresh-dispatcher")):
             service = named(documents, "Service", component_name(component))
             port = [p for p in service["spec"]["ports"] if p["name"] == "grpc"][0]["port"]
-            self.assertEqual(console[key], f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
+            self.assertEqual(console[key], f"https://{service['metadata']['name']}.{NAMESPACE}.svc:{port}")
         service = named(documents, "Service", component_name("console"))
         deployment = named(documents, "Deployment", component_name("console"))
         self.assertTrue(selects(service["spec"]["selector"], pod_spec_labels(deployment)))
@@ -977,7 +1128,8 @@ class ConsoleTest(ChartTestCase):
     def test_ingress_routes_to_the_console_service(self):
         self.assertEqual(of_kind(render(*self.ON), "Ingress"), [])
         documents = render(*self.ON, "--set", "console.ingress.enabled=true",
-                           "--set", "console.ingress.host=console.example.com")
+                           "--set", "console.ingress.host=console.example.com",
+                           "--set-json", 'networkPolicy.consoleFrom=[{"podSelector":{}}]')
         ingress = named(documents, "Ingress", component_name("console"))
         rule = ingress["spec"]["rules"][0]
         self.assertEqual(rule["host"], "console.example.com")
@@ -993,6 +1145,307 @@ class ConsoleTest(ChartTestCase):
             with self.subTest(case=case):
                 with self.assertRaises(RenderError):
                     render(*self.ON, *case)
+
+
+# ---------------------------------------------------------------------------
+# Secure defaults: TLS, authentication, NetworkPolicies.
+
+SERVING_DEPLOYMENTS = [*COMPONENTS, "console"]
+
+
+def volumes_by_name(spec: dict) -> dict:
+    return {volume["name"]: volume for volume in spec.get("volumes") or []}
+
+
+def mounts_by_name(container: dict) -> dict:
+    return {mount["name"]: mount for mount in container.get("volumeMounts") or []}
+
+
+class TlsTest(ChartTestCase):
+    """TLS is on by default: the chart refuses to render without a
+    certificate, mounts the Secret into every serving pod, names its files in
+    sluice.toml and turns every endpoint into https://."""
+
+    def test_default_values_fail_saying_what_tls_needs(self):
+        message = self.assertRenderFails(base=(), message="tls.enabled is true (the default) but no certificate")
+        for hint in ("tls.existingSecret", "tls.crt, tls.key and ca.crt", "tls.certManager.enabled=true",
+                     "tls.certManager.issuerRef.name", f"{RELEASE}-sluice.{NAMESPACE}.svc (tls.serverName)",
+                     "tls.enabled=false", "service mesh"):
+            self.assertIn(hint, message)
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        self.assertIs(values["tls"]["enabled"], True)
+        self.assertIs(values["auth"]["enabled"], True)
+
+    def test_inconsistent_tls_values_fail(self):
+        self.assertRenderFails("--set", "tls.certManager.enabled=true",
+                               "--set", "tls.certManager.issuerRef.name=ca",
+                               message="choose one source for the certificate")
+        self.assertRenderFails("--set", "tls.existingSecret=", "--set", "tls.certManager.enabled=true",
+                               message="tls.certManager.enabled needs tls.certManager.issuerRef.name")
+        self.assertRenderFails("--set", "tls.enabled=false", "--set", "tls.mutual=true",
+                               message="tls.mutual needs tls.enabled")
+
+    def test_cert_manager_certificate_names_every_service_and_the_server_name(self):
+        for server_name, args in ((f"{RELEASE}-sluice.{NAMESPACE}.svc", ()),
+                                  ("sluice.internal", ("--set", "tls.serverName=sluice.internal"))):
+            with self.subTest(server_name=server_name):
+                documents = render(*CERT_MANAGER, *args,
+                                   "--set-json", 'tls.certManager.extraDnsNames=["admission.example.com"]')
+                certificate = named(documents, "Certificate", f"{RELEASE}-sluice-tls")
+                self.assertEqual(certificate["apiVersion"], "cert-manager.io/v1")
+                spec = certificate["spec"]
+                self.assertEqual(spec["secretName"], f"{RELEASE}-sluice-tls")
+                self.assertEqual(spec["issuerRef"], {"name": "internal-ca", "kind": "Issuer",
+                                                     "group": "cert-manager.io"})
+                self.assertEqual((spec["duration"], spec["renewBefore"]), ("2160h", "360h"))
+                self.assertTrue({"server auth", "client auth"} <= set(spec["usages"]), "usable for mutual TLS")
+                expected = {server_name, "admission.example.com"}
+                for component in COMPONENTS:
+                    service = named(documents, "Service", component_name(component))["metadata"]["name"]
+                    expected |= {service, f"{service}.{NAMESPACE}", f"{service}.{NAMESPACE}.svc",
+                                 f"{service}.{NAMESPACE}.svc.cluster.local"}
+                self.assertEqual(set(spec["dnsNames"]), expected)
+                self.assertEqual(len(spec["dnsNames"]), len(expected), "no duplicates")
+                self.assertEqual(config_toml(documents)["tls"]["server_name"], server_name)
+                # The pods mount the Secret cert-manager writes.
+                for component in COMPONENTS:
+                    spec_ = pod_spec(named(documents, "Deployment", component_name(component)))
+                    self.assertEqual(volumes_by_name(spec_)["tls"]["secret"]["secretName"], f"{RELEASE}-sluice-tls")
+        self.assertEqual(of_kind(render(), "Certificate"), [], "an existing Secret needs no Certificate")
+        self.assertEqual(of_kind(render(*CERT_MANAGER, "--set", "tls.enabled=false"), "Certificate"), [])
+        certificate = of_kind(render("--values", str(PRODUCTION_VALUES)), "Certificate")[0]
+        self.assertEqual(certificate["spec"]["issuerRef"]["kind"], "ClusterIssuer")
+
+    def test_existing_secret_is_mounted_into_every_serving_pod(self):
+        documents = render(*ConsoleTest.ON)
+        config = config_toml(documents)
+        for component in SERVING_DEPLOYMENTS:
+            with self.subTest(component=component):
+                spec = pod_spec(named(documents, "Deployment", component_name(component)))
+                volume = volumes_by_name(spec)["tls"]["secret"]
+                self.assertEqual(volume["secretName"], TLS_SECRET)
+                self.assertEqual(sorted(item["key"] for item in volume["items"]), ["ca.crt", "tls.crt", "tls.key"])
+                self.assertEqual(volume["defaultMode"] & 0o007, 0, "the key is not world-readable")
+                mount = mounts_by_name(spec["containers"][0])["tls"]
+                self.assertEqual(mount["mountPath"], TLS_DIR)
+                self.assertIs(mount["readOnly"], True)
+                self.assertNotIn("subPath", mount, "a subPath mount would never see a rotated certificate")
+        # The configuration names the mounted files.
+        self.assertEqual(config["tls"], {
+            "cert_file": f"{TLS_DIR}/tls.crt", "key_file": f"{TLS_DIR}/tls.key",
+            "client_ca_file": "", "ca_file": f"{TLS_DIR}/ca.crt",
+            "server_name": f"{RELEASE}-sluice.{NAMESPACE}.svc", "reload_interval": "10s",
+        })
+        # The hook Jobs serve nothing: no certificate, no token.
+        for job in of_kind(documents, "Job"):
+            self.assertEqual(set(volumes_by_name(pod_spec(job))), {"config", "tmp"}, job["metadata"]["name"])
+
+    def test_mutual_tls_requires_client_certificates(self):
+        config = config_toml(render("--set", "tls.mutual=true", "--set", "tls.reloadInterval=1m"))
+        self.assertEqual(config["tls"]["client_ca_file"], f"{TLS_DIR}/ca.crt")
+        self.assertEqual(config["tls"]["reload_interval"], "1m")
+
+    def test_endpoints_are_https_with_tls(self):
+        for args, scheme, base in (((), "https", None), (("--set", "tls.enabled=false"), "http", None),
+                                   (INSECURE, "http", ())):
+            with self.subTest(args=args):
+                documents = render(*ConsoleTest.ON, *args, base=base)
+                config = config_toml(documents)
+                endpoints = [config["admission"]["limit_grant_endpoint"], config["admission"]["rate_window_endpoint"],
+                             *(config["console"][key] for key in ("admission_endpoint", "limit_grant_endpoint",
+                                                                  "rate_window_endpoint", "refresh_dispatcher_endpoint"))]
+                for endpoint in endpoints:
+                    self.assertTrue(endpoint.startswith(f"{scheme}://"), endpoint)
+                if scheme == "http":
+                    self.assertEqual(config["tls"]["cert_file"], "")
+                    self.assertEqual(config["tls"]["ca_file"], "")
+                    for component in SERVING_DEPLOYMENTS:
+                        spec = pod_spec(named(documents, "Deployment", component_name(component)))
+                        self.assertNotIn("tls", volumes_by_name(spec))
+
+
+class AuthTest(ChartTestCase):
+    """Authentication is on by default: the chart refuses to render without
+    a way to authenticate callers, creates (or takes) the internal token and
+    mounts it, with the JWKS, into every serving pod."""
+
+    def test_tls_without_auth_keys_fails_saying_what_auth_needs(self):
+        message = self.assertRenderFails("--set", f"tls.existingSecret={TLS_SECRET}", base=(),
+                                         message="auth.enabled is true (the default) but nothing can authenticate")
+        for hint in ("auth.jwks.existingSecret", "auth.issuer and auth.audience", "auth.clientCertificates",
+                     "tls.mutual=true", "auth.enabled=false"):
+            self.assertIn(hint, message)
+
+    def test_jwks_needs_issuer_and_audience(self):
+        for unset in ("auth.issuer", "auth.audience"):
+            with self.subTest(unset=unset):
+                self.assertRenderFails("--set", f"{unset}=",
+                                       message="is set without auth.issuer and auth.audience")
+
+    def test_generated_internal_token(self):
+        documents = render(*ConsoleTest.ON)
+        secret = named(documents, "Secret", f"{RELEASE}-sluice-internal-token")
+        self.assertEqual(set(secret["data"]), {"internal-token"})
+        token = base64.b64decode(secret["data"]["internal-token"]).decode()
+        self.assertRegex(token, r"^[A-Za-z0-9]{48}$")
+        self.assertEqual(config_toml(documents)["auth"]["internal_token_file"], TOKEN_FILE)
+        for component in SERVING_DEPLOYMENTS:
+            with self.subTest(component=component):
+                spec = pod_spec(named(documents, "Deployment", component_name(component)))
+                volume = volumes_by_name(spec)["internal-token"]["secret"]
+                self.assertEqual(volume["secretName"], f"{RELEASE}-sluice-internal-token")
+                self.assertEqual(volume["items"], [{"key": "internal-token", "path": Path(TOKEN_FILE).name}])
+                mount = mounts_by_name(spec["containers"][0])["internal-token"]
+                self.assertEqual(mount["mountPath"], str(Path(TOKEN_FILE).parent))
+                self.assertIs(mount["readOnly"], True)
+        for job in of_kind(documents, "Job"):
+            self.assertNotIn("internal-token", volumes_by_name(pod_spec(job)))
+
+    def test_generated_token_survives_upgrades(self):
+        """helm template has no cluster to look the live Secret up in, so
+        this reads the template: an upgrade must reuse the token the live
+        Secret holds, or the pods of the old and new ReplicaSets would not
+        accept each other's calls."""
+        template = (CHART / "templates" / "secret-internal-token.yaml").read_text()
+        self.assertIn('lookup "v1" "Secret" .Release.Namespace $name', template)
+        self.assertIn("randAlphaNum 48", template)
+
+    def test_existing_internal_token_secret(self):
+        documents = render("--set", "auth.internalToken.existingSecret=shared-token",
+                           "--set", "auth.internalToken.key=token")
+        self.assertEqual(of_kind(documents, "Secret"), [])
+        for component in COMPONENTS:
+            volume = volumes_by_name(pod_spec(named(documents, "Deployment", component_name(component))))
+            self.assertEqual(volume["internal-token"]["secret"]["secretName"], "shared-token")
+            self.assertEqual(volume["internal-token"]["secret"]["items"], [{"key": "token", "path": "token"}])
+
+    def test_jwks_is_mounted_and_configured(self):
+        documents = render("--set", "auth.jwks.key=keys.json", "--set", "auth.tenantsClaim=tenants",
+                           "--set", "auth.rolesClaim=roles", "--set", "auth.leeway=1m")
+        auth = config_toml(documents)["auth"]
+        self.assertEqual(auth, {
+            "enabled": True, "internal_token_file": TOKEN_FILE, "jwks_file": JWKS_FILE,
+            "issuer": ISSUER, "audience": AUDIENCE, "tenants_claim": "tenants", "roles_claim": "roles",
+            "leeway": "1m", "reload_interval": "10s", "client_certificates": [],
+        })
+        for component in COMPONENTS:
+            spec = pod_spec(named(documents, "Deployment", component_name(component)))
+            volume = volumes_by_name(spec)["jwks"]["secret"]
+            self.assertEqual(volume["secretName"], JWKS_SECRET)
+            self.assertEqual(volume["items"], [{"key": "keys.json", "path": Path(JWKS_FILE).name}])
+            mount = mounts_by_name(spec["containers"][0])["jwks"]
+            self.assertEqual(mount["mountPath"], str(Path(JWKS_FILE).parent))
+            self.assertIs(mount["readOnly"], True)
+
+    CLIENT_CERTIFICATES = CLIENT_CERTIFICATES
+
+    def test_client_certificates_become_toml_tables(self):
+        documents = render(*self.CLIENT_CERTIFICATES)
+        config_map = named(documents, "ConfigMap", f"{RELEASE}-sluice-config")
+        self.assertEqual(config_map["data"]["sluice.toml"].count("[[auth.client_certificates]]"), 2)
+        config = config_toml(documents)
+        self.assertEqual(config["auth"]["client_certificates"], [
+            {"name": "worker.payments.svc", "tenants": ["payments"], "roles": ["worker"]},
+            {"name": "ops", "tenants": [], "roles": ["admin", "reader"]},
+        ])
+        self.assertEqual(config["auth"]["jwks_file"], "")
+        self.assertEqual(config_contract_errors(config), [])
+        self.assertNotIn("jwks", volumes_by_name(pod_spec(named(documents, "Deployment", component_name("admission")))))
+
+    def test_client_certificates_need_mutual_tls(self):
+        self.assertRenderFails(*self.CLIENT_CERTIFICATES, "--set", "tls.mutual=false",
+                               message="auth.clientCertificates needs tls.enabled=true and tls.mutual=true")
+
+    def test_invalid_client_certificates_are_refused(self):
+        for mapping in ('{"name":"w","roles":["boss"]}', '{"name":"w","tenants":["*"],"roles":["worker"]}',
+                        '{"name":"","roles":["worker"]}', '{"name":"w","role":["worker"]}', '{"name":"w"}'):
+            with self.subTest(mapping=mapping):
+                with self.assertRaises(RenderError):
+                    render("--set", "tls.mutual=true", "--set-json", f"auth.clientCertificates=[{mapping}]")
+
+    def test_opting_out_for_a_throwaway_cluster(self):
+        documents = render(*INSECURE, base=())
+        config = config_toml(documents)
+        self.assertIs(config["auth"]["enabled"], False)
+        self.assertEqual(config["auth"]["internal_token_file"], "")
+        self.assertEqual(config["auth"]["jwks_file"], "")
+        self.assertEqual(of_kind(documents, "Secret"), [])
+        for component in COMPONENTS:
+            spec = pod_spec(named(documents, "Deployment", component_name(component)))
+            self.assertEqual(set(volumes_by_name(spec)), {"config", "tmp"})
+        # TLS with auth off, and auth off with a JWKS Secret named: nothing of
+        # auth is mounted.
+        documents = render("--set", "auth.enabled=false")
+        spec = pod_spec(named(documents, "Deployment", component_name("admission")))
+        self.assertEqual(set(volumes_by_name(spec)), {"config", "tmp", "tls"})
+
+    def test_grpc_reflection_value(self):
+        self.assertIs(config_toml(render())["process"]["grpc_reflection"], True)
+        self.assertIs(config_toml(render("--set", "grpcReflection=false"))["process"]["grpc_reflection"], False)
+
+
+class NetworkPolicyTest(ChartTestCase):
+    """NetworkPolicies are on by default: gRPC from the release's pods and
+    the namespace's, metrics from the monitoring namespace, the console only
+    from consoleFrom, egress unrestricted."""
+
+    MONITORING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+
+    def test_on_by_default(self):
+        values = yaml.safe_load((CHART / "values.yaml").read_text())
+        self.assertIs(values["networkPolicy"]["enabled"], True)
+        documents = render()
+        policies = of_kind(documents, "NetworkPolicy")
+        self.assertEqual(sorted(p["metadata"]["name"] for p in policies),
+                         sorted(component_name(c) for c in COMPONENTS))
+        release = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "sluice",
+                                                   "app.kubernetes.io/instance": RELEASE}}}
+        for policy in policies:
+            where = policy["metadata"]["name"]
+            spec = policy["spec"]
+            # Egress stays open: Kafka, PostgreSQL, DNS and OTLP are outside.
+            self.assertEqual(spec["policyTypes"], ["Ingress"], where)
+            self.assertNotIn("egress", spec, where)
+            self.assertEqual(len(spec["ingress"]), 1, f"{where}: no metrics rule without metrics")
+            rule = spec["ingress"][0]
+            self.assertEqual(rule["ports"], [{"port": "grpc", "protocol": "TCP"}])
+            # The release's pods, and every pod of the release's namespace.
+            self.assertEqual(rule["from"], [release, {"podSelector": {}}], where)
+
+    def test_metrics_are_scraped_from_the_monitoring_namespace(self):
+        documents = render(*ConsoleTest.ON, "--set", "metrics.enabled=true")
+        policies = of_kind(documents, "NetworkPolicy")
+        self.assertEqual(len(policies), 5)
+        for policy in policies:
+            rules = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "metrics"]
+            self.assertEqual(len(rules), 1, policy["metadata"]["name"])
+            self.assertEqual(rules[0]["from"], [self.MONITORING])
+        documents = render("--set", "metrics.enabled=true",
+                           "--set-json", 'networkPolicy.metricsFrom=[{"namespaceSelector":{"matchLabels":{"team":"obs"}}}]')
+        for policy in of_kind(documents, "NetworkPolicy"):
+            rule = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "metrics"][0]
+            self.assertEqual(rule["from"], [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}])
+
+    def test_console_policy_admits_only_console_from(self):
+        documents = render(*ConsoleTest.ON)
+        policy = named(documents, "NetworkPolicy", component_name("console"))
+        deployment = named(documents, "Deployment", component_name("console"))
+        self.assertTrue(selects(policy["spec"]["podSelector"]["matchLabels"], pod_spec_labels(deployment)))
+        for component in COMPONENTS:
+            other = named(documents, "Deployment", component_name(component))
+            self.assertFalse(selects(policy["spec"]["podSelector"]["matchLabels"], pod_spec_labels(other)))
+        self.assertEqual(policy["spec"]["ingress"], [], "no login: nothing reaches it but port-forward")
+        documents = render(*ConsoleTest.ON, "--set-json",
+                           'networkPolicy.consoleFrom=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"ingress-nginx"}}}]')
+        rule = named(documents, "NetworkPolicy", component_name("console"))["spec"]["ingress"][0]
+        self.assertEqual(rule["ports"], [{"port": "http", "protocol": "TCP"}])
+        self.assertEqual(rule["from"][0]["namespaceSelector"]["matchLabels"],
+                         {"kubernetes.io/metadata.name": "ingress-nginx"})
+        self.assertRenderFails(*ConsoleTest.ON, "--set", "console.ingress.enabled=true",
+                               message="needs networkPolicy.consoleFrom")
+
+    def test_off_on_request(self):
+        self.assertEqual(of_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy"), [])
 
 
 def main() -> int:

@@ -17,12 +17,14 @@ Strings are written with toJson: a JSON string is a valid TOML basic string.
 
 It holds no credential: the PostgreSQL URL and the Kafka SASL credentials
 reach the containers only as environment variables from Secrets
-(sluice.secretEnv).
+(sluice.secretEnv); the TLS key, the internal token and the JWKS document
+are files mounted from Secrets (sluice.secretVolumes), named here by path.
 */}}
 {{- define "sluice.configToml" -}}
 # Rendered by the Sluice Helm chart from values. Credentials are not in this
 # file: SLUICE__POSTGRES__URL and SLUICE__KAFKA__SASL_USERNAME/_PASSWORD come
-# from Secrets through the environment.
+# from Secrets through the environment; the TLS key, the internal token and
+# the JWKS document are files mounted from Secrets.
 
 [postgres]
 schema_prefix = {{ .Values.postgres.schemaPrefix | toJson }}
@@ -106,7 +108,7 @@ metrics_listen = ""
 {{- end }}
 
 # Partition owners (admission too: it owns the job partitions) advertise
-# http://$POD_IP:<port> (advertised_endpoint empty, listener on 0.0.0.0,
+# {{ ternary "https" "http" .Values.tls.enabled }}://$POD_IP:<port> (advertised_endpoint empty, listener on 0.0.0.0,
 # POD_IP from the downward API).
 [admission]
 {{- with .Values.admission }}
@@ -178,6 +180,66 @@ limit_grant_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "com
 rate_window_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "component" "rate-window") | toJson }}
 refresh_dispatcher_endpoint = {{ include "sluice.componentEndpoint" (dict "root" . "component" "refresh-dispatcher") | toJson }}
 {{- end }}
+
+[tls]
+{{- if .Values.tls.enabled }}
+{{- $dir := include "sluice.tlsDir" . }}
+# Every gRPC server speaks only TLS; endpoints are https://. The files come
+# from Secret {{ include "sluice.tlsSecretName" . | toJson }}{{ if .Values.tls.certManager.enabled }} (written by cert-manager){{ end }}.
+cert_file = {{ printf "%s/tls.crt" $dir | toJson }}
+key_file = {{ printf "%s/tls.key" $dir | toJson }}
+{{- if .Values.tls.mutual }}
+# Mutual TLS: clients need a certificate signed by ca.crt.
+client_ca_file = {{ printf "%s/ca.crt" $dir | toJson }}
+{{- else }}
+client_ca_file = ""
+{{- end }}
+ca_file = {{ printf "%s/ca.crt" $dir | toJson }}
+server_name = {{ include "sluice.tlsServerName" . | toJson }}
+{{- else }}
+# tls.enabled is false: plaintext gRPC.
+cert_file = ""
+key_file = ""
+client_ca_file = ""
+ca_file = ""
+server_name = ""
+{{- end }}
+reload_interval = {{ .Values.tls.reloadInterval | toJson }}
+
+[auth]
+{{- with .Values.auth }}
+enabled = {{ .enabled }}
+{{- if .enabled }}
+internal_token_file = {{ include "sluice.internalTokenFile" $ | toJson }}
+{{- else }}
+# auth.enabled is false: every caller may act on every tenant.
+internal_token_file = ""
+{{- end }}
+{{- if and .enabled .jwks.existingSecret }}
+jwks_file = {{ include "sluice.jwksFile" $ | toJson }}
+{{- else }}
+jwks_file = ""
+{{- end }}
+issuer = {{ .issuer | toJson }}
+audience = {{ .audience | toJson }}
+tenants_claim = {{ .tenantsClaim | toJson }}
+roles_claim = {{ .rolesClaim | toJson }}
+leeway = {{ .leeway | toJson }}
+reload_interval = {{ .reloadInterval | toJson }}
+{{- if not .clientCertificates }}
+client_certificates = []
+{{- end }}
+{{- range .clientCertificates }}
+
+[[auth.client_certificates]]
+name = {{ .name | toJson }}
+tenants = {{ .tenants | default list | toJson }}
+roles = {{ .roles | default list | toJson }}
+{{- end }}
+{{- end }}
+
+[process]
+grpc_reflection = {{ .Values.grpcReflection }}
 {{- range $name := keys .Values.taskGroups | sortAlpha }}
 {{- $group := index $.Values.taskGroups $name }}
 

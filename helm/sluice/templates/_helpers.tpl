@@ -129,7 +129,127 @@ Takes (dict "root" $ "component" NAME).
 {{- define "sluice.componentEndpoint" -}}
 {{- $table := include "sluice.componentTable" .root | fromYaml }}
 {{- $values := index .root.Values (index $table .component).valuesKey }}
-{{- printf "http://%s.%s.svc:%d" (include "sluice.componentFullname" .) .root.Release.Namespace (int $values.port) }}
+{{- $scheme := ternary "https" "http" (.root.Values.tls.enabled | default false) }}
+{{- printf "%s://%s.%s.svc:%d" $scheme (include "sluice.componentFullname" .) .root.Release.Namespace (int $values.port) }}
+{{- end }}
+
+{{/*
+TLS: the Secret with tls.crt, tls.key and ca.crt (an existing one, or the
+one the chart's cert-manager Certificate writes), where it is mounted, and
+the name clients check in the services' certificates.
+*/}}
+{{- define "sluice.tlsSecretName" -}}
+{{- if .Values.tls.existingSecret }}
+{{- .Values.tls.existingSecret }}
+{{- else }}
+{{- include "sluice.suffixedName" (dict "root" . "suffix" "tls") }}
+{{- end }}
+{{- end }}
+
+{{- define "sluice.tlsDir" -}}
+/var/run/secrets/sluice/tls
+{{- end }}
+
+{{- define "sluice.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s.%s.svc" (include "sluice.fullname" .) .Release.Namespace) }}
+{{- end }}
+
+{{/*
+Auth: the internal token (an existing Secret, or <fullname>-internal-token
+created by the chart) and the JWKS document, each mounted as one file.
+*/}}
+{{- define "sluice.internalTokenSecretName" -}}
+{{- if .Values.auth.internalToken.existingSecret }}
+{{- .Values.auth.internalToken.existingSecret }}
+{{- else }}
+{{- include "sluice.suffixedName" (dict "root" . "suffix" "internal-token") }}
+{{- end }}
+{{- end }}
+
+{{- define "sluice.internalTokenFile" -}}
+/var/run/secrets/sluice/internal-token/token
+{{- end }}
+
+{{- define "sluice.jwksFile" -}}
+/var/run/secrets/sluice/jwks/jwks.json
+{{- end }}
+
+{{/*
+The three probes of a service container. Native gRPC probes in plaintext;
+with TLS, whose handshake the kubelet's gRPC probe cannot make, exec probes
+running `sluice health` against the local port, checking tls.serverName
+with the mounted CA (and presenting the pod's own certificate when the
+services require client certificates). Takes (dict "root" $ "port" N).
+*/}}
+{{- define "sluice.probes" -}}
+{{- $root := .root }}
+{{- $probes := $root.Values.probes }}
+{{- $liveness := $probes.liveness.grpcService }}
+{{- if $root.Values.tls.enabled }}
+{{- $command := list "/usr/local/bin/sluice" "health" "--endpoint" (printf "https://127.0.0.1:%d" (int .port)) "--tls-ca-file" (printf "%s/ca.crt" (include "sluice.tlsDir" $root)) "--tls-server-name" (include "sluice.tlsServerName" $root) }}
+{{- if $root.Values.tls.mutual }}
+{{- $command = concat $command (list "--tls-cert-file" (printf "%s/tls.crt" (include "sluice.tlsDir" $root)) "--tls-key-file" (printf "%s/tls.key" (include "sluice.tlsDir" $root))) }}
+{{- end }}
+{{- $livenessCommand := $command }}
+{{- if $liveness }}
+{{- $livenessCommand = concat $command (list "--service" $liveness) }}
+{{- end }}
+readinessProbe:
+  exec:
+    command:
+      {{- toYaml $command | nindent 6 }}
+  periodSeconds: {{ $probes.readiness.periodSeconds }}
+  timeoutSeconds: {{ $probes.readiness.timeoutSeconds }}
+  failureThreshold: {{ $probes.readiness.failureThreshold }}
+livenessProbe:
+  exec:
+    command:
+      {{- toYaml $livenessCommand | nindent 6 }}
+  periodSeconds: {{ $probes.liveness.periodSeconds }}
+  timeoutSeconds: {{ $probes.liveness.timeoutSeconds }}
+  failureThreshold: {{ $probes.liveness.failureThreshold }}
+startupProbe:
+  exec:
+    command:
+      {{- toYaml $livenessCommand | nindent 6 }}
+  periodSeconds: {{ $probes.startup.periodSeconds }}
+  timeoutSeconds: {{ $probes.startup.timeoutSeconds | default $probes.liveness.timeoutSeconds }}
+  failureThreshold: {{ $probes.startup.failureThreshold }}
+{{- else }}
+{{- include "sluice.grpcProbes" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Native gRPC probes on a plaintext port: the services without TLS, and the
+console (which serves plain HTTP, with grpc.health.v1 on the same port).
+Takes (dict "root" $ "port" N).
+*/}}
+{{- define "sluice.grpcProbes" -}}
+{{- $probes := .root.Values.probes }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: {{ $probes.readiness.periodSeconds }}
+  timeoutSeconds: {{ $probes.readiness.timeoutSeconds }}
+  failureThreshold: {{ $probes.readiness.failureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+    {{- with $probes.liveness.grpcService }}
+    service: {{ . | quote }}
+    {{- end }}
+  periodSeconds: {{ $probes.liveness.periodSeconds }}
+  timeoutSeconds: {{ $probes.liveness.timeoutSeconds }}
+  failureThreshold: {{ $probes.liveness.failureThreshold }}
+startupProbe:
+  grpc:
+    port: {{ .port }}
+    {{- with $probes.liveness.grpcService }}
+    service: {{ . | quote }}
+    {{- end }}
+  periodSeconds: {{ $probes.startup.periodSeconds }}
+  failureThreshold: {{ $probes.startup.failureThreshold }}
 {{- end }}
 
 {{/*
@@ -241,6 +361,73 @@ Volumes every Sluice pod mounts: the configuration file and a writable /tmp
 {{- end }}
 
 {{/*
+The Secrets a serving process (service or console) mounts, read-only, as
+whole volumes (no subPath), so rotated certificates and keys reach the
+running pods: the TLS certificate, the internal token, the JWKS document.
+The files are readable by the pod's fsGroup only. Takes the root context.
+*/}}
+{{- define "sluice.secretVolumes" -}}
+{{- if .Values.tls.enabled }}
+{{ include "sluice.tlsVolume" . }}
+{{- end }}
+{{- if .Values.auth.enabled }}
+- name: internal-token
+  secret:
+    secretName: {{ include "sluice.internalTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.auth.internalToken.key }}
+        path: token
+{{- end }}
+{{- if and .Values.auth.enabled .Values.auth.jwks.existingSecret }}
+- name: jwks
+  secret:
+    secretName: {{ .Values.auth.jwks.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.auth.jwks.key }}
+        path: jwks.json
+{{- end }}
+{{- end }}
+
+{{/*
+The TLS Secret as a volume. Naming the three keys makes a Secret that lacks
+one (an ACME issuer writes no ca.crt) fail the pod's start with an event
+that says which.
+*/}}
+{{- define "sluice.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ include "sluice.tlsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+
+{{- define "sluice.secretVolumeMounts" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "sluice.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.auth.enabled }}
+- name: internal-token
+  mountPath: {{ include "sluice.internalTokenFile" . | dir }}
+  readOnly: true
+{{- end }}
+{{- if and .Values.auth.enabled .Values.auth.jwks.existingSecret }}
+- name: jwks
+  mountPath: {{ include "sluice.jwksFile" . | dir }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/*
 Milliseconds in a duration string, the way Sluice reads it (humantime:
 "500ms", "30s", "1h 30m", "1.5s"; values.schema.json admits only those
 units). A float, as a string.
@@ -265,6 +452,7 @@ keys.
 */}}
 {{- define "sluice.validate" -}}
 {{- $root := . }}
+{{- include "sluice.validateSecurity" . }}
 {{- $table := include "sluice.componentTable" . | fromYaml }}
 {{- range $component, $spec := $table }}
 {{- $values := index $root.Values $spec.valuesKey }}
@@ -286,6 +474,9 @@ keys.
 {{- if and $root.Values.metrics.enabled (eq (int $values.port) (int $root.Values.metrics.port)) }}
 {{- fail (printf "metrics.port (%d) collides with %s.port." (int $root.Values.metrics.port) $spec.valuesKey) }}
 {{- end }}
+{{- end }}
+{{- if and .Values.networkPolicy.enabled .Values.console.enabled .Values.console.ingress.enabled (not .Values.networkPolicy.consoleFrom) }}
+{{- fail "console.ingress.enabled with networkPolicy.enabled needs networkPolicy.consoleFrom: the console's NetworkPolicy admits only those peers, so list your Ingress controller's pods (e.g. - namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: ingress-nginx}})." }}
 {{- end }}
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled needs metrics.enabled: the ServiceMonitor scrapes the metrics port." }}
@@ -320,6 +511,40 @@ keys.
 {{- range $key, $value := .Values.kafka.properties }}
 {{- if regexMatch "(?i)(password|secret|jaas|sasl\\.username|private|token)" $key }}
 {{- fail (printf "kafka.properties.%s looks like a credential: the configuration file is a ConfigMap. Put SASL credentials in a Secret and name it in kafka.sasl.existingSecret." $key) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+
+{{/*
+Fails rendering when TLS or authentication is on (the defaults) without what
+they need, saying what to provide. Checked before anything else.
+*/}}
+{{- define "sluice.validateSecurity" -}}
+{{- $tls := .Values.tls }}
+{{- if $tls.enabled }}
+{{- if and $tls.existingSecret $tls.certManager.enabled }}
+{{- fail "tls.existingSecret and tls.certManager.enabled are both set: choose one source for the certificate (an existing Secret, or a Secret the chart's cert-manager Certificate writes)." }}
+{{- end }}
+{{- if not (or $tls.existingSecret $tls.certManager.enabled) }}
+{{- fail (printf "tls.enabled is true (the default) but no certificate is configured. Either set tls.existingSecret to a Secret holding tls.crt, tls.key and ca.crt (type kubernetes.io/tls, as cert-manager writes it) whose certificate names %s (tls.serverName), or set tls.certManager.enabled=true and tls.certManager.issuerRef.name=<a cert-manager CA Issuer or ClusterIssuer> to have the chart request one. To serve plaintext gRPC instead (only inside a network that already encrypts and authenticates pod traffic, e.g. a service mesh, or a throwaway cluster), set tls.enabled=false." (include "sluice.tlsServerName" .)) }}
+{{- end }}
+{{- if and $tls.certManager.enabled (not $tls.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.enabled needs tls.certManager.issuerRef.name: the cert-manager Issuer (or, with issuerRef.kind=ClusterIssuer, ClusterIssuer) that signs the services' certificate. It must write ca.crt (a CA, Vault or self-signed issuer)." }}
+{{- end }}
+{{- else if $tls.mutual }}
+{{- fail "tls.mutual needs tls.enabled: client certificates are part of the TLS handshake." }}
+{{- end }}
+{{- $auth := .Values.auth }}
+{{- if $auth.enabled }}
+{{- if and $auth.jwks.existingSecret (not (and $auth.issuer $auth.audience)) }}
+{{- fail (printf "auth.jwks.existingSecret (%s) is set without auth.issuer and auth.audience: set both to the `iss` your identity provider writes into tokens and the `aud` it issues them for (e.g. --set auth.issuer=https://login.example.com/ --set auth.audience=sluice)." $auth.jwks.existingSecret) }}
+{{- end }}
+{{- if and $auth.clientCertificates (not (and $tls.enabled $tls.mutual)) }}
+{{- fail "auth.clientCertificates needs tls.enabled=true and tls.mutual=true: without mutual TLS the services ask no client for a certificate, so these mappings would never match." }}
+{{- end }}
+{{- if not (or $auth.jwks.existingSecret $auth.clientCertificates) }}
+{{- fail "auth.enabled is true (the default) but nothing can authenticate producers, workers and operators. Set auth.jwks.existingSecret to a Secret holding the JWKS document of your identity provider (key auth.jwks.key, default jwks.json) together with auth.issuer and auth.audience, and/or list auth.clientCertificates ({name, tenants, roles}, with tls.mutual=true). The internal token the services share is created by the chart (or taken from auth.internalToken.existingSecret). To run without authentication (a throwaway cluster only: anyone who reaches a gRPC port may act on every tenant), set auth.enabled=false." }}
 {{- end }}
 {{- end }}
 {{- end }}
