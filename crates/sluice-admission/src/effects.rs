@@ -335,6 +335,9 @@ pub enum DeadLetterClass {
     /// Its tenant is not the tenant of the topic it came on
     /// (`topics.tenant_requested`).
     TenantMismatch,
+    /// Its tenant was over a quota (`max_waiting`,
+    /// `max_enqueues_per_second`).
+    Quota,
 }
 
 impl DeadLetterClass {
@@ -346,6 +349,7 @@ impl DeadLetterClass {
             DeadLetterClass::Storage => "storage",
             DeadLetterClass::Internal => "internal",
             DeadLetterClass::TenantMismatch => "tenant_mismatch",
+            DeadLetterClass::Quota => "quota",
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod jobs;
 pub mod journal;
 pub mod json_request;
 pub mod partition;
+pub mod quota;
 pub mod service;
 pub mod store;
 pub mod transitions;
@@ -113,6 +114,7 @@ pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults, hub: Arc<
         ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),
         faults: faults.clone(),
         hub,
+        quotas: Arc::new(quota::Quotas::from_config(config)),
     }
 }
 
@@ -163,6 +165,7 @@ pub async fn run(
     let (hub, undelivered) = work::WorkerHub::new();
     let settings = partition_settings(&config, &faults, hub.clone());
     let routes = settings.routes.clone();
+    let quotas = settings.quotas.clone();
     let registry: Arc<OwnerRegistry<Local>> = OwnerRegistry::new(SERVICE, readiness.clone());
     let runtime = OwnerRuntime::new(
         Arc::new(store::AdmissionStore { settings }),
@@ -191,6 +194,7 @@ pub async fn run(
         limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
         rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
         hub,
+        quotas: quotas.clone(),
         shutdown: shutdown.clone(),
     };
     grpc_routes.add_service(sluice_common::auth::guarded(
@@ -270,6 +274,15 @@ pub async fn run(
             .await
         });
     }
+    supervisor.spawn(
+        "tenant quotas",
+        quota::refresh(
+            quotas,
+            pool.clone(),
+            config.admission.quota_refresh_interval.0,
+            shutdown.clone(),
+        ),
+    );
     supervisor.spawn(
         "link grants",
         consumers::run_link_grants(

@@ -6,7 +6,7 @@
 //! runtime commits what it decides (`AdmissionWrites`), then sends its
 //! effects. The state machine itself is `transitions`.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
@@ -64,13 +64,29 @@ pub struct EnqueueConflict {
     pub job_id: String,
 }
 
+/// Why a call's jobs were refused (none of them saved).
+#[derive(Clone, Debug, PartialEq)]
+pub enum EnqueueError {
+    Conflict(EnqueueConflict),
+    Quota(QuotaRefusal),
+}
+
+/// A tenant over one of its quotas.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuotaRefusal {
+    pub tenant: String,
+    /// `max_waiting` or `max_enqueues_per_second`.
+    pub quota: &'static str,
+    pub message: String,
+}
+
 /// Requests from this instance's gRPC handlers and links for one job
 /// partition. Each carries its reply, sent once the batch is durable.
 pub enum Local {
     Enqueue {
         jobs: Vec<Incoming>,
         on_conflict: OnConflict,
-        reply: oneshot::Sender<Result<Vec<EnqueueOutcome>, EnqueueConflict>>,
+        reply: oneshot::Sender<Result<Vec<EnqueueOutcome>, EnqueueError>>,
     },
     /// The job if it is active here (else the caller reads its rows).
     Describe {
@@ -188,6 +204,8 @@ pub struct PartitionSettings {
     pub faults: Faults,
     /// This instance's `Work` stream sessions (dispatch is the claim).
     pub hub: Arc<WorkerHub>,
+    /// Per-tenant quotas, shared by the instance's partitions.
+    pub quotas: Arc<crate::quota::Quotas>,
 }
 
 /// An active job and whether its payload is in memory.
@@ -234,6 +252,10 @@ pub struct AdmissionPartition {
     /// A crash-point fault hook fired in this batch: the runtime stops the
     /// partition as a crash would, right after the commit.
     crash_after_commit: bool,
+    /// Unfinished jobs here, by tenant (`max_waiting`).
+    active_by_tenant: HashMap<String, u64>,
+    /// Rate tokens by tenant (`max_enqueues_per_second`).
+    buckets: HashMap<String, crate::quota::Bucket>,
 }
 
 /// Where a batch's decisions go.
@@ -273,6 +295,8 @@ impl AdmissionPartition {
             pushes: HashMap::new(),
             now_ms: 0,
             crash_after_commit: false,
+            active_by_tenant: HashMap::new(),
+            buckets: HashMap::new(),
         };
         for row in jobs {
             partition.last_enqueued_at_us = partition.last_enqueued_at_us.max(row.enqueued_at_us);
@@ -340,7 +364,19 @@ impl AdmissionPartition {
         if payload_loaded {
             self.payload_bytes += row.payload.len();
         }
-        self.jobs.insert(job_id, Active { row, payload_loaded });
+        *self.active_by_tenant.entry(row.tenant.clone()).or_default() += 1;
+        if let Some(replaced) = self.jobs.insert(job_id, Active { row, payload_loaded }) {
+            self.forget_tenant_job(&replaced.row.tenant);
+        }
+    }
+
+    fn forget_tenant_job(&mut self, tenant: &str) {
+        if let Some(count) = self.active_by_tenant.get_mut(tenant) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.active_by_tenant.remove(tenant);
+            }
+        }
     }
 
     /// Change a job's state, keeping its timer and the batch's changes.
@@ -382,6 +418,7 @@ impl AdmissionPartition {
         let Some(active) = self.jobs.remove(job_id) else {
             return;
         };
+        self.forget_tenant_job(&active.row.tenant);
         if let Some(due) = active.row.state.due_at_ms {
             self.timers.remove(&(due, job_id.to_string()));
         }
@@ -748,7 +785,7 @@ impl AdmissionPartition {
         jobs: &[Incoming],
         on_conflict: OnConflict,
         out: &mut Out<'_>,
-    ) -> Result<Vec<EnqueueOutcome>, EnqueueConflict> {
+    ) -> Result<Vec<EnqueueOutcome>, EnqueueError> {
         // Decide every outcome first: a refused call changes nothing.
         let rows: Vec<JobRow> = jobs.iter().map(|incoming| self.new_row(incoming, now_ms)).collect();
         let mut outcomes: Vec<EnqueueOutcome> = Vec::with_capacity(rows.len());
@@ -796,10 +833,10 @@ impl AdmissionPartition {
                         _ => true,
                     };
                     if !same && on_conflict == OnConflict::Refuse {
-                        return Err(EnqueueConflict {
+                        return Err(EnqueueError::Conflict(EnqueueConflict {
                             index,
                             job_id: job_id.clone(),
-                        });
+                        }));
                     }
                     let status = match first_in_call.get(job_id) {
                         Some(first) => rows[*first].state.status,
@@ -828,6 +865,8 @@ impl AdmissionPartition {
                 }
             }
         }
+        self.check_quotas(now_ms, new_rows.iter().map(|(index, _)| rows[*index].tenant.as_str()))
+            .map_err(EnqueueError::Quota)?;
         // Duplicates re-send the effect their job is waiting on.
         for outcome in &outcomes {
             if outcome.deduplicated && !first_in_call.contains_key(&outcome.job_id) {
@@ -875,6 +914,63 @@ impl AdmissionPartition {
         Ok(outcomes)
     }
 
+    /// Refuse new jobs of a tenant over its quotas (this partition's share:
+    /// `quota::Quotas::share_of`); else take their rate tokens.
+    fn check_quotas<'a>(&mut self, now_ms: i64, tenants: impl Iterator<Item = &'a str>) -> Result<(), QuotaRefusal> {
+        let mut new_by_tenant: BTreeMap<&str, u64> = BTreeMap::new();
+        for tenant in tenants {
+            *new_by_tenant.entry(tenant).or_default() += 1;
+        }
+        let quotas = self.settings.quotas.clone();
+        let partition = self.settings.partition;
+        let mut taken: Vec<(&str, f64)> = Vec::new();
+        for (tenant, new) in &new_by_tenant {
+            let quota = quotas.of(tenant);
+            if let Some(max) = quota.max_waiting {
+                let share = quotas.share_of(max, partition);
+                let unfinished = self.active_by_tenant.get(*tenant).copied().unwrap_or(0);
+                if unfinished + new > share {
+                    crate::quota::count_refusal(tenant, "max_waiting", *new);
+                    return Err(QuotaRefusal {
+                        tenant: tenant.to_string(),
+                        quota: "max_waiting",
+                        message: format!(
+                            "quota: tenant {tenant:?} is over its quota max_waiting ({max} unfinished jobs; job \
+                             partition {partition} holds {unfinished} of its share {share}): enqueue again once some \
+                             of its jobs finish"
+                        ),
+                    });
+                }
+            }
+            if let Some(rate) = quota.max_enqueues_per_second {
+                let share = quotas.rate_share(rate);
+                let bucket = self
+                    .buckets
+                    .entry(tenant.to_string())
+                    .or_insert_with(|| crate::quota::Bucket::full(share, now_ms));
+                if !bucket.take(share, *new as f64, now_ms) {
+                    crate::quota::count_refusal(tenant, "max_enqueues_per_second", *new);
+                    // Give back what this call took from earlier tenants.
+                    for (earlier, count) in taken {
+                        if let Some(bucket) = self.buckets.get_mut(earlier) {
+                            bucket.give_back(count);
+                        }
+                    }
+                    return Err(QuotaRefusal {
+                        tenant: tenant.to_string(),
+                        quota: "max_enqueues_per_second",
+                        message: format!(
+                            "quota: tenant {tenant:?} is over its quota max_enqueues_per_second ({rate}/s): slow down \
+                             and enqueue again"
+                        ),
+                    });
+                }
+                taken.push((tenant, *new as f64));
+            }
+        }
+        Ok(())
+    }
+
     /// Send again the effect an active job is waiting on.
     fn resend_pending(&mut self, job_id: &str, out: &mut Out<'_>) {
         let Some(active) = self.jobs.get(job_id) else {
@@ -901,12 +997,16 @@ impl AdmissionPartition {
                     ),
                 }),
                 Ok(_) => None,
-                Err(conflict) => Some(Refusal {
+                Err(EnqueueError::Conflict(conflict)) => Some(Refusal {
                     class: DeadLetterClass::Conflict,
                     reason: format!(
                         "conflict: job {:?} already exists with a different request",
                         conflict.job_id
                     ),
+                }),
+                Err(EnqueueError::Quota(refusal)) => Some(Refusal {
+                    class: DeadLetterClass::Quota,
+                    reason: refusal.message,
                 }),
             },
             Err(refusal) => Some(refusal.clone()),

@@ -647,3 +647,134 @@ proptest! {
         }
     }
 }
+
+/// A partition of its own (one job partition, so its share is the whole
+/// quota) with `settings` over the defaults.
+fn quota_harness(settings: &[(&str, &str)]) -> (Harness, Arc<SluiceConfig>) {
+    let mut overrides = vec![("kafka.partitions.jobs", "1")];
+    overrides.extend_from_slice(settings);
+    let config = Arc::new(SluiceConfig::load_with(None, &overrides).expect("configuration"));
+    let settings = crate::partition_settings(&config, &Faults::none(), crate::work::WorkerHub::without_workers());
+    let harness = Harness {
+        partition: AdmissionPartition::new(settings, Vec::new(), 0, None, 0),
+        now_ms: 1_800_000_000_000,
+    };
+    (harness, config)
+}
+
+fn enqueue_one(
+    harness: &mut Harness,
+    config: &SluiceConfig,
+    tenant: &str,
+    job_id: &str,
+) -> Result<Vec<EnqueueOutcome>, EnqueueError> {
+    let request = pb::JobRequest {
+        job_id: Some(job_id.to_string()),
+        tenant: tenant.to_string(),
+        task_group: "default".to_string(),
+        payload: b"x".to_vec(),
+        ..pb::JobRequest::default()
+    };
+    let incoming = Incoming {
+        job_id: job_id.to_string(),
+        valid: crate::chain::validate(config, request).expect("a valid request"),
+        trace: pb::TraceContext::default(),
+    };
+    let (reply, mut answer) = oneshot::channel();
+    harness.apply(vec![Local::Enqueue {
+        jobs: vec![incoming],
+        on_conflict: OnConflict::Refuse,
+        reply,
+    }]);
+    answer.try_recv().expect("answered")
+}
+
+fn refused_for(answer: Result<Vec<EnqueueOutcome>, EnqueueError>) -> Option<&'static str> {
+    match answer {
+        Err(EnqueueError::Quota(refusal)) => Some(refusal.quota),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_tenant_over_max_waiting_is_refused_until_one_of_its_jobs_finishes() {
+    let (mut harness, config) = quota_harness(&[("admission.default_max_waiting", "3")]);
+    for index in 0..3 {
+        let saved = enqueue_one(&mut harness, &config, "acme", &format!("acme-{index}"));
+        assert!(saved.is_ok(), "{saved:?}");
+    }
+    assert_eq!(
+        refused_for(enqueue_one(&mut harness, &config, "acme", "acme-3")),
+        Some("max_waiting")
+    );
+    assert!(harness.partition.job("acme-3").is_none(), "a refused job is not kept");
+    // Another tenant has its own quota; a duplicate of a saved job is not new.
+    assert!(enqueue_one(&mut harness, &config, "globex", "globex-0").is_ok());
+    assert!(enqueue_one(&mut harness, &config, "acme", "acme-0").is_ok());
+    // One of acme's jobs runs and succeeds: room for one more.
+    let (reply, mut claimed) = oneshot::channel();
+    harness.apply(vec![Local::Claim {
+        worker_id: "w".to_string(),
+        attempts: vec![("acme-0".to_string(), 1)],
+        scope: sluice_common::auth::JobScope::All,
+        reply,
+    }]);
+    assert_eq!(
+        claimed.try_recv().expect("answered")[0].outcome,
+        pb::ClaimOutcome::Claimed as i32
+    );
+    let (reply, mut completed) = oneshot::channel();
+    harness.apply(vec![Local::Complete {
+        worker_id: "w".to_string(),
+        completions: vec![("acme-0".to_string(), 1, AttemptEnd::Succeeded)],
+        scope: sluice_common::auth::JobScope::All,
+        caller_trace: pb::TraceContext::default(),
+        reply,
+    }]);
+    assert_eq!(
+        completed.try_recv().expect("answered")[0].outcome,
+        pb::CompleteOutcome::Accepted as i32
+    );
+    assert!(enqueue_one(&mut harness, &config, "acme", "acme-3").is_ok());
+    assert_eq!(
+        refused_for(enqueue_one(&mut harness, &config, "acme", "acme-4")),
+        Some("max_waiting")
+    );
+}
+
+#[test]
+fn a_tenant_over_its_enqueue_rate_is_refused_until_tokens_come_back() {
+    let (mut harness, config) = quota_harness(&[("admission.default_max_enqueues_per_second", "2")]);
+    assert!(enqueue_one(&mut harness, &config, "acme", "a-0").is_ok());
+    assert!(enqueue_one(&mut harness, &config, "acme", "a-1").is_ok());
+    assert_eq!(
+        refused_for(enqueue_one(&mut harness, &config, "acme", "a-2")),
+        Some("max_enqueues_per_second")
+    );
+    assert!(enqueue_one(&mut harness, &config, "globex", "g-0").is_ok());
+    harness.now_ms += 499;
+    assert!(refused_for(enqueue_one(&mut harness, &config, "acme", "a-2")).is_some());
+    harness.now_ms += 1;
+    assert!(enqueue_one(&mut harness, &config, "acme", "a-2").is_ok());
+}
+
+#[test]
+fn a_stored_quota_overrides_the_default_at_once() {
+    let (mut harness, config) = quota_harness(&[]);
+    for index in 0..5 {
+        assert!(enqueue_one(&mut harness, &config, "acme", &format!("acme-{index}")).is_ok());
+    }
+    harness.partition.settings().quotas.set(
+        "acme",
+        Some(crate::quota::QuotaOverride {
+            max_waiting: Some(5),
+            max_enqueues_per_second: None,
+        }),
+    );
+    assert_eq!(
+        refused_for(enqueue_one(&mut harness, &config, "acme", "acme-5")),
+        Some("max_waiting")
+    );
+    harness.partition.settings().quotas.set("acme", None);
+    assert!(enqueue_one(&mut harness, &config, "acme", "acme-5").is_ok());
+}

@@ -22,7 +22,7 @@ use tonic::{Request, Response, Status};
 
 use crate::chain;
 use crate::jobs::{request_fingerprint, JobRow};
-use crate::partition::{EnqueueConflict, Incoming, Local, OnConflict};
+use crate::partition::{EnqueueConflict, EnqueueError, Incoming, Local, OnConflict};
 use crate::transitions::{AttemptEnd, Status as JobStatus};
 
 #[derive(Clone)]
@@ -37,6 +37,8 @@ pub struct AdmissionApi {
     pub rates: RateLimitsClient<Channel>,
     /// This instance's `Work` stream sessions.
     pub hub: Arc<crate::work::WorkerHub>,
+    /// Per-tenant quotas (shared with the partitions).
+    pub quotas: Arc<crate::quota::Quotas>,
     pub shutdown: sluice_common::Shutdown,
 }
 
@@ -254,7 +256,7 @@ impl AdmissionApi {
         let mut answered = Vec::with_capacity(groups.len());
         for (partition, group) in groups {
             let (indexes, jobs): (Vec<usize>, Vec<Incoming>) = group.into_iter().unzip();
-            let answer = self
+            let answer = match self
                 .ask(
                     partition,
                     forwarded,
@@ -283,7 +285,14 @@ impl AdmissionApi {
                         }
                     },
                 )
-                .await?;
+                .await
+            {
+                Ok(answer) => answer,
+                Err(status) if status.code() == tonic::Code::ResourceExhausted => {
+                    return Err(saved_before_refusal(status, &answered));
+                }
+                Err(status) => return Err(status),
+            };
             let results = match answer {
                 OwnerAnswer::Here(Ok(outcomes)) => outcomes
                     .into_iter()
@@ -293,8 +302,14 @@ impl AdmissionApi {
                         deduplicated: outcome.deduplicated,
                     })
                     .collect(),
-                OwnerAnswer::Here(Err(EnqueueConflict { index, job_id })) => {
+                OwnerAnswer::Here(Err(EnqueueError::Conflict(EnqueueConflict { index, job_id }))) => {
                     return Err(conflict_status(indexes.get(index).copied(), &job_id, count > 1));
+                }
+                OwnerAnswer::Here(Err(EnqueueError::Quota(refusal))) => {
+                    return Err(saved_before_refusal(
+                        Status::resource_exhausted(refusal.message),
+                        &answered,
+                    ));
                 }
                 OwnerAnswer::Forwarded(results) => results,
             };
@@ -709,6 +724,91 @@ impl pb::admission_server::Admission for AdmissionApi {
         crate::work_stream::serve(self.clone(), caller, request.into_inner()).await
     }
 
+    async fn set_tenant_quota(
+        &self,
+        request: Request<pb::SetTenantQuotaRequest>,
+    ) -> Result<Response<pb::TenantQuota>, Status> {
+        let caller = principal_of(&request);
+        let message = request.into_inner();
+        check_name("tenant", &message.tenant, self.config.admission.max_key_bytes)?;
+        if message.tenant == crate::chain::GLOBAL_CAP_TENANT {
+            return Err(FieldError::new("tenant", "\"*\" holds global caps, not jobs: it has no quota").into());
+        }
+        if !caller.is_admin() {
+            return Err(Status::permission_denied(format!(
+                "{}: tenant quotas are set by an admin",
+                caller.name
+            )));
+        }
+        if let Some(rate) = message.max_enqueues_per_second {
+            if !rate.is_finite() || !(0.0..=1_000_000.0).contains(&rate) {
+                return Err(FieldError::new("max_enqueues_per_second", "must be from 0 to 1000000").into());
+            }
+        }
+        let stored = if message.clear {
+            if message.max_waiting.is_some() || message.max_enqueues_per_second.is_some() {
+                return Err(FieldError::new("clear", "clears the override: set no quota with it").into());
+            }
+            None
+        } else {
+            Some(crate::quota::QuotaOverride {
+                max_waiting: message.max_waiting,
+                max_enqueues_per_second: message.max_enqueues_per_second,
+            })
+        };
+        crate::quota::store(&self.pool, &message.tenant, stored)
+            .await
+            .map_err(storage_status)?;
+        self.quotas.set(&message.tenant, stored);
+        let quota = self.quotas.of(&message.tenant);
+        tracing::info!(tenant = %message.tenant, by = %caller.name, ?quota, "tenant quota set");
+        Ok(Response::new(crate::quota::to_proto(&message.tenant, quota, stored)))
+    }
+
+    async fn list_tenant_quotas(
+        &self,
+        request: Request<pb::ListTenantQuotasRequest>,
+    ) -> Result<Response<pb::ListTenantQuotasResponse>, Status> {
+        let caller = principal_of(&request);
+        let message = request.into_inner();
+        let defaults = Some(crate::quota::to_proto("", self.quotas.defaults(), None));
+        // Read from the table: a quota set through another instance shows at
+        // once, before this instance's next refresh.
+        let stored = crate::quota::load(&self.pool).await.map_err(storage_status)?;
+        let with_defaults = |tenant: &str, stored: Option<crate::quota::QuotaOverride>| {
+            let defaults = self.quotas.defaults();
+            let quota = crate::quota::Quota {
+                max_waiting: stored.and_then(|stored| stored.max_waiting).or(defaults.max_waiting),
+                max_enqueues_per_second: stored
+                    .and_then(|stored| stored.max_enqueues_per_second)
+                    .or(defaults.max_enqueues_per_second),
+            };
+            crate::quota::to_proto(tenant, quota, stored)
+        };
+        if message.tenant.is_empty() {
+            if !caller.is_admin() {
+                return Err(Status::permission_denied(format!(
+                    "{}: listing every tenant's quota needs the admin role; name your tenant",
+                    caller.name
+                )));
+            }
+            let mut tenants: Vec<&String> = stored.keys().collect();
+            tenants.sort();
+            let quotas = tenants
+                .into_iter()
+                .map(|tenant| with_defaults(tenant, stored.get(tenant).copied()))
+                .collect();
+            return Ok(Response::new(pb::ListTenantQuotasResponse { quotas, defaults }));
+        }
+        check_name("tenant", &message.tenant, self.config.admission.max_key_bytes)?;
+        caller.authorize(&message.tenant, Action::Read, format_args!("tenant {}", message.tenant))?;
+        let quota = with_defaults(&message.tenant, stored.get(&message.tenant).copied());
+        Ok(Response::new(pb::ListTenantQuotasResponse {
+            quotas: vec![quota],
+            defaults,
+        }))
+    }
+
     async fn instances(
         &self,
         _request: Request<pb::InstancesRequest>,
@@ -880,6 +980,28 @@ fn conflict_status(index: Option<usize>, job_id: &str, batch: bool) -> Status {
 
 /// A forwarded batch's conflict names its place in the forwarded call;
 /// name it in this call.
+/// A refusal of part of a call whose other partitions' jobs were saved
+/// already: say which, so the caller retries only the others.
+fn saved_before_refusal(status: Status, answered: &[(Vec<usize>, Vec<pb::EnqueueResponse>)]) -> Status {
+    let mut saved: Vec<usize> = answered
+        .iter()
+        .flat_map(|(indexes, _)| indexes.iter().copied())
+        .collect();
+    if saved.is_empty() {
+        return status;
+    }
+    saved.sort_unstable();
+    let named: Vec<String> = saved.iter().map(|index| format!("jobs[{index}]")).collect();
+    Status::new(
+        status.code(),
+        format!(
+            "{} ({} of this call were saved before the refusal: send only the others again)",
+            status.message(),
+            named.join(", ")
+        ),
+    )
+}
+
 fn renumber_conflict(status: Status, indexes: &[usize]) -> Status {
     if status.code() != tonic::Code::AlreadyExists {
         return status;

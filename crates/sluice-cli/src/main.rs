@@ -9,6 +9,7 @@ mod jobs;
 mod keys;
 mod output;
 mod rate_limits;
+mod tenants;
 mod try_it;
 
 use std::path::PathBuf;
@@ -82,6 +83,11 @@ enum Command {
         #[command(subcommand)]
         command: rate_limits::RateLimitsCommand,
     },
+    /// Per-tenant quotas: list; set or clear (admin).
+    Tenants {
+        #[command(subcommand)]
+        command: tenants::TenantsCommand,
+    },
     /// Floating concurrency limits: refresh state; delete.
     Floating {
         #[command(subcommand)]
@@ -147,6 +153,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Jobs { command } => jobs::run(&cli.endpoints, command).await?,
         Command::Keys { command } => keys::run(&cli.endpoints, command).await?,
         Command::RateLimits { command } => rate_limits::run(&cli.endpoints, command).await?,
+        Command::Tenants { command } => tenants::run(&cli.endpoints, command).await?,
         Command::Floating { command } => floating::run(&cli.endpoints, command).await?,
         Command::Health { endpoint, service } => {
             let checks: Vec<(&'static str, String)> = match endpoint {

@@ -404,6 +404,14 @@ pub struct AdmissionConfig {
     pub memory_payload_max_bytes: usize,
     /// At most this many payload bytes kept in memory per job partition.
     pub memory_payload_budget_bytes: usize,
+    /// A tenant's unfinished jobs at most, unless its stored quota says
+    /// otherwise; 0: unlimited.
+    pub default_max_waiting: u64,
+    /// A tenant's new jobs per second at most, unless its stored quota says
+    /// otherwise; 0: unlimited.
+    pub default_max_enqueues_per_second: f64,
+    /// How often stored tenant quotas are read again.
+    pub quota_refresh_interval: HumanDuration,
 }
 
 /// Configuration shared by the partition-owning services.

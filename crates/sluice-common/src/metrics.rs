@@ -86,6 +86,8 @@ pub struct SluiceMetrics {
     pub rate_deferrals: Counter<u64>,
     pub refresh_outcomes: Counter<u64>,
     pub dead_letters: Counter<u64>,
+    pub tenant_quota: opentelemetry::metrics::Gauge<f64>,
+    pub quota_refusals: Counter<u64>,
     pub quarantined: Counter<u64>,
     pub link_grants_unrouted: Counter<u64>,
     pub transient_faults: Counter<u64>,
@@ -147,6 +149,17 @@ impl SluiceMetrics {
             dead_letters: meter
                 .u64_counter("sluice_dead_letters")
                 .with_description("Producer messages sent to the dead-letter topic")
+                .build(),
+            tenant_quota: meter
+                .f64_gauge("sluice_tenant_quota")
+                .with_description(
+                    "A tenant's quota (max_waiting jobs, max_enqueues_per_second) as this instance enforces it, for \
+                     tenants with an override; -1: unlimited",
+                )
+                .build(),
+            quota_refusals: meter
+                .u64_counter("sluice_quota_refusals")
+                .with_description("Jobs refused because their tenant was over a quota, by tenant and quota")
                 .build(),
             quarantined: meter
                 .u64_counter("sluice_quarantined")

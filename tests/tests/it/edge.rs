@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use sluice_admission::chain;
-use sluice_admission::partition::{AdmissionPartition, EnqueueConflict, EnqueueOutcome, Incoming, Local, OnConflict};
+use sluice_admission::partition::{AdmissionPartition, EnqueueError, EnqueueOutcome, Incoming, Local, OnConflict};
 use sluice_admission::store::AdmissionStore;
 use sluice_common::clock::AnchoredClock;
 use sluice_common::kafka::Outbox;
@@ -287,7 +287,7 @@ impl JobPartition {
         on_conflict: OnConflict,
     ) -> Result<
         (
-            Result<Vec<EnqueueOutcome>, EnqueueConflict>,
+            Result<Vec<EnqueueOutcome>, EnqueueError>,
             Vec<sluice_admission::jobs::JobRow>,
             Outbox,
         ),
@@ -307,7 +307,7 @@ impl JobPartition {
         on_conflict: OnConflict,
     ) -> Result<
         (
-            Vec<Result<Vec<EnqueueOutcome>, EnqueueConflict>>,
+            Vec<Result<Vec<EnqueueOutcome>, EnqueueError>>,
             Vec<sluice_admission::jobs::JobRow>,
             Outbox,
         ),

@@ -18,6 +18,7 @@ mod introspection;
 mod jobs_api;
 mod limits;
 mod membership;
+mod quota;
 mod rate;
 mod reflection;
 mod storage;

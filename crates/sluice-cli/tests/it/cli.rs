@@ -781,3 +781,98 @@ async fn health_over_tls_needs_the_ca_file() -> anyhow::Result<()> {
     std::fs::remove_dir_all(folder)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenant_quotas_are_managed_with_a_token_and_hold_at_once() -> anyhow::Result<()> {
+    let folder = sluice_e2e::pki::folder("clitenants")?;
+    let issuer = sluice_e2e::tokens::TokenIssuer::new()?;
+    let auth = sluice_e2e::tokens::auth_settings(&folder, &issuer)?;
+    let mut settings: Vec<(&str, &str)> = LOW_CONNECTIONS.to_vec();
+    settings.extend(auth.iter().map(|(key, value)| (*key, value.as_str())));
+    settings.push(("kafka.partitions.jobs", "1"));
+    let stack = Stack::start(test_config("clitenants", &settings)?, 1).await?;
+    let token_file = |name: &str, token: String| -> anyhow::Result<String> {
+        let path = folder.join(name);
+        std::fs::write(&path, token)?;
+        Ok(path.to_string_lossy().into_owned())
+    };
+    let admin = token_file("admin.jwt", issuer.token("platform", &[], &["admin"])?)?;
+    let operator = token_file("operator.jwt", issuer.token("ops-acme", &["acme"], &["operator"])?)?;
+
+    // Without a token the services refuse the command, and it says why.
+    let refused = sluice_fails(&stack, &["tenants", "list"]).await?;
+    assert!(refused.stderr.contains("UNAUTHENTICATED"), "{refused}");
+    // A tenant's operator may not set quotas.
+    let denied = sluice_fails(
+        &stack,
+        &[
+            "--token-file",
+            &operator,
+            "tenants",
+            "quota",
+            "set",
+            "-t",
+            "acme",
+            "--max-waiting",
+            "1",
+        ],
+    )
+    .await?;
+    assert!(denied.stderr.contains("PERMISSION_DENIED"), "{denied}");
+    let set = sluice_ok(
+        &stack,
+        &[
+            "--token-file",
+            &admin,
+            "tenants",
+            "quota",
+            "set",
+            "-t",
+            "acme",
+            "--max-waiting",
+            "1",
+        ],
+    )
+    .await?;
+    assert_eq!(
+        set.stdout, "tenant acme: max_waiting 1, max_enqueues_per_second unlimited\n",
+        "{set}"
+    );
+    let listed = sluice_ok(&stack, &["--token-file", &admin, "tenants", "list"]).await?;
+    assert_eq!(
+        listed.stdout,
+        "TENANT     MAX WAITING  MAX ENQUEUES/S  OVERRIDE\n(default)  unlimited    unlimited       -\nacme       1            unlimited       yes\n",
+        "{listed}"
+    );
+    // The operator reads its own tenant's quota.
+    let own = sluice_ok(
+        &stack,
+        &["--token-file", &operator, "tenants", "list", "-t", "acme", "-o", "json"],
+    )
+    .await?
+    .json()?;
+    assert_eq!(own["quotas"][0]["max_waiting"], 1);
+
+    // The quota holds at once.
+    let producer = issuer.token("producer-acme", &["acme"], &["producer"])?;
+    let mut admission = stack.admission_client().await?;
+    let enqueue = |payload: &str| {
+        sluice_e2e::tokens::with_token(
+            pb::EnqueueRequest {
+                job: Some(concurrency_job("acme", "k", 1, 0, payload)),
+            },
+            &producer,
+        )
+    };
+    admission.enqueue(enqueue("first")).await?;
+    let over = admission.enqueue(enqueue("second")).await.expect_err("over the quota");
+    assert_eq!(over.code(), tonic::Code::ResourceExhausted, "{over:?}");
+    sluice_ok(
+        &stack,
+        &["--token-file", &admin, "tenants", "quota", "clear", "-t", "acme"],
+    )
+    .await?;
+    admission.enqueue(enqueue("second")).await?;
+    stack.stop().await;
+    Ok(())
+}
