@@ -253,9 +253,8 @@ impl Action {
     }
 }
 
-/// Who is asking. Authentication does not exist yet (issue 14): every caller
-/// is anonymous. When it does, this extractor reads the caller's identity and
-/// roles from the request, and `authorize` decides.
+/// Who is asking: the principal `crate::require_admin` authenticated (with
+/// auth off, anyone: an admin).
 #[derive(Clone, Debug, Default)]
 pub struct Caller {
     pub identity: Option<String>,
@@ -265,8 +264,16 @@ pub struct Caller {
 impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = std::convert::Infallible;
 
-    async fn from_request_parts(_parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        Ok(Caller::default())
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let principal = parts
+            .extensions
+            .get::<std::sync::Arc<sluice_common::auth::Principal>>()
+            .cloned()
+            .unwrap_or_else(|| std::sync::Arc::new(sluice_common::auth::Principal::open()));
+        Ok(Caller {
+            identity: Some(principal.name.clone()),
+            roles: principal.roles.iter().map(|role| role.name().to_string()).collect(),
+        })
     }
 }
 
@@ -275,11 +282,17 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
 pub struct Forbidden(pub String);
 
 /// The single role check of the console: every action passes here before it
-/// is confirmed or applied. Until authentication exists (issue 14) everyone
-/// may change limits; then this requires a role that may (e.g. "operator").
+/// is confirmed or applied. The console shows every tenant, so only an admin
+/// may act through it (with auth off, everyone is one).
 pub fn authorize(caller: &Caller, action: &Action) -> Result<(), Forbidden> {
-    let _ = (caller, action);
-    Ok(())
+    if caller.roles.iter().any(|role| role == "admin") {
+        return Ok(());
+    }
+    let _ = action;
+    Err(Forbidden(format!(
+        "{} may not do this: the console acts on every tenant, so it needs the admin role",
+        caller.identity.as_deref().unwrap_or("this caller")
+    )))
 }
 
 /// Mints and checks confirmation tokens: a hash of a per-process secret and

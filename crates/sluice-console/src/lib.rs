@@ -86,6 +86,9 @@ pub struct Console {
     pub feeds: Mutex<FeedStatus>,
     pub confirm: ConfirmKey,
     pub overview_cache: Mutex<HashMap<String, (Instant, TenantSummary)>>,
+    /// Who may use the pages (with `auth.enabled`, admins presenting a
+    /// bearer token).
+    pub auth: sluice_common::auth::Authenticator,
 }
 
 /// Tenants tracked from what flows past.
@@ -99,7 +102,10 @@ impl Console {
     pub fn new(config: Arc<SluiceConfig>) -> Result<Self, ConsoleError> {
         let services = Services::new(&config.console)?;
         let window = config.console.chart_window.0;
+        let auth =
+            sluice_common::auth::Authenticator::load(&config.auth).map_err(sluice_common::grpc::GrpcError::from)?;
         Ok(Console {
+            auth,
             services,
             activity: Mutex::new(Activity::new(ActivityLimits {
                 horizon_seconds: i64::try_from(window.as_secs()).unwrap_or(i64::MAX).max(60),
@@ -150,6 +156,7 @@ pub fn router(console: Arc<Console>, grpc: axum::Router) -> Router {
         .route("/rate-limits", get(pages::rates::page))
         .route("/dead-letters", get(pages::dead_letters::page))
         .route("/actions", post(pages::confirm::submit))
+        .route_layer(axum::middleware::from_fn_with_state(console.clone(), require_admin))
         .route("/assets/console.css", get(stylesheet))
         .route("/assets/console.js", get(script))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -157,6 +164,49 @@ pub fn router(console: Arc<Console>, grpc: axum::Router) -> Router {
         .merge(grpc)
         .fallback(not_found)
         .layer(axum::middleware::map_response(security_headers))
+}
+
+/// With `auth.enabled`, the pages need a bearer token (JWT) of an admin in
+/// the `Authorization` header: the console shows and steers every tenant.
+/// Browsers send it through an authenticating proxy in front of the console
+/// (oauth2-proxy's `--pass-authorization-header`, for one). Assets, `/healthz`
+/// and gRPC health stay open.
+async fn require_admin(
+    axum::extract::State(console): axum::extract::State<Arc<Console>>,
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let metadata = tonic::metadata::MetadataMap::from_headers(request.headers().clone());
+    let principal = match console.auth.authenticate(&metadata, None) {
+        Ok(principal) => principal,
+        Err(status) => {
+            let mut page = pages::error_page(
+                StatusCode::UNAUTHORIZED,
+                "Sign in",
+                &format!(
+                    "The console needs an admin's bearer token (sent by the authenticating proxy in front of it): {}",
+                    status.message()
+                ),
+            );
+            page.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"sluice-console\""),
+            );
+            return page;
+        }
+    };
+    if !principal.is_admin() {
+        return pages::error_page(
+            StatusCode::FORBIDDEN,
+            "Not allowed",
+            &format!(
+                "{} may not use the console: it shows and steers every tenant, so it needs the admin role",
+                principal.name
+            ),
+        );
+    }
+    request.extensions_mut().insert(Arc::new(principal));
+    next.run(request).await
 }
 
 async fn stylesheet() -> Response {
@@ -206,11 +256,11 @@ async fn security_headers(mut response: Response) -> Response {
 pub async fn run(config: Arc<SluiceConfig>, listener: TcpListener, shutdown: Shutdown) -> Result<(), ConsoleError> {
     // The services it reads may speak TLS (`https://` endpoints, `tls.ca_file`).
     sluice_common::tls::configure_clients(&config.tls).map_err(sluice_common::grpc::GrpcError::from)?;
-    // It calls them as a Sluice process (the internal token): it has no
-    // login of its own, so it must only be reachable by operators.
+    // It calls them as a Sluice process (the internal token); its own pages
+    // need an admin's bearer token (`require_admin`).
     sluice_common::auth::configure_clients(&config.auth).map_err(sluice_common::grpc::GrpcError::from)?;
     if config.auth.enabled {
-        tracing::warn!(listen = %config.console.listen, "the console has no login yet and acts on every tenant with the internal token: keep it reachable only by operators (port-forward, or an authenticating proxy)");
+        tracing::info!(listen = %config.console.listen, "console pages need an admin's bearer token (auth.enabled)");
     }
     let reflection = config.process.grpc_reflection;
     let console = Arc::new(Console::new(config)?);

@@ -513,3 +513,54 @@ async fn the_console_reads_services_that_speak_only_tls() -> anyhow::Result<()> 
     std::fs::remove_dir_all(folder)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_auth_on_the_console_needs_an_admins_token() -> anyhow::Result<()> {
+    let folder = sluice_e2e::pki::folder("consoleauth")?;
+    let issuer = sluice_e2e::tokens::TokenIssuer::new()?;
+    let auth = sluice_e2e::tokens::auth_settings(&folder, &issuer)?;
+    let settings: Vec<(&str, &str)> = auth.iter().map(|(key, value)| (*key, value.as_str())).collect();
+    let console = ConsoleStack::start_with("consoleauth", &settings).await?;
+    let http = console.http();
+
+    let anonymous = http.get("/").await?;
+    assert_eq!(anonymous.status, 401, "{}", anonymous.body);
+    let reader = issuer.token("reader", &[console.tenant.as_str()], &["reader", "operator"])?;
+    let forbidden = http.get_as("/", &reader).await?;
+    assert_eq!(forbidden.status, 403, "{}", forbidden.body);
+    assert!(forbidden.body.contains("admin role"), "{}", forbidden.body);
+    let expired = issuer.sign(serde_json::json!({
+        "sub": "late", "iss": sluice_e2e::tokens::ISSUER, "aud": sluice_e2e::tokens::AUDIENCE,
+        "exp": sluice_e2e::tokens::TokenIssuer::now_s() - 3600, "sluice_roles": ["admin"],
+    }))?;
+    assert_eq!(http.get_as("/", &expired).await?.status, 401);
+
+    // An admin sees the pages, which the console fills by calling the
+    // services with the internal token.
+    let admin = issuer.token("platform", &[], &["admin"])?;
+    let holder = format!("{}auth-holder", console.stack.config.kafka.topic_prefix);
+    let mut request = concurrency_job(&console.tenant, "auth-key", 1, 10, &holder);
+    request.job_id = Some(holder.clone());
+    console
+        .stack
+        .admission_client()
+        .await?
+        .enqueue(sluice_e2e::tokens::with_token(
+            pb::EnqueueRequest { job: Some(request) },
+            &admin,
+        ))
+        .await?;
+    let link = sluice_console::html::key_link(&console.tenant, "auth-key");
+    eventually(Duration::from_secs(60), "the holder on the key page", || async {
+        let page = http.get_as(&link, &admin).await?;
+        anyhow::ensure!(page.status == 200, "{}", page.body);
+        let holders = element(&page.body, "holders", "</table>").unwrap_or_default();
+        Ok(attribute_values(holders, "data-job-id") == vec![holder.clone()])
+    })
+    .await?;
+    // Probes and assets stay open.
+    assert_eq!(http.get("/healthz").await?.status, 200);
+    assert_eq!(http.get("/assets/console.css").await?.status, 200);
+    console.stop().await?;
+    Ok(())
+}

@@ -165,6 +165,16 @@ impl Http {
             .await
     }
 
+    /// A page asked for with `authorization: Bearer <token>`.
+    pub async fn get_as(&self, path: &str, token: &str) -> anyhow::Result<Answer> {
+        self.send(
+            axum::http::Request::get(format!("{}{path}", self.base))
+                .header("authorization", format!("Bearer {token}"))
+                .body(Full::new(Bytes::new()))?,
+        )
+        .await
+    }
+
     /// The live part only, as the page's script asks for it.
     pub async fn get_live(&self, path: &str) -> anyhow::Result<Answer> {
         self.send(
