@@ -811,6 +811,104 @@ mod tests {
         assert_eq!(decoded, worker);
     }
 
+    fn metadata(pairs: &[(&'static str, String)]) -> MetadataMap {
+        let mut metadata = MetadataMap::new();
+        for (name, value) in pairs {
+            metadata.insert(*name, value.parse().unwrap());
+        }
+        metadata
+    }
+
+    #[test]
+    fn only_the_internal_token_may_name_the_caller_it_acts_for() {
+        let folder = std::env::temp_dir().join(format!("sluice-auth-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&folder).unwrap();
+        let token_file = folder.join("internal-token");
+        std::fs::write(&token_file, "0123456789abcdef-internal\n").unwrap();
+        let config = AuthConfig {
+            enabled: true,
+            internal_token_file: token_file.to_string_lossy().into_owned(),
+            jwks_file: String::new(),
+            public_key_files: Vec::new(),
+            issuer: String::new(),
+            audience: String::new(),
+            tenants_claim: "sluice_tenants".to_string(),
+            roles_claim: "sluice_roles".to_string(),
+            leeway: crate::config::HumanDuration(Duration::from_secs(30)),
+            reload_interval: crate::config::HumanDuration(Duration::from_secs(10)),
+            client_certificates: Vec::new(),
+        };
+        let auth = Authenticator::load(&config).unwrap();
+        let worker = principal(&["a"], &[Role::Worker]);
+        let forwarded = worker.encode().unwrap().to_str().unwrap().to_string();
+
+        // With the internal token: the caller named, or the system itself.
+        let acting = auth
+            .authenticate(
+                &metadata(&[
+                    ("authorization", "Bearer 0123456789abcdef-internal".to_string()),
+                    (PRINCIPAL_HEADER, forwarded.clone()),
+                ]),
+                None,
+            )
+            .unwrap();
+        assert_eq!(acting, worker);
+        assert!(!acting.service, "a forwarded caller is not a service");
+        let system = auth
+            .authenticate(
+                &metadata(&[("authorization", "Bearer 0123456789abcdef-internal".to_string())]),
+                None,
+            )
+            .unwrap();
+        assert!(system.service && system.is_admin());
+
+        // Anyone else naming a caller gets nowhere.
+        let admin = Principal {
+            roles: BTreeSet::from([Role::Admin]),
+            ..principal(&[], &[])
+        };
+        let spoofed = admin.encode().unwrap().to_str().unwrap().to_string();
+        for credentials in [
+            vec![(PRINCIPAL_HEADER, spoofed.clone())],
+            vec![
+                ("authorization", "Bearer not-the-token".to_string()),
+                (PRINCIPAL_HEADER, spoofed.clone()),
+            ],
+            vec![("authorization", "Basic 0123456789abcdef-internal".to_string())],
+        ] {
+            let refused = auth.authenticate(&metadata(&credentials), None).unwrap_err();
+            assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{credentials:?}");
+        }
+        std::fs::remove_dir_all(folder).unwrap();
+    }
+
+    #[test]
+    fn an_internal_token_too_short_to_be_a_secret_is_refused() {
+        let folder = std::env::temp_dir().join(format!("sluice-auth-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&folder).unwrap();
+        let token_file = folder.join("internal-token");
+        std::fs::write(&token_file, "short").unwrap();
+        let config = AuthConfig {
+            enabled: true,
+            internal_token_file: token_file.to_string_lossy().into_owned(),
+            jwks_file: String::new(),
+            public_key_files: Vec::new(),
+            issuer: String::new(),
+            audience: String::new(),
+            tenants_claim: "sluice_tenants".to_string(),
+            roles_claim: "sluice_roles".to_string(),
+            leeway: crate::config::HumanDuration(Duration::from_secs(30)),
+            reload_interval: crate::config::HumanDuration(Duration::from_secs(10)),
+            client_certificates: Vec::new(),
+        };
+        let error = Authenticator::load(&config).unwrap_err().to_string();
+        assert!(
+            error.contains("auth.internal_token_file") && error.contains("16"),
+            "{error}"
+        );
+        std::fs::remove_dir_all(folder).unwrap();
+    }
+
     #[test]
     fn secrets_compare_by_content() {
         assert!(same_secret(b"0123456789abcdef", b"0123456789abcdef"));
