@@ -807,6 +807,58 @@ impl RequestProducer {
     }
 }
 
+/// An SDK worker on Work streams (task group `default`) that counts the
+/// jobs it runs, started and waited for until a stream is open.
+pub async fn start_counting_stream_worker(
+    options: sluice_client::ClientOptions,
+) -> anyhow::Result<(Arc<std::sync::atomic::AtomicUsize>, sluice_client::CancellationToken)> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ran = Arc::new(AtomicUsize::new(0));
+    let counted = ran.clone();
+    let worker = sluice_client::Worker::builder(options, move |_job: sluice_client::Job| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok(()) }
+    })
+    .task_group("default")
+    .transport(sluice_client::Transport::Stream)
+    .build()?;
+    let status = worker.status();
+    let token = sluice_client::CancellationToken::new();
+    tokio::spawn(worker.run(token.clone()));
+    eventually(Duration::from_secs(30), "the worker's stream open", || async {
+        Ok(status.snapshot().streams >= 1)
+    })
+    .await?;
+    Ok((ran, token))
+}
+
+/// A reader of the dead-letter topic from its start.
+pub fn dead_letter_reader(config: &SluiceConfig) -> anyhow::Result<rdkafka::consumer::StreamConsumer> {
+    use rdkafka::consumer::Consumer as _;
+    let mut settings = client_config(&config.kafka);
+    settings
+        .set("group.id", format!("{}dlq-reader", config.kafka.topic_prefix))
+        .set("auto.offset.reset", "earliest");
+    let consumer: rdkafka::consumer::StreamConsumer = settings.create()?;
+    consumer.subscribe(&[&config.topic(&config.topics.deadletter)])?;
+    Ok(consumer)
+}
+
+/// A message's header as text ("" when it has none of that name).
+pub fn header_text<M: rdkafka::Message>(message: &M, name: &str) -> String {
+    use rdkafka::message::Headers as _;
+    message
+        .headers()
+        .and_then(|headers| {
+            headers
+                .iter()
+                .find(|header| header.key == name)
+                .and_then(|header| header.value)
+        })
+        .map(|value| String::from_utf8_lossy(value).to_string())
+        .unwrap_or_default()
+}
+
 /// One message for `jobs.requested`, as bytes.
 #[derive(Clone, Debug, Default)]
 pub struct RawRequest {

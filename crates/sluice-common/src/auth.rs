@@ -811,6 +811,23 @@ mod tests {
         assert_eq!(decoded, worker);
     }
 
+    /// Auth on with only an internal token (no keys).
+    fn internal_only(token_file: &std::path::Path) -> AuthConfig {
+        AuthConfig {
+            enabled: true,
+            internal_token_file: token_file.to_string_lossy().into_owned(),
+            jwks_file: String::new(),
+            public_key_files: Vec::new(),
+            issuer: String::new(),
+            audience: String::new(),
+            tenants_claim: "sluice_tenants".to_string(),
+            roles_claim: "sluice_roles".to_string(),
+            leeway: crate::config::HumanDuration(Duration::from_secs(30)),
+            reload_interval: crate::config::HumanDuration(Duration::from_secs(10)),
+            client_certificates: Vec::new(),
+        }
+    }
+
     fn metadata(pairs: &[(&'static str, String)]) -> MetadataMap {
         let mut metadata = MetadataMap::new();
         for (name, value) in pairs {
@@ -825,19 +842,7 @@ mod tests {
         std::fs::create_dir_all(&folder).unwrap();
         let token_file = folder.join("internal-token");
         std::fs::write(&token_file, "0123456789abcdef-internal\n").unwrap();
-        let config = AuthConfig {
-            enabled: true,
-            internal_token_file: token_file.to_string_lossy().into_owned(),
-            jwks_file: String::new(),
-            public_key_files: Vec::new(),
-            issuer: String::new(),
-            audience: String::new(),
-            tenants_claim: "sluice_tenants".to_string(),
-            roles_claim: "sluice_roles".to_string(),
-            leeway: crate::config::HumanDuration(Duration::from_secs(30)),
-            reload_interval: crate::config::HumanDuration(Duration::from_secs(10)),
-            client_certificates: Vec::new(),
-        };
+        let config = internal_only(&token_file);
         let auth = Authenticator::load(&config).unwrap();
         let worker = principal(&["a"], &[Role::Worker]);
         let forwarded = worker.encode().unwrap().to_str().unwrap().to_string();
@@ -888,19 +893,7 @@ mod tests {
         std::fs::create_dir_all(&folder).unwrap();
         let token_file = folder.join("internal-token");
         std::fs::write(&token_file, "short").unwrap();
-        let config = AuthConfig {
-            enabled: true,
-            internal_token_file: token_file.to_string_lossy().into_owned(),
-            jwks_file: String::new(),
-            public_key_files: Vec::new(),
-            issuer: String::new(),
-            audience: String::new(),
-            tenants_claim: "sluice_tenants".to_string(),
-            roles_claim: "sluice_roles".to_string(),
-            leeway: crate::config::HumanDuration(Duration::from_secs(30)),
-            reload_interval: crate::config::HumanDuration(Duration::from_secs(10)),
-            client_certificates: Vec::new(),
-        };
+        let config = internal_only(&token_file);
         let error = Authenticator::load(&config).unwrap_err().to_string();
         assert!(
             error.contains("auth.internal_token_file") && error.contains("16"),

@@ -469,8 +469,7 @@ roles = ["reader"]
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_sdk_worker_with_a_bearer_token_runs_its_tenants_jobs() -> anyhow::Result<()> {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
 
     init_logging();
     let folder = folder("authsdk")?;
@@ -478,28 +477,13 @@ async fn an_sdk_worker_with_a_bearer_token_runs_its_tenants_jobs() -> anyhow::Re
     let auth = auth_settings(&folder, &issuer)?;
     let stack = Stack::start(test_config("authsdk", &settings(&auth))?, 1).await?;
     let admission = AdmissionClient::new(connect(&stack.admissions[0].endpoint).await?);
-    let ran = Arc::new(AtomicUsize::new(0));
     let options = sluice_client::ClientOptions {
         brokers: String::new(),
         admission_endpoint: stack.admissions[0].endpoint.clone(),
         bearer_token: Some(issuer.token("sdk-worker", &["a"], &["worker"])?),
         ..sluice_client::ClientOptions::default()
     };
-    let counted = ran.clone();
-    let worker = sluice_client::Worker::builder(options, move |_job: sluice_client::Job| {
-        counted.fetch_add(1, Ordering::SeqCst);
-        async { Ok(()) }
-    })
-    .task_group("default")
-    .transport(sluice_client::Transport::Stream)
-    .build()?;
-    let status = worker.status();
-    let token = sluice_client::CancellationToken::new();
-    tokio::spawn(worker.run(token.clone()));
-    eventually(Duration::from_secs(30), "the worker's stream open", || async {
-        Ok(status.snapshot().streams >= 1)
-    })
-    .await?;
+    let (ran, token) = start_counting_stream_worker(options).await?;
     let producer = issuer.token("producer-a", &["a"], &["producer"])?;
     let job_id = enqueue(&admission, &producer, concurrency_job("a", "k", 1, 0, "for the sdk"))
         .await?

@@ -4,9 +4,6 @@
 use std::time::Duration;
 
 use prost::Message as _;
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message};
-use sluice_common::kafka::client_config;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 
@@ -48,24 +45,16 @@ async fn malformed_requests_are_dead_lettered_with_the_reason_and_the_next_job_i
         ])
         .await?;
 
-    let mut settings = client_config(&stack.config.kafka);
-    settings
-        .set("group.id", format!("{}dlq-reader", stack.config.kafka.topic_prefix))
-        .set("auto.offset.reset", "earliest");
-    let consumer: StreamConsumer = settings.create()?;
-    consumer.subscribe(&[&stack.config.topic(&stack.config.topics.deadletter)])?;
+    let consumer = dead_letter_reader(&stack.config)?;
     let mut reasons = Vec::new();
     while reasons.len() < 3 {
         let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv()).await??;
-        let headers = message.headers().expect("dead letters carry headers");
-        let reason = headers
-            .iter()
-            .find(|header| header.key == "sluice-deadletter-reason")
-            .and_then(|header| header.value)
-            .map(|value| String::from_utf8_lossy(value).to_string())
-            .expect("a reason header");
-        let source_offset = headers.iter().any(|header| header.key == "sluice-source-offset");
-        assert!(source_offset, "dead letters say where they came from");
+        let reason = header_text(&message, "sluice-deadletter-reason");
+        assert!(!reason.is_empty(), "dead letters carry a reason");
+        assert!(
+            !header_text(&message, "sluice-source-offset").is_empty(),
+            "dead letters say where they came from"
+        );
         reasons.push(reason);
     }
     assert!(reasons[0].contains("not a protobuf"), "{reasons:?}");
@@ -87,23 +76,6 @@ async fn malformed_requests_are_dead_lettered_with_the_reason_and_the_next_job_i
     );
     stack.stop().await;
     Ok(())
-}
-
-/// A dead letter's class and reason headers.
-fn class_and_reason(message: &rdkafka::message::BorrowedMessage<'_>) -> (String, String) {
-    let header = |name: &str| {
-        message
-            .headers()
-            .and_then(|headers| {
-                headers
-                    .iter()
-                    .find(|header| header.key == name)
-                    .and_then(|header| header.value)
-            })
-            .map(|value| String::from_utf8_lossy(value).to_string())
-            .unwrap_or_default()
-    };
-    (header("sluice-deadletter-class"), header("sluice-deadletter-reason"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -129,16 +101,14 @@ async fn a_tenant_with_its_own_topic_is_refused_elsewhere_and_its_topic_carries_
         ])
         .await?;
 
-    let mut settings = client_config(&stack.config.kafka);
-    settings
-        .set("group.id", format!("{}dlq-reader", stack.config.kafka.topic_prefix))
-        .set("auto.offset.reset", "earliest");
-    let consumer: StreamConsumer = settings.create()?;
-    consumer.subscribe(&[&stack.config.topic(&stack.config.topics.deadletter)])?;
+    let consumer = dead_letter_reader(&stack.config)?;
     let mut refused = Vec::new();
     while refused.len() < 2 {
         let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv()).await??;
-        refused.push(class_and_reason(&message));
+        refused.push((
+            header_text(&message, "sluice-deadletter-class"),
+            header_text(&message, "sluice-deadletter-reason"),
+        ));
     }
     refused.sort();
     assert!(

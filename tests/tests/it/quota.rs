@@ -4,9 +4,6 @@
 
 use std::time::Duration;
 
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message};
-use sluice_common::kafka::client_config;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 
@@ -66,25 +63,9 @@ async fn quotas_hold_on_grpc_and_kafka_and_leave_other_tenants_alone() -> anyhow
     RequestProducer::new(&stack.config)?
         .send(&[concurrency_job("acme", "k", 1, 0, "over quota by kafka")])
         .await?;
-    let mut settings = client_config(&stack.config.kafka);
-    settings
-        .set("group.id", format!("{}dlq-reader", stack.config.kafka.topic_prefix))
-        .set("auto.offset.reset", "earliest");
-    let consumer: StreamConsumer = settings.create()?;
-    consumer.subscribe(&[&stack.config.topic(&stack.config.topics.deadletter)])?;
+    let consumer = dead_letter_reader(&stack.config)?;
     let message = tokio::time::timeout(Duration::from_secs(30), consumer.recv()).await??;
-    let header = |name: &str| {
-        message
-            .headers()
-            .and_then(|headers| {
-                headers
-                    .iter()
-                    .find(|header| header.key == name)
-                    .and_then(|header| header.value)
-            })
-            .map(|value| String::from_utf8_lossy(value).to_string())
-            .unwrap_or_default()
-    };
+    let header = |name: &str| header_text(&message, name);
     assert_eq!(header("sluice-deadletter-class"), "quota");
     assert!(header("sluice-deadletter-reason").contains("max_waiting"));
 

@@ -3,8 +3,7 @@
 //! plaintext client is refused; a rotated certificate is served without a
 //! restart; with a client CA, a client without a certificate is refused.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sluice_common::Shutdown;
@@ -67,7 +66,6 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
     assert!(admission_endpoint.starts_with("https://"), "{admission_endpoint}");
 
     // An SDK worker on a Work stream over TLS, trusting the CA.
-    let ran = Arc::new(AtomicUsize::new(0));
     let options = sluice_client::ClientOptions {
         brokers: String::new(),
         admission_endpoint: admission_endpoint.clone(),
@@ -75,21 +73,7 @@ async fn a_stack_serves_only_tls_and_its_services_reach_each_other_over_it() -> 
         tls_server_name: Some("sluice.internal".to_string()),
         ..sluice_client::ClientOptions::default()
     };
-    let counted = ran.clone();
-    let worker = sluice_client::Worker::builder(options, move |_job: sluice_client::Job| {
-        counted.fetch_add(1, Ordering::SeqCst);
-        async { Ok(()) }
-    })
-    .task_group("default")
-    .transport(sluice_client::Transport::Stream)
-    .build()?;
-    let status = worker.status();
-    let token = sluice_client::CancellationToken::new();
-    tokio::spawn(worker.run(token.clone()));
-    eventually(Duration::from_secs(30), "the worker's TLS stream open", || async {
-        Ok(status.snapshot().streams >= 1)
-    })
-    .await?;
+    let (ran, token) = start_counting_stream_worker(options).await?;
 
     // A job under a concurrency limit runs: admission asked limit-grant
     // over its TLS link, got the grant back, and pushed the job to the
