@@ -782,6 +782,65 @@ fn is_task_group_name(text: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// Every key of `default.toml` has a row in the README's configuration
+    /// table (a row may name several: `section.a` / `b`).
+    #[test]
+    fn every_setting_has_a_row_in_the_readme_configuration_table() {
+        let readme = include_str!("../../../README.md");
+        let table = readme
+            .split("\n## Configuration\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n## ").next())
+            .expect("a Configuration section");
+        let mut documented = std::collections::BTreeSet::new();
+        for line in table.lines().filter(|line| line.starts_with("| `")) {
+            let first_cell = line.split('|').nth(1).unwrap_or_default();
+            let mut section = String::new();
+            for token in first_cell.split('`').skip(1).step_by(2) {
+                if token.starts_with("SLUICE__") {
+                    continue;
+                }
+                match token.rsplit_once('.') {
+                    Some((prefix, _)) => {
+                        section = prefix.to_string();
+                        documented.insert(token.to_string());
+                    }
+                    None if !section.is_empty() => {
+                        documented.insert(format!("{section}.{token}"));
+                    }
+                    None => {}
+                }
+            }
+        }
+        let mut missing = Vec::new();
+        let mut section = String::new();
+        for line in DEFAULT_TOML.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            if let Some(name) = line.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')) {
+                section = name.to_string();
+                continue;
+            }
+            // Maps of librdkafka settings, and the example task group.
+            if ["kafka.properties", "kafka.producer_properties"].contains(&section.as_str())
+                || section.starts_with("task_groups.")
+            {
+                continue;
+            }
+            if let Some((key, _)) = line.split_once('=') {
+                let key = format!("{section}.{}", key.trim());
+                if !documented.contains(&key) {
+                    missing.push(key);
+                }
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "README's configuration table has no row for {missing:?}"
+        );
+    }
+
     #[test]
     fn defaults_load_and_validate() {
         let loaded = SluiceConfig::load_with(None, &[]).unwrap();

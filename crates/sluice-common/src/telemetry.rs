@@ -118,6 +118,13 @@ fn otlp_tls_channel(
     Ok(Some(channel))
 }
 
+/// Whether text logs may use ANSI colour: stdout is a terminal and
+/// `NO_COLOR` is not set.
+fn colour_wanted() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stdout())
+        && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty())
+}
+
 /// Install the global subscriber. A second call in one process (tests,
 /// `sluice dev`) keeps the first subscriber and still returns a guard.
 pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
@@ -128,7 +135,12 @@ pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGua
         message: error.to_string(),
     })?;
     let fmt_layer = match config.log_format {
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_target(true).boxed(),
+        // Colour only on a terminal (and never with NO_COLOR): a log file or
+        // a collector gets plain text.
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_target(true)
+            .with_ansi(colour_wanted())
+            .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer().event_format(JsonWithTrace).boxed(),
     };
     let endpoint = otlp_endpoint(config);
@@ -229,7 +241,15 @@ pub async fn spawn_metrics_endpoint(
     if address.is_empty() {
         return Ok(None);
     }
-    let listener = tokio::net::TcpListener::bind(address).await?;
+    let listener = tokio::net::TcpListener::bind(address).await.map_err(|error| {
+        std::io::Error::new(
+            error.kind(),
+            format!(
+                "telemetry.metrics_listen: cannot bind {address}: {error} (services on one host need a port \
+                 each: set SLUICE__TELEMETRY__METRICS_LISTEN, or \"\" for no metrics endpoint)"
+            ),
+        )
+    })?;
     let local = listener.local_addr()?;
     let registry = guard.prometheus_registry();
     tokio::spawn(async move {

@@ -604,7 +604,8 @@ async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::R
         .env("SLUICE__KAFKA__PARTITIONS__LIMIT_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__RATE_COMMANDS", "2")
         .env("SLUICE__KAFKA__PARTITIONS__JOBS", "2")
-        .env("RUST_LOG", "warn")
+        // Info: its log lines (text) come out before the endpoints it prints.
+        .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()?;
@@ -613,11 +614,17 @@ async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::R
     let mut console = None;
     let mut metrics = None;
     let mut auth_off_said = false;
+    let mut log_lines = 0;
     while endpoints.len() < 4 || console.is_none() || metrics.is_none() {
         let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
             .await??
             .unwrap_or_default();
         auth_off_said |= line.contains("authentication is off");
+        log_lines += usize::from(line.contains("INFO"));
+        assert!(
+            !line.contains('\u{1b}'),
+            "logs written to a pipe carry no colour codes: {line:?}"
+        );
         let words: Vec<&str> = line.split_whitespace().collect();
         if let ["metrics", address] = words[..] {
             metrics = Some(address.to_string());
@@ -634,6 +641,7 @@ async fn dev_runs_all_four_services_and_the_console_until_sigterm() -> anyhow::R
         }
     }
     assert!(auth_off_said, "sluice dev says authentication is off");
+    assert!(log_lines > 0, "text log lines came out on stdout");
     for address in endpoints.values().chain(&console).chain(&metrics) {
         assert!(
             address.contains("//127.0.0.1:") || address.starts_with("127.0.0.1:"),
@@ -874,5 +882,38 @@ async fn tenant_quotas_are_managed_with_a_token_and_hold_at_once() -> anyhow::Re
     .await?;
     admission.enqueue(enqueue("second")).await?;
     stack.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metrics_port_in_use_stops_the_process_naming_the_setting_and_the_address() -> anyhow::Result<()> {
+    let config = test_config("climetrics", LOW_CONNECTIONS)?;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let address = taken.local_addr()?.to_string();
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .arg("dev")
+            .env("SLUICE__KAFKA__TOPIC_PREFIX", &config.kafka.topic_prefix)
+            .env("SLUICE__POSTGRES__SCHEMA_PREFIX", &config.postgres.schema_prefix)
+            .env("SLUICE__POSTGRES__MAX_CONNECTIONS", "4")
+            .env("SLUICE__ADMISSION__LISTEN", "127.0.0.1:0")
+            .env("SLUICE__LIMIT_GRANT__LISTEN", "127.0.0.1:0")
+            .env("SLUICE__RATE_WINDOW__LISTEN", "127.0.0.1:0")
+            .env("SLUICE__REFRESH_DISPATCHER__LISTEN", "127.0.0.1:0")
+            .env("SLUICE__CONSOLE__LISTEN", "127.0.0.1:0")
+            .env("SLUICE__TELEMETRY__METRICS_LISTEN", &address)
+            .env("RUST_LOG", "warn")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(!ran.status.success(), "started on a taken metrics port: {stderr}");
+    assert!(
+        stderr.contains("telemetry.metrics_listen") && stderr.contains(&address),
+        "the error names the setting and the address: {stderr}"
+    );
+    drop(taken);
     Ok(())
 }
