@@ -6,13 +6,14 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench fmt
+.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench chaos fmt
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
 	@echo "make test        set up and run every check: fmt, clippy, unit and integration tests, helm-check"
 	@echo "make bench       run the benchmarks; the last line printed is one JSON object"
 	@echo "make helm-check  lint, render and schema-validate the Helm chart"
+	@echo "make chaos       kill -9 services (separate processes) while jobs flow; checks the history, prints one JSON object"
 
 setup:
 	@scripts/dev-env.sh all
@@ -60,3 +61,6 @@ test: fmt-check clippy unit-and-integration helm-check
 
 bench: setup
 	@scripts/bench.sh
+
+chaos: setup
+	@scripts/chaos.sh

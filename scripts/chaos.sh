@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# `make chaos`: the four services as separate processes (two of each) on a
+# fresh, dedicated tansu and PostgreSQL, killed with SIGKILL at random while
+# jobs flow; the last line printed is one JSON object (see
+# tests/src/bin/sluice-chaos.rs). CHAOS_KILLS=0 runs the same workload
+# without faults, for the clean figures.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PORT="${SLUICE_CHAOS_BROKER_PORT:-19292}"
+STATE="${SLUICE_STATE_DIR:-$HOME/.cache/sluice}/chaos-broker"
+mkdir -p "$STATE"
+if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
+  echo "port $PORT is taken; set SLUICE_CHAOS_BROKER_PORT" >&2
+  exit 1
+fi
+SLUICE_BROKER_PORT="$PORT" SLUICE_STATE_DIR="$STATE" scripts/dev-env.sh broker
+trap 'kill "$(cat "$STATE/tansu.pid")" 2>/dev/null || true' EXIT
+echo "==> building the service binaries and the chaos runner (release)"
+# One invocation, so the crates they share are built once with one feature set.
+cargo build --release --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \
+  -p sluice-refresh-dispatcher -p sluice-e2e --bins
+echo "==> chaos (figures on the last line)"
+SLUICE__KAFKA__BROKERS="127.0.0.1:$PORT" RUST_LOG="${RUST_LOG:-error}" \
+  "${CARGO_TARGET_DIR:-target}/release/sluice-chaos"

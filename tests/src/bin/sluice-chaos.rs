@@ -1,0 +1,515 @@
+//! `make chaos`: the four services as separate processes, two of each, on
+//! the real broker and PostgreSQL, while producers enqueue jobs on
+//! concurrency keys and stream workers run them; every few seconds one
+//! instance (or one worker) is killed with SIGKILL and restarted. Then the
+//! history is checked: no job lost, no two attempts of a job at once, no key
+//! over its limit, no slot held at the end, and the longest stall (a key with
+//! waiting jobs and nothing running). One JSON line at the end; exit 1 when a
+//! guarantee fails.
+//!
+//! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
+//! CHAOS_KILLS (1; 0 runs the same workload without faults),
+//! CHAOS_DEADLINE_S (600), CHAOS_RATE (200 jobs/s enqueued). The service
+//! binaries are taken from this binary's directory (`make chaos` builds
+//! them); the configuration is the built-in defaults plus a test prefix.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use rand::Rng;
+use sluice_e2e::*;
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::admission_client::AdmissionClient;
+
+fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+/// One handler run of one attempt.
+#[derive(Clone, Debug)]
+struct Run {
+    job: usize,
+    attempt: u32,
+    started: Instant,
+    ended: Instant,
+}
+
+/// What the workers saw, shared by all of them.
+#[derive(Default)]
+struct History {
+    runs: Mutex<Vec<Run>>,
+    enqueued: Mutex<HashMap<usize, Instant>>,
+}
+
+/// One service instance: a child process on a fixed port.
+struct Instance {
+    service: &'static str,
+    port: u16,
+    child: Option<tokio::process::Child>,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+struct Cluster {
+    binaries: std::path::PathBuf,
+    config_file: std::path::PathBuf,
+    log_dir: std::path::PathBuf,
+    instances: Vec<Instance>,
+}
+
+impl Cluster {
+    fn spawn(&self, instance: &mut Instance) -> anyhow::Result<()> {
+        let section = instance.service.replace('-', "_").to_uppercase();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_dir.join(format!("{}-{}.log", instance.service, instance.port)))?;
+        let child = tokio::process::Command::new(self.binaries.join(format!("sluice-{}", instance.service)))
+            .arg("--config")
+            .arg(&self.config_file)
+            .arg("run")
+            .env(
+                format!("SLUICE__{section}__LISTEN"),
+                format!("127.0.0.1:{}", instance.port),
+            )
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::from(log.try_clone()?))
+            .stderr(Stdio::from(log))
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting sluice-{}", instance.service))?;
+        instance.child = Some(child);
+        Ok(())
+    }
+
+    async fn kill(instance: &mut Instance) {
+        if let Some(mut child) = instance.child.take() {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+        }
+    }
+}
+
+fn endpoint(port: u16) -> String {
+    format!("http://127.0.0.1:{port}")
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    init_logging();
+    let jobs: usize = env_number("CHAOS_JOBS", 2000);
+    let keys: usize = env_number("CHAOS_KEYS", 50);
+    let limit: u32 = env_number("CHAOS_LIMIT", 3);
+    let kills = env_number::<u32>("CHAOS_KILLS", 1) > 0;
+    let deadline = Duration::from_secs(env_number("CHAOS_DEADLINE_S", 600));
+    let rate: f64 = env_number("CHAOS_RATE", 200.0);
+    let base = test_config("chaos", &[])?;
+    let binaries = std::env::current_exe()?
+        .parent()
+        .context("the binary's directory")?
+        .to_path_buf();
+    let work = std::env::temp_dir().join(format!("sluice-chaos-{}", base.kafka.topic_prefix));
+    std::fs::create_dir_all(&work)?;
+
+    // Every instance's configuration: the defaults, the test's prefixes.
+    let limit_grant = ServiceProxy::start(false).await?;
+    let rate_window = ServiceProxy::start(false).await?;
+    let admission = ServiceProxy::start(false).await?;
+    let config_file = work.join("sluice.toml");
+    std::fs::write(
+        &config_file,
+        format!(
+            "[kafka]\nbrokers = {brokers:?}\ntopic_prefix = {prefix:?}\n\
+             [kafka.producer_properties]\n\"batch.num.messages\" = \"1\"\n\
+             [kafka.partitions]\njobs = 4\nlimit_commands = 4\nrate_commands = 4\nrefresh_due = 2\nrequested = 2\n\
+             [postgres]\nschema_prefix = {prefix:?}\nmax_connections = 8\n\
+             [telemetry]\nmetrics_listen = \"\"\nlog_format = \"json\"\n\
+             [auth]\nenabled = false\n\
+             [admission]\nlimit_grant_endpoint = {limits:?}\nrate_window_endpoint = {rates:?}\n",
+            brokers = base.kafka.brokers,
+            prefix = base.kafka.topic_prefix,
+            limits = limit_grant.endpoint,
+            rates = rate_window.endpoint,
+        ),
+    )?;
+    let mut cluster = Cluster {
+        binaries,
+        config_file,
+        log_dir: work.clone(),
+        instances: Vec::new(),
+    };
+    for service in ["limit-grant", "rate-window", "refresh-dispatcher", "admission"] {
+        for _ in 0..2 {
+            let mut instance = Instance {
+                service,
+                port: free_port()?,
+                child: None,
+            };
+            cluster.spawn(&mut instance)?;
+            match service {
+                "limit-grant" => limit_grant.add(&endpoint(instance.port)),
+                "rate-window" => rate_window.add(&endpoint(instance.port)),
+                "admission" => admission.add(&endpoint(instance.port)),
+                _ => {}
+            }
+            cluster.instances.push(instance);
+        }
+    }
+    for instance in &cluster.instances {
+        wait_serving(&endpoint(instance.port), Duration::from_secs(120)).await?;
+    }
+
+    let history = Arc::new(History::default());
+    let started = Instant::now();
+    let workers = Arc::new(Mutex::new(Vec::new()));
+    for _ in 0..2 {
+        let handle = start_worker(&admission.endpoint, history.clone());
+        workers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(handle);
+    }
+
+    // Faults: every 3-6 s one instance or one worker dies and comes back.
+    let stop = sluice_common::Shutdown::new();
+    let finish = sluice_common::Shutdown::new();
+    let kill_count = Arc::new(Mutex::new(0u32));
+    let chaos = {
+        let stop = stop.clone();
+        let finish = finish.clone();
+        let kill_count = kill_count.clone();
+        let workers = workers.clone();
+        let admission_endpoint = admission.endpoint.clone();
+        let history = history.clone();
+        tokio::spawn(async move {
+            let mut cluster = cluster;
+            loop {
+                let pause = Duration::from_millis(rand::rng().random_range(3000..6000));
+                tokio::select! {
+                    () = stop.cancelled() => break,
+                    () = tokio::time::sleep(pause) => {}
+                }
+                if !kills {
+                    continue;
+                }
+                let victims = cluster.instances.len() + 1;
+                let victim = rand::rng().random_range(0..victims);
+                *kill_count.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) += 1;
+                if victim == cluster.instances.len() {
+                    let handle = workers
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .remove(0);
+                    handle.abort();
+                    let fresh = start_worker(&admission_endpoint, history.clone());
+                    workers
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .push(fresh);
+                    eprintln!("chaos: killed a worker");
+                    continue;
+                }
+                let instance = &mut cluster.instances[victim];
+                eprintln!("chaos: kill -9 sluice-{} on port {}", instance.service, instance.port);
+                Cluster::kill(instance).await;
+                let down = Duration::from_millis(rand::rng().random_range(500..2000));
+                tokio::time::sleep(down).await;
+                let mut instance = std::mem::replace(
+                    &mut cluster.instances[victim],
+                    Instance {
+                        service: "",
+                        port: 0,
+                        child: None,
+                    },
+                );
+                if let Err(error) = cluster.spawn(&mut instance) {
+                    eprintln!("chaos: restarting failed: {error:#}");
+                }
+                cluster.instances[victim] = instance;
+            }
+            // No more faults; the instances serve until the checks are done.
+            finish.cancelled().await;
+            for instance in &mut cluster.instances {
+                Cluster::kill(instance).await;
+            }
+        })
+    };
+
+    // Producers: every job once, retried with its id until accepted.
+    let client = AdmissionClient::new(connect(&admission.endpoint).await?);
+    let producing = {
+        let history = history.clone();
+        let client = client.clone();
+        tokio::spawn(async move {
+            let every = Duration::from_secs_f64(1.0 / rate.max(1.0));
+            for job in 0..jobs {
+                let mut request = concurrency_job("chaos", &format!("k{}", job % keys), limit, 0, &job.to_string());
+                request.job_id = Some(format!("chaos-{job}"));
+                history
+                    .enqueued
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .insert(job, Instant::now());
+                loop {
+                    let mut client = client.clone();
+                    match client
+                        .enqueue(pb::EnqueueRequest {
+                            job: Some(request.clone()),
+                        })
+                        .await
+                    {
+                        Ok(_) => break,
+                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                    }
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    };
+    producing.await?;
+
+    // Until every job succeeded (as GetJob says), or the deadline.
+    let mut pending: Vec<usize> = (0..jobs).collect();
+    while !pending.is_empty() && started.elapsed() < deadline {
+        let mut still = Vec::new();
+        for job in pending {
+            let mut client = client.clone();
+            let succeeded = client
+                .get_job(pb::GetJobRequest {
+                    job_id: format!("chaos-{job}"),
+                })
+                .await
+                .ok()
+                .and_then(|response| response.into_inner().job)
+                .is_some_and(|view| view.status == pb::JobStatus::Succeeded as i32);
+            if !succeeded {
+                still.push(job);
+            }
+        }
+        pending = still;
+        if !pending.is_empty() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    let elapsed = started.elapsed();
+    stop.trigger();
+
+    // Slots still held once every job ended (releases are asynchronous).
+    let mut limits = sluice_proto::v1::limits_client::LimitsClient::new(connect(&limit_grant.endpoint).await?);
+    // `None`: some key could not be read (counted as a failure).
+    let mut held: Option<usize> = None;
+    let settle = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < settle {
+        let mut counted = Some(0usize);
+        for key in 0..keys {
+            let state = limits
+                .describe_key(pb::DescribeKeyRequest {
+                    key: Some(pb::KeyRef {
+                        tenant: "chaos".to_string(),
+                        key: format!("k{key}"),
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .ok()
+                .and_then(|response| response.into_inner().state);
+            counted = match (counted, state) {
+                (Some(total), Some(state)) => Some(total + state.holders.len()),
+                _ => None,
+            };
+        }
+        held = counted;
+        if held == Some(0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    finish.trigger();
+    let _ = chaos.await;
+    for handle in workers
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .drain(..)
+    {
+        handle.abort();
+    }
+
+    let runs = history
+        .runs
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone();
+    let enqueued = history
+        .enqueued
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .clone();
+    let overlapping = overlapping_attempts(&runs);
+    let over_limit = max_running_per_key(&runs, keys).saturating_sub(usize::try_from(limit).unwrap_or(usize::MAX));
+    let stalls = stalls(&runs, &enqueued, keys, started + elapsed);
+    let percentile = |p: f64| -> f64 {
+        if stalls.is_empty() {
+            return 0.0;
+        }
+        let index = ((stalls.len() as f64 - 1.0) * p).round() as usize;
+        stalls[index.min(stalls.len() - 1)]
+    };
+    let figures = serde_json::json!({
+        "jobs": jobs,
+        "keys": keys,
+        "limit": limit,
+        "kills": *kill_count.lock().unwrap_or_else(|poisoned| poisoned.into_inner()),
+        "lost": pending.len(),
+        "overlapping_attempts": overlapping,
+        "over_limit": over_limit,
+        "held_slots_at_end": held,
+        "runs": runs.len(),
+        "max_attempt": runs.iter().map(|run| run.attempt).max().unwrap_or(0),
+        "stall_p50_s": percentile(0.5),
+        "stall_p99_s": percentile(0.99),
+        "stall_max_s": stalls.last().copied().unwrap_or(0.0),
+        "jobs_per_s": jobs as f64 / elapsed.as_secs_f64(),
+        "elapsed_s": elapsed.as_secs_f64(),
+        "logs": work.to_string_lossy(),
+    });
+    println!("{figures}");
+    let failed = !pending.is_empty() || overlapping > 0 || over_limit > 0 || held != Some(0);
+    std::process::exit(i32::from(failed));
+}
+
+fn start_worker(admission: &str, history: Arc<History>) -> tokio::task::JoinHandle<()> {
+    let options = sluice_client::ClientOptions {
+        brokers: String::new(),
+        admission_endpoint: admission.to_string(),
+        ..sluice_client::ClientOptions::default()
+    };
+    tokio::spawn(async move {
+        let worker = sluice_client::Worker::builder(options, move |job: sluice_client::Job| {
+            let history = history.clone();
+            async move {
+                let started = Instant::now();
+                let index: usize = std::str::from_utf8(job.payload())
+                    .ok()
+                    .and_then(|text| text.parse().ok())
+                    .unwrap_or(usize::MAX);
+                let pause = rand::rng().random_range(10..40);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                history
+                    .runs
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner())
+                    .push(Run {
+                        job: index,
+                        attempt: job.attempt(),
+                        started,
+                        ended: Instant::now(),
+                    });
+                Ok(())
+            }
+        })
+        .task_group("default")
+        .concurrency(16)
+        .transport(sluice_client::Transport::Stream)
+        .build();
+        match worker {
+            Ok(worker) => {
+                let _ = worker.run(sluice_client::CancellationToken::new()).await;
+            }
+            Err(error) => eprintln!("chaos: worker failed to build: {error}"),
+        }
+    })
+}
+
+/// Pairs of runs of one job that overlap in time.
+fn overlapping_attempts(runs: &[Run]) -> usize {
+    let mut by_job: BTreeMap<usize, Vec<&Run>> = BTreeMap::new();
+    for run in runs {
+        by_job.entry(run.job).or_default().push(run);
+    }
+    let mut overlapping = 0;
+    for runs in by_job.values() {
+        for (index, first) in runs.iter().enumerate() {
+            for second in &runs[index + 1..] {
+                if first.started < second.ended && second.started < first.ended {
+                    overlapping += 1;
+                }
+            }
+        }
+    }
+    overlapping
+}
+
+/// The most runs of one key at once.
+fn max_running_per_key(runs: &[Run], keys: usize) -> usize {
+    let mut events: BTreeMap<usize, Vec<(Instant, i32)>> = BTreeMap::new();
+    for run in runs {
+        let key = run.job % keys.max(1);
+        // An end before a start at the same instant: back to back is fine.
+        events.entry(key).or_default().push((run.started, 1));
+        events.entry(key).or_default().push((run.ended, -1));
+    }
+    let mut most = 0;
+    for mut events in events.into_values() {
+        events.sort_by_key(|(at, change)| (*at, *change));
+        let mut running = 0i32;
+        for (_, change) in events {
+            running += change;
+            most = most.max(usize::try_from(running).unwrap_or(0));
+        }
+    }
+    most
+}
+
+/// Every period (seconds, ascending) in which a key had a waiting job and
+/// nothing running.
+fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: Instant) -> Vec<f64> {
+    let mut first_start: HashMap<usize, Instant> = HashMap::new();
+    for run in runs {
+        let entry = first_start.entry(run.job).or_insert(run.started);
+        *entry = (*entry).min(run.started);
+    }
+    let mut events: BTreeMap<usize, Vec<(Instant, i32, i32)>> = BTreeMap::new();
+    for (job, at) in enqueued {
+        let key = job % keys.max(1);
+        let started = first_start.get(job).copied().unwrap_or(end);
+        events.entry(key).or_default().push((*at, 1, 0));
+        events.entry(key).or_default().push((started, -1, 0));
+    }
+    for run in runs {
+        let key = run.job % keys.max(1);
+        events.entry(key).or_default().push((run.started, 0, 1));
+        events.entry(key).or_default().push((run.ended, 0, -1));
+    }
+    let mut periods = Vec::new();
+    for mut events in events.into_values() {
+        events.sort_by_key(|(at, waiting, running)| (*at, -(*running), -(*waiting)));
+        let (mut waiting, mut running) = (0i32, 0i32);
+        let mut since: Option<Instant> = None;
+        for (at, waiting_change, running_change) in events {
+            waiting += waiting_change;
+            running += running_change;
+            let stalled = waiting > 0 && running == 0;
+            match (stalled, since) {
+                (true, None) => since = Some(at),
+                (false, Some(from)) => {
+                    periods.push(at.duration_since(from).as_secs_f64());
+                    since = None;
+                }
+                _ => {}
+            }
+        }
+        if let Some(from) = since {
+            periods.push(end.saturating_duration_since(from).as_secs_f64());
+        }
+    }
+    periods.sort_by(f64::total_cmp);
+    periods
+}
