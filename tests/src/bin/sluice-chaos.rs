@@ -9,7 +9,8 @@
 //!
 //! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0 runs the same workload without faults),
-//! CHAOS_DEADLINE_S (600), CHAOS_RATE (200 jobs/s enqueued). The service
+//! CHAOS_DEADLINE_S (600), CHAOS_RATE (200 jobs/s enqueued),
+//! CHAOS_SERVICE_LOG (the services' RUST_LOG, `warn`). The service
 //! binaries are taken from this binary's directory (`make chaos` builds
 //! them); the configuration is the built-in defaults plus a test prefix.
 
@@ -80,7 +81,10 @@ impl Cluster {
                 format!("SLUICE__{section}__LISTEN"),
                 format!("127.0.0.1:{}", instance.port),
             )
-            .env("RUST_LOG", "warn")
+            .env(
+                "RUST_LOG",
+                std::env::var("CHAOS_SERVICE_LOG").unwrap_or_else(|_| "warn".to_string()),
+            )
             .stdout(Stdio::from(log.try_clone()?))
             .stderr(Stdio::from(log))
             .kill_on_drop(true)
