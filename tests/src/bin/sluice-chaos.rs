@@ -207,6 +207,7 @@ async fn main() -> anyhow::Result<()> {
                 let victims = cluster.instances.len() + 1;
                 let victim = rand::rng().random_range(0..victims);
                 *kill_count.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) += 1;
+                eprint!("chaos: at {:.1}s ", started.elapsed().as_secs_f64());
                 if victim == cluster.instances.len() {
                     let handle = workers
                         .lock()
@@ -364,8 +365,9 @@ async fn main() -> anyhow::Result<()> {
             return 0.0;
         }
         let index = ((stalls.len() as f64 - 1.0) * p).round() as usize;
-        stalls[index.min(stalls.len() - 1)]
+        stalls[index.min(stalls.len() - 1)].seconds
     };
+    let longest = stalls.last().copied();
     let figures = serde_json::json!({
         "jobs": jobs,
         "keys": keys,
@@ -379,7 +381,11 @@ async fn main() -> anyhow::Result<()> {
         "max_attempt": runs.iter().map(|run| run.attempt).max().unwrap_or(0),
         "stall_p50_s": percentile(0.5),
         "stall_p99_s": percentile(0.99),
-        "stall_max_s": stalls.last().copied().unwrap_or(0.0),
+        "stall_max_s": longest.map_or(0.0, |stall| stall.seconds),
+        // Which key, and when (seconds into the run): match it with the
+        // faults printed on stderr and the services' logs.
+        "stall_max_key": longest.map(|stall| format!("k{}", stall.key)),
+        "stall_max_from_s": longest.map(|stall| stall.from.saturating_duration_since(started).as_secs_f64()),
         "jobs_per_s": jobs as f64 / elapsed.as_secs_f64(),
         "elapsed_s": elapsed.as_secs_f64(),
         "logs": work.to_string_lossy(),
@@ -472,9 +478,17 @@ fn max_running_per_key(runs: &[Run], keys: usize) -> usize {
     most
 }
 
-/// Every period (seconds, ascending) in which a key had a waiting job and
-/// nothing running.
-fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: Instant) -> Vec<f64> {
+/// A period in which a key had a waiting job and nothing running.
+#[derive(Clone, Copy, Debug)]
+struct Stall {
+    seconds: f64,
+    key: usize,
+    /// When it began, after the run started.
+    from: Instant,
+}
+
+/// Every stall, shortest first.
+fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: Instant) -> Vec<Stall> {
     let mut first_start: HashMap<usize, Instant> = HashMap::new();
     for run in runs {
         let entry = first_start.entry(run.job).or_insert(run.started);
@@ -493,7 +507,7 @@ fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: In
         events.entry(key).or_default().push((run.ended, 0, -1));
     }
     let mut periods = Vec::new();
-    for mut events in events.into_values() {
+    for (key, mut events) in events {
         events.sort_by_key(|(at, waiting, running)| (*at, -(*running), -(*waiting)));
         let (mut waiting, mut running) = (0i32, 0i32);
         let mut since: Option<Instant> = None;
@@ -504,16 +518,24 @@ fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: In
             match (stalled, since) {
                 (true, None) => since = Some(at),
                 (false, Some(from)) => {
-                    periods.push(at.duration_since(from).as_secs_f64());
+                    periods.push(Stall {
+                        seconds: at.duration_since(from).as_secs_f64(),
+                        key,
+                        from,
+                    });
                     since = None;
                 }
                 _ => {}
             }
         }
         if let Some(from) = since {
-            periods.push(end.saturating_duration_since(from).as_secs_f64());
+            periods.push(Stall {
+                seconds: end.saturating_duration_since(from).as_secs_f64(),
+                key,
+                from,
+            });
         }
     }
-    periods.sort_by(f64::total_cmp);
+    periods.sort_by(|left, right| left.seconds.total_cmp(&right.seconds));
     periods
 }
