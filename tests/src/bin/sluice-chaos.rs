@@ -10,7 +10,8 @@
 //! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0 runs the same workload without faults),
 //! CHAOS_DEADLINE_S (600), CHAOS_RATE (200 jobs/s enqueued),
-//! CHAOS_SERVICE_LOG (the services' RUST_LOG, `warn`). The service
+//! CHAOS_SERVICE_LOG (the services' RUST_LOG, `warn`), CHAOS_VICTIMS
+//! (`workers`: kill only workers). The service
 //! binaries are taken from this binary's directory (`make chaos` builds
 //! them); the configuration is the built-in defaults plus a test prefix.
 
@@ -113,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
     let keys: usize = env_number("CHAOS_KEYS", 50);
     let limit: u32 = env_number("CHAOS_LIMIT", 3);
     let kills = env_number::<u32>("CHAOS_KILLS", 1) > 0;
+    let workers_only = std::env::var("CHAOS_VICTIMS").is_ok_and(|victims| victims == "workers");
     let deadline = Duration::from_secs(env_number("CHAOS_DEADLINE_S", 600));
     let rate: f64 = env_number("CHAOS_RATE", 200.0);
     let base = test_config("chaos", &[])?;
@@ -205,7 +207,11 @@ async fn main() -> anyhow::Result<()> {
                     continue;
                 }
                 let victims = cluster.instances.len() + 1;
-                let victim = rand::rng().random_range(0..victims);
+                let victim = if workers_only {
+                    cluster.instances.len()
+                } else {
+                    rand::rng().random_range(0..victims)
+                };
                 *kill_count.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) += 1;
                 eprint!("chaos: at {:.1}s ", started.elapsed().as_secs_f64());
                 if victim == cluster.instances.len() {
@@ -306,6 +312,28 @@ async fn main() -> anyhow::Result<()> {
     }
     let elapsed = started.elapsed();
     stop.trigger();
+    // What the jobs that did not succeed are doing.
+    let mut unfinished: BTreeMap<String, usize> = BTreeMap::new();
+    for job in &pending {
+        let mut client = client.clone();
+        let seen = match client
+            .get_job(pb::GetJobRequest {
+                job_id: format!("chaos-{job}"),
+            })
+            .await
+        {
+            Ok(response) => response.into_inner().job.map_or("no job".to_string(), |view| {
+                format!(
+                    "{:?} attempt {}",
+                    pb::JobStatus::try_from(view.status).unwrap_or_default(),
+                    view.attempt
+                )
+            }),
+            Err(status) => format!("{:?}", status.code()),
+        };
+        eprintln!("chaos: chaos-{job} did not succeed: {seen}");
+        *unfinished.entry(seen).or_default() += 1;
+    }
 
     // Slots still held once every job ended (releases are asynchronous).
     let mut limits = sluice_proto::v1::limits_client::LimitsClient::new(connect(&limit_grant.endpoint).await?);
@@ -374,6 +402,7 @@ async fn main() -> anyhow::Result<()> {
         "limit": limit,
         "kills": *kill_count.lock().unwrap_or_else(|poisoned| poisoned.into_inner()),
         "lost": pending.len(),
+        "unfinished": unfinished,
         "overlapping_attempts": overlapping,
         "over_limit": over_limit,
         "held_slots_at_end": held,
