@@ -845,19 +845,7 @@ pub fn dead_letter_reader(config: &SluiceConfig) -> anyhow::Result<rdkafka::cons
 }
 
 /// A message's header as text ("" when it has none of that name).
-pub fn header_text<M: rdkafka::Message>(message: &M, name: &str) -> String {
-    use rdkafka::message::Headers as _;
-    message
-        .headers()
-        .and_then(|headers| {
-            headers
-                .iter()
-                .find(|header| header.key == name)
-                .and_then(|header| header.value)
-        })
-        .map(|value| String::from_utf8_lossy(value).to_string())
-        .unwrap_or_default()
-}
+pub use sluice_common::kafka::message_header as header_text;
 
 /// One message for `jobs.requested`, as bytes.
 #[derive(Clone, Debug, Default)]

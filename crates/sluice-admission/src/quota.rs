@@ -65,6 +65,16 @@ impl Quotas {
         self.defaults
     }
 
+    /// No tenant has any quota (no default, no override): nothing to check.
+    pub fn unlimited(&self) -> bool {
+        self.defaults == Quota::default()
+            && self
+                .overrides
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .is_empty()
+    }
+
     /// The quotas `tenant` has now.
     pub fn of(&self, tenant: &str) -> Quota {
         let overrides = self.overrides.read().unwrap_or_else(|poisoned| poisoned.into_inner());

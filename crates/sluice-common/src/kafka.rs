@@ -1404,6 +1404,22 @@ async fn seek(consumer: &Arc<StreamConsumer<RebalanceContext>>, topic: &Arc<str>
     }
 }
 
+/// A consumed message's header as text, lossily ("" when it has none of
+/// that name): dead letters' reason, class and source, for readers.
+pub fn message_header<M: rdkafka::Message>(message: &M, name: &str) -> String {
+    use rdkafka::message::Headers as _;
+    message
+        .headers()
+        .and_then(|headers| {
+            headers
+                .iter()
+                .find(|header| header.key == name)
+                .and_then(|header| header.value)
+        })
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+        .unwrap_or_default()
+}
+
 /// Read a header as UTF-8 text.
 pub fn header_text<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a str> {
     headers

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use prost::Message as _;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message as _};
+use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use sluice_common::Shutdown;
 use sluice_proto::v1 as pb;
@@ -163,18 +163,7 @@ pub async fn read_kafka(console: Arc<Console>, shutdown: Shutdown) -> Result<(),
         let now = now_ms();
         let payload = message.payload().unwrap_or_default();
         if message.topic() == deadletter_topic {
-            let header = |name: &str| -> String {
-                message
-                    .headers()
-                    .and_then(|headers| {
-                        headers
-                            .iter()
-                            .find(|header| header.key == name)
-                            .and_then(|header| header.value)
-                            .map(|value| String::from_utf8_lossy(value).into_owned())
-                    })
-                    .unwrap_or_default()
-            };
+            let header = |name: &str| sluice_common::kafka::message_header(&message, name);
             let source = format!(
                 "{}/{}@{}",
                 header("sluice-source-topic"),
