@@ -83,13 +83,49 @@ async fn quotas_hold_on_grpc_and_kafka_and_leave_other_tenants_alone() -> anyhow
         status.message()
     );
 
+    // Hostile quotas: each refused naming its field, and nothing else
+    // changes (acme's quota still holds below).
+    for (request, field) in [
+        (quota("ac\0me", Some(1), None), "tenant"),
+        (quota("acme", None, Some(f64::NAN)), "max_enqueues_per_second"),
+        (quota("acme", None, Some(1e300)), "max_enqueues_per_second"),
+        (quota("*", Some(1), None), "tenant"),
+        (
+            pb::SetTenantQuotaRequest {
+                clear: true,
+                ..quota("acme", Some(1), None)
+            },
+            "clear",
+        ),
+    ] {
+        let refused = admission
+            .set_tenant_quota(request)
+            .await
+            .expect_err("a hostile quota was stored");
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().starts_with(field), "{field}: {}", refused.message());
+    }
+    // The largest number there is: stored and read back, not a crash.
+    let huge = admission
+        .set_tenant_quota(quota("initech", Some(u64::MAX), None))
+        .await?
+        .into_inner();
+    assert!(huge.max_waiting.is_some_and(|max| max >= i64::MAX as u64), "{huge:?}");
+    enqueue_with_id(&admission, "initech-0", concurrency_job("initech", "k", 1, 0, "x")).await?;
+    assert!(
+        enqueue_with_id(&admission, "acme-4", concurrency_job("acme", "k", 1, 0, "x"))
+            .await
+            .is_err(),
+        "acme's quota still holds"
+    );
+
     // Cleared: acme is back to the (unlimited) default.
     let listed = admission
         .list_tenant_quotas(pb::ListTenantQuotasRequest::default())
         .await?
         .into_inner();
     let tenants: Vec<&str> = listed.quotas.iter().map(|quota| quota.tenant.as_str()).collect();
-    assert_eq!(tenants, vec!["acme", "globex"]);
+    assert_eq!(tenants, vec!["acme", "globex", "initech"]);
     admission
         .set_tenant_quota(pb::SetTenantQuotaRequest {
             tenant: "acme".to_string(),
