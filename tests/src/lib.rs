@@ -1249,6 +1249,7 @@ pub async fn heartbeat_one(
                 job_id: job_id.to_string(),
                 attempt,
             }],
+            stream_ended: None,
         })
         .await?
         .into_inner();

@@ -127,6 +127,7 @@ impl JobRow {
             last_error: row.try_get("last_error")?,
             history,
             confirmed: false,
+            heard_at_ms: None,
         };
         Ok(JobRow {
             state,

@@ -212,6 +212,7 @@ impl SnapshotJob {
             last_error: String::new(),
             history: self.history.unwrap_or_default(),
             confirmed: false,
+            heard_at_ms: None,
         };
         if let Some(dynamic) = &self.state {
             dynamic.apply_to(&mut state);

@@ -24,7 +24,7 @@ use crate::consumers::{admit_message, Refusal};
 use crate::effects::{count_dead_letters, DeadLetterClass, Routes};
 use crate::jobs::{request_fingerprint, JobRow};
 use crate::journal::{JobChange, JobDynamic, JournalBatch, Snapshot, SnapshotJob};
-use crate::transitions::{self, AttemptEnd, Effect, JobState, Status, Timing};
+use crate::transitions::{self, AttemptEnd, Effect, JobState, Status, StreamEnd, Timing};
 use crate::work::{Push, WorkerHub};
 
 /// A validated request with its id and trace context.
@@ -110,6 +110,8 @@ pub enum Local {
     Heartbeat {
         worker_id: String,
         attempts: Vec<(String, u32)>,
+        /// Not a heartbeat: the stream these attempts were pushed on ended.
+        ended: Option<StreamEnd>,
         scope: JobScope,
         reply: oneshot::Sender<Vec<pb::HeartbeatResult>>,
     },
@@ -575,6 +577,7 @@ impl AdmissionPartition {
             state.status = Status::Running;
             state.claimed_by = Some(worker);
             state.confirmed = confirmed;
+            state.heard_at_ms = confirmed.then_some(now_ms);
             state.claimed_at_ms = Some(now_ms);
             state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
             state.due_at_ms = transitions::running_due_at(state);
@@ -738,6 +741,7 @@ impl AdmissionPartition {
             last_error: String::new(),
             history: Default::default(),
             confirmed: false,
+            heard_at_ms: None,
         };
         match valid.request.run_at_ms {
             Some(run_at) if run_at > now_ms => state.due_at_ms = Some(run_at),
@@ -1188,8 +1192,16 @@ impl AdmissionPartition {
     }
 
     /// Extend leases; name the jobs to stop. Not saved: a new owner gives
-    /// every running job one lease from its takeover.
-    fn heartbeat(&mut self, now_ms: i64, worker_id: &str, attempts: &[(String, u32)]) -> Vec<pb::HeartbeatResult> {
+    /// every running job one lease from its takeover. With `ended`, the
+    /// attempts' stream ended instead: their leases are shortened
+    /// (`transitions::on_stream_ended`) unless the worker was heard since.
+    fn heartbeat(
+        &mut self,
+        now_ms: i64,
+        worker_id: &str,
+        attempts: &[(String, u32)],
+        ended: Option<StreamEnd>,
+    ) -> Vec<pb::HeartbeatResult> {
         attempts
             .iter()
             .map(|(job_id, attempt)| {
@@ -1209,26 +1221,38 @@ impl AdmissionPartition {
                 if !holds {
                     return result;
                 }
-                if let Some(active) = self.jobs.get_mut(job_id) {
-                    let state = &mut active.row.state;
-                    let old_due = state.due_at_ms;
-                    state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
-                    state.confirmed = true;
-                    state.due_at_ms = transitions::running_due_at(state);
-                    if old_due != state.due_at_ms {
-                        if let Some(due) = old_due {
-                            self.timers.remove(&(due, job_id.clone()));
-                        }
-                        if let Some(due) = state.due_at_ms {
-                            self.timers.insert((due, job_id.clone()));
+                let Some(active) = self.jobs.get_mut(job_id) else {
+                    return result;
+                };
+                let state = &mut active.row.state;
+                let old_due = state.due_at_ms;
+                match ended {
+                    Some(ended) => {
+                        if transitions::on_stream_ended(state, now_ms, ended) {
+                            tracing::info!(job_id = %job_id, attempt, worker_id, lease_expires_at_ms = ?state.lease_expires_at_ms, "the attempt's Work stream ended: lease shortened to the grace");
                         }
                     }
-                    result.outcome = if state.status == Status::Cancelling {
-                        pb::HeartbeatOutcome::Cancelled
-                    } else {
-                        pb::HeartbeatOutcome::Extended
-                    } as i32;
-                    result.lease_expires_at_ms = state.lease_expires_at_ms.unwrap_or_default();
+                    None => {
+                        state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
+                        state.confirmed = true;
+                        state.heard_at_ms = Some(now_ms);
+                        state.due_at_ms = transitions::running_due_at(state);
+                    }
+                }
+                result.outcome = if state.status == Status::Cancelling {
+                    pb::HeartbeatOutcome::Cancelled
+                } else {
+                    pb::HeartbeatOutcome::Extended
+                } as i32;
+                result.lease_expires_at_ms = state.lease_expires_at_ms.unwrap_or_default();
+                let new_due = state.due_at_ms;
+                if old_due != new_due {
+                    if let Some(due) = old_due {
+                        self.timers.remove(&(due, job_id.clone()));
+                    }
+                    if let Some(due) = new_due {
+                        self.timers.insert((due, job_id.clone()));
+                    }
                 }
                 result
             })
@@ -1479,6 +1503,7 @@ impl AdmissionPartition {
             Local::Heartbeat {
                 worker_id,
                 attempts,
+                ended,
                 scope,
                 reply,
             } => {
@@ -1492,7 +1517,7 @@ impl AdmissionPartition {
                         outcome: pb::HeartbeatOutcome::LeaseLost as i32,
                         lease_expires_at_ms: 0,
                     },
-                    |attempts| self.heartbeat(now_ms, &worker_id, &attempts),
+                    |attempts| self.heartbeat(now_ms, &worker_id, &attempts, ended),
                 );
                 out.replies.push(Box::new(move || {
                     let _ = reply.send(results);

@@ -201,6 +201,7 @@ fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), Tes
                 scope: sluice_common::auth::JobScope::All,
                 worker_id: worker_id(worker),
                 attempts: vec![(job_id(job), attempt)],
+                ended: None,
                 reply,
             }]);
             let results = answer

@@ -23,7 +23,7 @@ use tonic::{Request, Response, Status};
 use crate::chain;
 use crate::jobs::{request_fingerprint, JobRow};
 use crate::partition::{EnqueueConflict, EnqueueError, Incoming, Local, OnConflict};
-use crate::transitions::{AttemptEnd, Status as JobStatus};
+use crate::transitions::{AttemptEnd, Status as JobStatus, StreamEnd};
 
 #[derive(Clone)]
 pub struct AdmissionApi {
@@ -688,8 +688,9 @@ impl pb::admission_server::Admission for AdmissionApi {
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
+        let ended = message.stream_ended.map(|ended| StreamEnd::of(&ended));
         let results = self
-            .heartbeat_attempts(&caller, forwarded, &message.worker_id, attempts)
+            .heartbeat_attempts(&caller, forwarded, &message.worker_id, attempts, ended)
             .await?;
         Ok(Response::new(pb::HeartbeatResponse { results }))
     }
@@ -822,13 +823,15 @@ impl pb::admission_server::Admission for AdmissionApi {
 }
 
 impl AdmissionApi {
-    /// Heartbeats of `worker_id` (checked), each at its job's owner.
+    /// Heartbeats of `worker_id` (checked), each at its job's owner; with
+    /// `ended`, the notice that the stream they were pushed on ended.
     pub async fn heartbeat_attempts(
         &self,
         caller: &Principal,
         forwarded: bool,
         worker_id: &str,
         attempts: Vec<(String, u32)>,
+        ended: Option<StreamEnd>,
     ) -> Result<Vec<pb::HeartbeatResult>, Status> {
         let scope = caller.job_scope(Action::Work)?;
         self.ask_per_partition(
@@ -837,6 +840,7 @@ impl AdmissionApi {
             |attempts, reply| Local::Heartbeat {
                 worker_id: worker_id.to_string(),
                 attempts,
+                ended,
                 scope: scope.clone(),
                 reply,
             },
@@ -845,6 +849,7 @@ impl AdmissionApi {
                     pb::HeartbeatRequest {
                         worker_id: worker_id.to_string(),
                         jobs,
+                        stream_ended: ended.map(|ended| ended.message()),
                     },
                     caller,
                 );

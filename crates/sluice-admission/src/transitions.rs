@@ -39,6 +39,9 @@ pub struct JobState {
     /// it is handed back instead of using up an attempt. Kept in memory only:
     /// a new owner confirms nothing until the workers heartbeat.
     pub confirmed: bool,
+    /// When the running attempt's worker was last heard from (its claim, a
+    /// heartbeat), by this owner's clock. In memory only, like `confirmed`.
+    pub heard_at_ms: Option<i64>,
 }
 
 /// Something to publish after the new row is saved.
@@ -66,6 +69,51 @@ pub const MAX_RESEND_INTERVAL_MS: i64 = 10 * 60 * 1000;
 pub struct Timing {
     pub resend_waiting_after_ms: i64,
     pub claim_timeout_ms: i64,
+}
+
+/// A `Work` stream ended while the attempts it carried ran
+/// (`HeartbeatRequest.stream_ended`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamEnd {
+    /// When it ended (the serving instance's clock).
+    pub closed_at_ms: i64,
+    /// How long the worker has to show it is alive.
+    pub grace_ms: i64,
+}
+
+impl StreamEnd {
+    pub fn of(message: &pb::StreamEnded) -> Self {
+        Self {
+            closed_at_ms: message.closed_at_ms,
+            grace_ms: i64::try_from(message.grace_ms).unwrap_or(i64::MAX),
+        }
+    }
+
+    pub fn message(self) -> pb::StreamEnded {
+        pb::StreamEnded {
+            closed_at_ms: self.closed_at_ms,
+            grace_ms: u64::try_from(self.grace_ms).unwrap_or_default(),
+        }
+    }
+}
+
+/// Shorten the running attempt's lease after its stream ended: to at most
+/// `grace_ms` from now, unless the worker was heard from since the stream
+/// ended. Never lengthens it. Returns whether the lease changed.
+pub fn on_stream_ended(job: &mut JobState, now_ms: i64, ended: StreamEnd) -> bool {
+    if job.heard_at_ms.is_some_and(|heard| heard >= ended.closed_at_ms) {
+        return false;
+    }
+    let Some(lease) = job.lease_expires_at_ms else {
+        return false;
+    };
+    let shortened = lease.min(now_ms.saturating_add(ended.grace_ms.max(0)));
+    if shortened == lease {
+        return false;
+    }
+    job.lease_expires_at_ms = Some(shortened);
+    job.due_at_ms = running_due_at(job);
+    true
 }
 
 /// Why an attempt ended.
@@ -140,6 +188,7 @@ impl JobState {
 
     fn clear_run(&mut self) {
         self.confirmed = false;
+        self.heard_at_ms = None;
         self.claimed_by = None;
         self.claimed_at_ms = None;
         self.lease_expires_at_ms = None;
@@ -373,6 +422,7 @@ mod tests {
             claimed_at_ms: Some(0),
             lease_expires_at_ms: Some(30_000),
             confirmed: true,
+            heard_at_ms: None,
             finished_at_ms: None,
             cancel_reason: None,
             last_error: String::new(),
@@ -532,5 +582,36 @@ mod tests {
         assert!(!effects.is_empty());
         assert_eq!(running.status, Status::Scheduled);
         assert_eq!(running.history.records[0].outcome, "run_timed_out");
+    }
+
+    #[test]
+    fn an_ended_stream_shortens_a_lease_unless_the_worker_was_heard_since() {
+        let ended = StreamEnd {
+            closed_at_ms: 10_000,
+            grace_ms: 5_000,
+        };
+        let mut silent = job(Status::Running);
+        silent.lease_expires_at_ms = Some(40_000);
+        silent.heard_at_ms = Some(9_000);
+        assert!(on_stream_ended(&mut silent, 10_100, ended));
+        assert_eq!(silent.lease_expires_at_ms, Some(15_100));
+        assert_eq!(silent.due_at_ms, Some(15_100));
+
+        let mut heard = job(Status::Running);
+        heard.lease_expires_at_ms = Some(40_000);
+        heard.heard_at_ms = Some(10_000);
+        assert!(!on_stream_ended(&mut heard, 10_100, ended));
+        assert_eq!(heard.lease_expires_at_ms, Some(40_000));
+
+        // Never lengthened, and a huge grace does not overflow.
+        let mut ending = job(Status::Running);
+        ending.lease_expires_at_ms = Some(12_000);
+        assert!(!on_stream_ended(&mut ending, 10_100, ended));
+        let huge = StreamEnd {
+            closed_at_ms: 10_000,
+            grace_ms: i64::MAX,
+        };
+        assert!(!on_stream_ended(&mut ending, 10_100, huge));
+        assert_eq!(ending.lease_expires_at_ms, Some(12_000));
     }
 }

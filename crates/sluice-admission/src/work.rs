@@ -33,6 +33,11 @@ pub struct WorkSession {
     credits: AtomicU32,
     closed: AtomicBool,
     sender: Option<WorkSender>,
+    /// Attempts written to the stream and not completed on it (job id →
+    /// attempt): when the stream ends, their owners hear of it
+    /// (`admission.stream_end_grace`). Its lock also orders a write against
+    /// the end, so no written attempt is missed.
+    carried: Mutex<HashMap<String, u32>>,
 }
 
 impl std::fmt::Debug for WorkSession {
@@ -54,6 +59,24 @@ impl WorkSession {
 
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// The worker completed these jobs (on this stream): its attempts are
+    /// no longer carried.
+    pub fn completed<'a>(&self, attempts: impl IntoIterator<Item = (&'a str, u32)>) {
+        let mut carried = self.carried.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for (job_id, attempt) in attempts {
+            if carried.get(job_id) == Some(&attempt) {
+                carried.remove(job_id);
+            }
+        }
+    }
+
+    /// Close the session; the attempts it still carried.
+    fn end(&self) -> Vec<(String, u32)> {
+        let mut carried = self.carried.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.closed.store(true, Ordering::Release);
+        carried.drain().collect()
     }
 
     /// Take one credit, if there is one and the session is open.
@@ -81,13 +104,23 @@ impl WorkSession {
         let Some(sender) = &self.sender else {
             return Err(jobs);
         };
+        let mut carried = self.carried.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if self.is_closed() {
             return Err(jobs);
         }
+        let attempts: Vec<(String, u32)> = jobs
+            .iter()
+            .filter_map(|dispatched| dispatched.job.as_ref())
+            .map(|job| (job.job_id.clone(), job.attempt))
+            .collect();
         let message = pb::WorkResponse {
             message: Some(pb::work_response::Message::Jobs(pb::DispatchedJobs { jobs })),
         };
-        sender.try_send(Ok(message)).map_err(|error| {
+        let written = sender.try_send(Ok(message));
+        if written.is_ok() {
+            carried.extend(attempts);
+        }
+        written.map_err(|error| {
             let message = match error {
                 mpsc::error::TrySendError::Full(message) | mpsc::error::TrySendError::Closed(message) => message,
             };
@@ -173,6 +206,7 @@ impl WorkerHub {
             credits: AtomicU32::new(credits),
             closed: AtomicBool::new(false),
             sender,
+            carried: Mutex::new(HashMap::new()),
         });
         let mut groups = self.groups.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         for group in &session.task_groups {
@@ -186,9 +220,10 @@ impl WorkerHub {
         session
     }
 
-    /// The stream ended: no more pushes to it.
-    pub fn close(&self, session: &Arc<WorkSession>) {
-        session.closed.store(true, Ordering::Release);
+    /// The stream ended: no more pushes to it. Returns the attempts written
+    /// to it and not completed on it.
+    pub fn close(&self, session: &Arc<WorkSession>) -> Vec<(String, u32)> {
+        let carried = session.end();
         let mut groups = self.groups.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         for group in &session.task_groups {
             let now_empty = match groups.get_mut(group) {
@@ -203,6 +238,7 @@ impl WorkerHub {
                 groups.remove(group);
             }
         }
+        carried
     }
 
     /// Add credits to a session. Returns the job partitions that hold
@@ -467,5 +503,24 @@ mod tests {
         push.lose();
         assert!(undelivered.try_recv().is_err());
         assert_eq!(session.credits(), 0);
+    }
+
+    #[test]
+    fn a_closed_stream_names_the_attempts_written_to_it_and_not_completed() {
+        let (hub, _undelivered) = WorkerHub::new();
+        let (sender, _receiver) = mpsc::channel(4);
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 3, Some(sender));
+        let mut push = Push::new(hub.clone(), session.clone());
+        push.add(dispatched("j1"));
+        push.add(dispatched("j2"));
+        push.send();
+        // A completion of another attempt of j2 does not count.
+        session.completed([("j1", 1), ("j2", 7)]);
+        assert_eq!(hub.close(&session), vec![("j2".to_string(), 1)]);
+        // Nothing is written, or carried, after the end.
+        let mut late = Push::new(hub.clone(), session.clone());
+        late.add(dispatched("j3"));
+        late.send();
+        assert!(hub.close(&session).is_empty());
     }
 }

@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Response, Status, Streaming};
 
 use crate::service::{attempts_of, AdmissionApi};
+use crate::transitions::StreamEnd;
 use crate::work::{UndeliveredPush, WorkSession};
 
 /// Messages buffered down one stream: pushes and answers.
@@ -104,6 +105,8 @@ impl StreamReader {
         let opened = pb::WorkResponse {
             message: Some(pb::work_response::Message::Opened(pb::WorkOpened {
                 instance: self.api.own_endpoint.clone(),
+                stream_end_grace_ms: u64::try_from(self.api.config.admission.stream_end_grace.0.as_millis())
+                    .unwrap_or(u64::MAX),
             })),
         };
         if self.sender.send(Ok(opened)).await.is_err() {
@@ -112,7 +115,12 @@ impl StreamReader {
         }
         loop {
             let message = tokio::select! {
-                _ = shutdown.cancelled() => break,
+                _ = shutdown.cancelled() => {
+                    // This instance stops: the worker keeps its attempts
+                    // through its other streams (or within the leases).
+                    self.api.hub.close(&self.session);
+                    return;
+                }
                 message = inbound.message() => message,
             };
             let request = match message {
@@ -128,8 +136,15 @@ impl StreamReader {
                 break;
             }
         }
-        self.api.hub.close(&self.session);
-        tracing::debug!(worker_id = %self.session.worker_id, "work stream closed");
+        let carried = self.api.hub.close(&self.session);
+        tracing::debug!(worker_id = %self.session.worker_id, carried = carried.len(), "work stream closed");
+        if !carried.is_empty() {
+            tokio::spawn(tell_stream_ended(
+                self.api.clone(),
+                self.session.worker_id.clone(),
+                carried,
+            ));
+        }
     }
 
     /// One message. An error ends the stream (a second open, too many
@@ -155,13 +170,21 @@ impl StreamReader {
                 let caller = self.caller.clone();
                 self.answer(heartbeat.id, async move {
                     let attempts = attempts_of("heartbeat.jobs", heartbeat.jobs)?;
-                    let results = api.heartbeat_attempts(&caller, false, &worker_id, attempts).await?;
+                    let results = api
+                        .heartbeat_attempts(&caller, false, &worker_id, attempts, None)
+                        .await?;
                     Ok(pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results }))
                 })
                 .await;
                 Ok(())
             }
             Some(pb::work_request::Message::Complete(complete)) => {
+                self.session.completed(
+                    complete
+                        .completions
+                        .iter()
+                        .map(|completion| (completion.job_id.as_str(), completion.attempt)),
+                );
                 let api = self.api.clone();
                 let worker_id = self.session.worker_id.clone();
                 let caller = self.caller.clone();
@@ -217,6 +240,35 @@ impl StreamReader {
             };
             let _ = sender.send(Ok(answer)).await;
         });
+    }
+}
+
+/// Tell the owners of the attempts a stream carried that it ended
+/// (`admission.stream_end_grace`). Tried again for at most the grace: what
+/// cannot be told by then (an owner unreachable) keeps its whole lease.
+async fn tell_stream_ended(api: AdmissionApi, worker_id: String, attempts: Vec<(String, u32)>) {
+    let grace = api.config.admission.stream_end_grace.0;
+    let ended = StreamEnd {
+        closed_at_ms: sluice_common::clock::wall_clock_ms(),
+        grace_ms: i64::try_from(grace.as_millis()).unwrap_or(i64::MAX),
+    };
+    let give_up = tokio::time::Instant::now() + grace;
+    let system = Principal::system();
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let told = api
+            .heartbeat_attempts(&system, false, &worker_id, attempts.clone(), Some(ended))
+            .await;
+        let Err(status) = told else {
+            return;
+        };
+        if tokio::time::Instant::now() + delay >= give_up {
+            tracing::warn!(%worker_id, attempts = attempts.len(), %status, "could not tell owners a Work stream ended: its attempts keep their whole leases");
+            return;
+        }
+        tracing::debug!(%worker_id, attempts = attempts.len(), %status, "telling owners a Work stream ended failed; trying again");
+        tokio::time::sleep(delay).await;
+        delay *= 2;
     }
 }
 

@@ -559,6 +559,7 @@ impl Worker {
                     .heartbeat(pb::HeartbeatRequest {
                         worker_id: self.worker_id.clone(),
                         jobs: vec![attempt.clone()],
+                        stream_ended: None,
                     })
                     .await?;
             }

@@ -396,6 +396,9 @@ pub struct AdmissionConfig {
     pub default_idempotency_window: HumanDuration,
     pub resend_waiting_after: HumanDuration,
     pub claim_timeout: HumanDuration,
+    /// When a worker's `Work` stream ends, the attempts pushed on it keep
+    /// their leases this long at most unless the worker heartbeats them.
+    pub stream_end_grace: HumanDuration,
     pub sweep_interval: HumanDuration,
     pub stand_behind_interval: HumanDuration,
     pub max_batch: usize,
@@ -656,6 +659,7 @@ impl SluiceConfig {
             ("admission.stand_behind_interval", self.admission.stand_behind_interval),
             ("admission.claim_timeout", self.admission.claim_timeout),
             ("admission.resend_waiting_after", self.admission.resend_waiting_after),
+            ("admission.stream_end_grace", self.admission.stream_end_grace),
             ("limit_grant.ticket_grace", self.limit_grant.ticket_grace),
             ("refresh_dispatcher.task_timeout", self.refresh_dispatcher.task_timeout),
             (

@@ -307,6 +307,120 @@ async fn a_worker_whose_stream_drops_mid_job_loses_it_only_after_its_lease() -> 
     Ok(())
 }
 
+/// Send one heartbeat of `job` on a raw stream; its answer's outcome.
+async fn raw_heartbeat(session: &mut RawSession, id: u64, job: &pb::AdmittedJob) -> anyhow::Result<i32> {
+    session
+        .up
+        .send(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Heartbeat(pb::WorkHeartbeat {
+                id,
+                jobs: vec![pb::JobAttempt {
+                    job_id: job.job_id.clone(),
+                    attempt: job.attempt,
+                }],
+            })),
+        })
+        .await?;
+    loop {
+        let message = tokio::time::timeout(Duration::from_secs(20), session.down.message())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("the stream ended"))?;
+        if let Some(pb::work_response::Message::Answer(answer)) = message.message {
+            anyhow::ensure!(answer.id == id, "the answer to {id}: {answer:?}");
+            let Some(pb::work_answer::Result::Heartbeats(response)) = answer.result else {
+                anyhow::bail!("a heartbeat answer: {answer:?}");
+            };
+            return Ok(response.results[0].outcome);
+        }
+    }
+}
+
+const TEN_MINUTE_LEASE: &str = "[task_groups.default]\nlease = \"10m\"\n[admission]\nstream_end_grace = \"1s\"\n";
+
+/// A worker that dies holding a job (its stream ends, nothing else is heard
+/// from it) gives the job's slot back after `admission.stream_end_grace`,
+/// not after the task group's ten-minute lease: the next job of its key
+/// runs on another worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_workers_slot_comes_back_after_the_stream_end_grace_not_the_lease() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config_toml("workgone", TEN_MINUTE_LEASE, &[])?, 1).await?;
+    let endpoint = stack.admissions[0].endpoint.clone();
+    let mut dying = open_raw(&endpoint, "worker-dies", 1).await?;
+    let mut admission = stack.admission_client().await?;
+    for index in 0..2 {
+        let mut request = concurrency_job("acme", "gonekey", 1, 50, &format!("job {index}"));
+        request.job_id = Some(format!("gone-{index}"));
+        admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    }
+    let pushed = next_push(&mut dying).await?.job.unwrap();
+    assert_eq!(pushed.job_id, "gone-0");
+    // It ran: the heartbeat confirms the attempt.
+    assert_eq!(
+        raw_heartbeat(&mut dying, 1, &pushed).await?,
+        pb::HeartbeatOutcome::Extended as i32
+    );
+    let died = sluice_common::clock::wall_clock_ms();
+    drop(dying);
+
+    let mut other = open_raw(&endpoint, "worker-lives", 2).await?;
+    let next = next_push(&mut other).await?.job.unwrap();
+    assert_eq!(
+        next.job_id, "gone-1",
+        "the key's slot came back and the next job took it"
+    );
+    assert!(
+        next.admitted_at_ms >= died + 1000,
+        "admitted at {} before the grace after the stream ended at {died}",
+        next.admitted_at_ms
+    );
+    let view = job_view(&admission, "gone-0").await?;
+    assert!(
+        view.history
+            .iter()
+            .any(|record| record.attempt == 1 && record.outcome == "lease_expired"),
+        "{view:?}"
+    );
+    stack.stop().await;
+    Ok(())
+}
+
+/// A worker with two streams loses one of them: it heartbeats its job on
+/// the other, and keeps the job well past the stream end grace (the notice
+/// of the ended stream never takes a lease from a worker heard since).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_that_loses_one_stream_keeps_its_job_through_another() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config_toml("workkeep", TEN_MINUTE_LEASE, &[])?, 1).await?;
+    let endpoint = stack.admissions[0].endpoint.clone();
+    let mut broken = open_raw(&endpoint, "worker-two-streams", 1).await?;
+    let mut admission = stack.admission_client().await?;
+    let mut request = concurrency_job("acme", "keepkey", 1, 50, "kept");
+    request.job_id = Some("kept".to_string());
+    admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    let pushed = next_push(&mut broken).await?.job.unwrap();
+    let mut kept = open_raw(&endpoint, "worker-two-streams", 0).await?;
+    drop(broken);
+    assert_eq!(
+        raw_heartbeat(&mut kept, 1, &pushed).await?,
+        pb::HeartbeatOutcome::Extended as i32
+    );
+    // Heartbeating every third of the grace (as WorkOpened asks) for three
+    // graces: whichever came first, the notice or a heartbeat, the lease
+    // holds.
+    for id in 2..12 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            raw_heartbeat(&mut kept, id, &pushed).await?,
+            pb::HeartbeatOutcome::Extended as i32,
+            "the lease was taken from a live worker"
+        );
+    }
+    let view = job_view(&admission, "kept").await?;
+    assert_eq!(view.attempt, 1);
+    assert_eq!(view.claimed_by, "worker-two-streams");
+    stack.stop().await;
+    Ok(())
+}
+
 /// Every way a stream's input can be wrong is refused with the field named,
 /// and the instance goes on serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -327,6 +327,7 @@ async fn confirm_own_claims(
         pb::HeartbeatRequest {
             worker_id: shared.worker_id.clone(),
             jobs: taken,
+            stream_ended: None,
         },
         trace,
     );
@@ -747,6 +748,7 @@ async fn heartbeat_once(shared: &Shared, attempts: &[pb::JobAttempt], trace: &Tr
         pb::HeartbeatRequest {
             worker_id: shared.worker_id.clone(),
             jobs: attempts.to_vec(),
+            stream_ended: None,
         },
         trace,
     );

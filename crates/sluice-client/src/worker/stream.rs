@@ -11,6 +11,11 @@
 //! came from, and the credits of a stream that breaks go to the others.
 //! A handler whose lease could not be renewed within the lease is stopped
 //! (`StopReason::LeaseLost`): by then admission may run another attempt.
+//! When a stream ends, admission shortens the leases of the attempts it
+//! pushed to the stream's end grace (`WorkOpened.stream_end_grace_ms`)
+//! unless it hears from the worker; so those attempts are heartbeaten every
+//! third of the grace, at once when their stream ends, and a renewal counts
+//! for the grace at most.
 //!
 //! Shutdown: no more credits; running handlers have `shutdown_grace`, then
 //! are stopped and their attempts handed back; completions are flushed.
@@ -85,6 +90,9 @@ struct Session {
     confirmed: bool,
     /// Credits given and not yet used by a push.
     credits: usize,
+    /// How long admission keeps the leases of the attempts pushed on this
+    /// stream once it ends (its `opened` says; none from older instances).
+    end_grace: Option<Duration>,
 }
 
 struct Running {
@@ -97,6 +105,19 @@ struct Running {
     /// once: it confirms a pushed attempt to admission (an attempt whose
     /// lease ends unconfirmed is taken for lost on its way and handed back).
     heartbeat_at: Instant,
+    /// The end grace of the stream it came on (its `opened` said): when
+    /// that stream ends, admission may shorten the lease to this from then.
+    /// So the attempt is heartbeaten every third of it, and a renewal
+    /// counts for this long at most from when it was sent.
+    end_grace: Option<Duration>,
+}
+
+impl Running {
+    /// How long one renewal holds, from when its heartbeat was sent.
+    fn renewal(&self) -> Duration {
+        let lease = Duration::from_millis(self.lease_ms);
+        self.end_grace.map_or(lease, |grace| lease.min(grace))
+    }
 }
 
 /// A request waiting for its answer, to send again if it fails.
@@ -115,6 +136,7 @@ struct Sent {
     request: Pending,
     endpoint: Arc<str>,
     generation: u64,
+    at: Instant,
 }
 
 struct StreamWorker {
@@ -250,6 +272,7 @@ impl StreamWorker {
                     .is_some_and(|session| session.generation == generation);
                 if current {
                     self.sessions.remove(&endpoint);
+                    self.stream_ended(&endpoint);
                     tracing::debug!(%endpoint, "work stream closed");
                     // Its credits go to the other streams in `flush`; what
                     // it did not answer goes on another stream.
@@ -281,6 +304,18 @@ impl StreamWorker {
         }
     }
 
+    /// The stream to `endpoint` ended: admission shortens the leases of the
+    /// attempts it pushed to the stream's end grace unless it hears from
+    /// this worker, so they are heartbeaten at once (on another stream).
+    fn stream_ended(&mut self, endpoint: &Arc<str>) {
+        let now = Instant::now();
+        for running in self.running.values_mut() {
+            if running.endpoint == *endpoint {
+                running.heartbeat_at = now;
+            }
+        }
+    }
+
     /// Open a stream to `endpoint` with no credits (`flush` gives them).
     fn open(&mut self, endpoint: Arc<str>) {
         let generation = self.next_generation;
@@ -303,6 +338,7 @@ impl StreamWorker {
                 generation,
                 confirmed: false,
                 credits: 0,
+                end_grace: None,
             },
         );
         let events = self.events.clone();
@@ -325,9 +361,11 @@ impl StreamWorker {
                 }
             }
             Some(pb::work_response::Message::Answer(answer)) => self.answered(answer),
-            Some(pb::work_response::Message::Opened(_)) => {
+            Some(pb::work_response::Message::Opened(opened)) => {
                 if let Some(session) = self.sessions.get_mut(endpoint) {
                     session.confirmed = true;
+                    session.end_grace =
+                        (opened.stream_end_grace_ms > 0).then(|| Duration::from_millis(opened.stream_end_grace_ms));
                 }
             }
             None => {}
@@ -352,16 +390,17 @@ impl StreamWorker {
         }
         let stop = StopSignal::default();
         let lease_ms = admitted.lease_ms.max(1000);
-        self.running.insert(
-            key.clone(),
-            Running {
-                stop: stop.clone(),
-                endpoint: endpoint.clone(),
-                lease_ms,
-                lease_until: Instant::now() + Duration::from_millis(lease_ms),
-                heartbeat_at: Instant::now(),
-            },
-        );
+        let end_grace = self.sessions.get(endpoint).and_then(|session| session.end_grace);
+        let mut running = Running {
+            stop: stop.clone(),
+            endpoint: endpoint.clone(),
+            lease_ms,
+            lease_until: Instant::now(),
+            heartbeat_at: Instant::now(),
+            end_grace,
+        };
+        running.lease_until += running.renewal();
+        self.running.insert(key.clone(), running);
         let trace = dispatched
             .trace
             .map(|trace| TraceContext {
@@ -422,7 +461,6 @@ impl StreamWorker {
         match answer.result {
             Some(pb::work_answer::Result::Completed(_)) => {}
             Some(pb::work_answer::Result::Heartbeats(response)) => {
-                let now = Instant::now();
                 for result in response.results {
                     let key = (result.job_id, result.attempt);
                     let Some(running) = self.running.get_mut(&key) else {
@@ -430,7 +468,9 @@ impl StreamWorker {
                     };
                     match pb::HeartbeatOutcome::try_from(result.outcome) {
                         Ok(pb::HeartbeatOutcome::Extended) => {
-                            running.lease_until = now + Duration::from_millis(running.lease_ms);
+                            // From when it was sent: admission renewed it
+                            // no earlier.
+                            running.lease_until = running.lease_until.max(sent.at + running.renewal());
                         }
                         Ok(pb::HeartbeatOutcome::Cancelled) => running.stop.stop(StopReason::Cancelled),
                         _ => running.stop.stop(StopReason::LeaseLost),
@@ -471,7 +511,7 @@ impl StreamWorker {
             if running.stop.reason().is_some() || (fixed.is_none() && running.heartbeat_at > now) {
                 continue;
             }
-            running.heartbeat_at = now + Duration::from_millis(running.lease_ms / 3);
+            running.heartbeat_at = now + running.renewal() / 3;
             attempts.push(pb::JobAttempt {
                 job_id: job_id.clone(),
                 attempt: *attempt,
@@ -555,6 +595,7 @@ impl StreamWorker {
                         request,
                         endpoint,
                         generation,
+                        at: Instant::now(),
                     },
                 );
                 return;
