@@ -6,7 +6,7 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench chaos fmt
+.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench chaos chaos-short fmt
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
@@ -56,8 +56,14 @@ endif
 helm-check:
 	@bash scripts/helm-check.sh
 
-test: fmt-check clippy unit-and-integration helm-check
+test: fmt-check clippy unit-and-integration helm-check chaos-short
 	@echo "make test: all checks passed"
+
+# A short `make chaos` (debug builds, its own broker port): 600 jobs on 10
+# keys while instances, workers, the broker and PostgreSQL fail.
+chaos-short: setup
+	@CHAOS_PROFILE=debug CHAOS_JOBS=600 CHAOS_KEYS=10 CHAOS_RATE=30 CHAOS_DEADLINE_S=300 \
+	  SLUICE_CHAOS_BROKER_PORT=19293 scripts/chaos.sh
 
 bench: setup
 	@scripts/bench.sh

@@ -7,7 +7,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT="${SLUICE_CHAOS_BROKER_PORT:-19292}"
-STATE="${SLUICE_STATE_DIR:-$HOME/.cache/sluice}/chaos-broker"
+# CHAOS_PROFILE=debug: the short run inside `make test` reuses its builds.
+if [ "${CHAOS_PROFILE:-release}" = debug ]; then
+  PROFILE_FLAG="" PROFILE_DIR=debug
+else
+  PROFILE_FLAG="--release" PROFILE_DIR=release
+fi
+STATE="${SLUICE_STATE_DIR:-$HOME/.cache/sluice}/chaos-broker-$PORT"
 mkdir -p "$STATE"
 if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
   echo "port $PORT is taken; set SLUICE_CHAOS_BROKER_PORT" >&2
@@ -15,10 +21,11 @@ if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
 fi
 SLUICE_BROKER_PORT="$PORT" SLUICE_STATE_DIR="$STATE" scripts/dev-env.sh broker
 trap 'kill "$(cat "$STATE/tansu.pid")" 2>/dev/null || true' EXIT
-echo "==> building the service binaries and the chaos runner (release)"
+echo "==> building the service binaries and the chaos runner ($PROFILE_DIR)"
 # One invocation, so the crates they share are built once with one feature set.
-cargo build --release --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \
+cargo build $PROFILE_FLAG --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \
   -p sluice-refresh-dispatcher -p sluice-e2e --bins
 echo "==> chaos (figures on the last line)"
 SLUICE__KAFKA__BROKERS="127.0.0.1:$PORT" RUST_LOG="${RUST_LOG:-error}" \
-  "${CARGO_TARGET_DIR:-target}/release/sluice-chaos"
+  CHAOS_BROKER_PID="$(cat "$STATE/tansu.pid")" \
+  "${CARGO_TARGET_DIR:-target}/$PROFILE_DIR/sluice-chaos"

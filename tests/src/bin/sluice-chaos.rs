@@ -7,6 +7,11 @@
 //! waiting jobs and nothing running). One JSON line at the end; exit 1 when a
 //! guarantee fails.
 //!
+//! Faults, one every 3-6 s: SIGKILL of a service instance (restarted
+//! after 0.5-2 s) or of a worker, SIGSTOP of the broker for 1-3 s
+//! (CHAOS_BROKER_PID names it), or every PostgreSQL connection of the
+//! services paused for 1-3 s (they go through a proxy in this runner).
+//!
 //! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0 runs the same workload without faults),
 //! CHAOS_DEADLINE_S (600), CHAOS_RATE (200 jobs/s enqueued),
@@ -47,6 +52,64 @@ struct Run {
 struct History {
     runs: Mutex<Vec<Run>>,
     enqueued: Mutex<HashMap<usize, Instant>>,
+}
+
+/// A TCP proxy to PostgreSQL whose connections can all be paused: nothing
+/// moves either way until it resumes (a stalled network or server, as
+/// the services see it).
+struct PausingProxy {
+    port: u16,
+    paused: tokio::sync::watch::Sender<bool>,
+}
+
+impl PausingProxy {
+    async fn start(upstream: String) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let (paused, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let upstream = upstream.clone();
+                let watch = watch.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let (client_read, client_write) = client.into_split();
+                    let (server_read, server_write) = server.into_split();
+                    tokio::select! {
+                        _ = pipe(client_read, server_write, watch.clone()) => {}
+                        _ = pipe(server_read, client_write, watch) => {}
+                    }
+                });
+            }
+        });
+        Ok(Self { port, paused })
+    }
+
+    fn pause(&self, paused: bool) {
+        let _ = self.paused.send(paused);
+    }
+}
+
+/// Copy `from` to `to`, holding each chunk while paused.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut paused: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let read = from.read(&mut buffer).await?;
+        if read == 0 {
+            return Ok(());
+        }
+        if paused.wait_for(|paused| !*paused).await.is_err() {
+            return Ok(());
+        }
+        to.write_all(&buffer[..read]).await?;
+    }
 }
 
 /// One service instance: a child process on a fixed port.
@@ -103,6 +166,42 @@ impl Cluster {
     }
 }
 
+/// `kill -<signal> <pid>`.
+async fn signal(pid: i32, signal: &str) {
+    let sent = tokio::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .await;
+    if !sent.is_ok_and(|status| status.success()) {
+        eprintln!("chaos: kill -{signal} {pid} failed");
+    }
+}
+
+/// The `host:port` of a PostgreSQL URL.
+fn postgres_address(url: &str) -> anyhow::Result<String> {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, rest)| rest);
+    let address = rest.split(['/', '?']).next().unwrap_or_default();
+    anyhow::ensure!(!address.is_empty(), "no host in the PostgreSQL URL");
+    Ok(if address.contains(':') {
+        address.to_string()
+    } else {
+        format!("{address}:5432")
+    })
+}
+
+/// The URL with its host and port replaced by the proxy's.
+fn proxied_url(url: &str, port: u16) -> anyhow::Result<String> {
+    let address = postgres_address(url)?;
+    let original = if url.contains(&address) {
+        address
+    } else {
+        address.trim_end_matches(":5432").to_string()
+    };
+    Ok(url.replacen(&original, &format!("127.0.0.1:{port}"), 1))
+}
+
 fn endpoint(port: u16) -> String {
     format!("http://127.0.0.1:{port}")
 }
@@ -117,7 +216,10 @@ async fn main() -> anyhow::Result<()> {
     let workers_only = std::env::var("CHAOS_VICTIMS").is_ok_and(|victims| victims == "workers");
     let deadline = Duration::from_secs(env_number("CHAOS_DEADLINE_S", 600));
     let rate: f64 = env_number("CHAOS_RATE", 200.0);
+    let broker_pid: Option<i32> = std::env::var("CHAOS_BROKER_PID").ok().and_then(|pid| pid.parse().ok());
     let base = test_config("chaos", &[])?;
+    let postgres = PausingProxy::start(postgres_address(base.postgres.url.expose())?).await?;
+    let postgres_url = proxied_url(base.postgres.url.expose(), postgres.port)?;
     let binaries = std::env::current_exe()?
         .parent()
         .context("the binary's directory")?
@@ -136,7 +238,7 @@ async fn main() -> anyhow::Result<()> {
             "[kafka]\nbrokers = {brokers:?}\ntopic_prefix = {prefix:?}\n\
              [kafka.producer_properties]\n\"batch.num.messages\" = \"1\"\n\
              [kafka.partitions]\njobs = 4\nlimit_commands = 4\nrate_commands = 4\nrefresh_due = 2\nrequested = 2\n\
-             [postgres]\nschema_prefix = {prefix:?}\nmax_connections = 8\n\
+             [postgres]\nurl = {postgres_url:?}\nschema_prefix = {prefix:?}\nmax_connections = 8\n\
              [telemetry]\nmetrics_listen = \"\"\nlog_format = \"json\"\n\
              [auth]\nenabled = false\n\
              [admission]\nlimit_grant_endpoint = {limits:?}\nrate_window_endpoint = {rates:?}\n",
@@ -206,15 +308,36 @@ async fn main() -> anyhow::Result<()> {
                 if !kills {
                     continue;
                 }
-                let victims = cluster.instances.len() + 1;
+                // The instances, a worker, the broker, PostgreSQL.
+                let worker_victim = cluster.instances.len();
+                let victims = cluster.instances.len() + 3;
                 let victim = if workers_only {
-                    cluster.instances.len()
+                    worker_victim
                 } else {
                     rand::rng().random_range(0..victims)
                 };
                 *kill_count.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) += 1;
                 eprint!("chaos: at {:.1}s ", started.elapsed().as_secs_f64());
-                if victim == cluster.instances.len() {
+                let paused_for = Duration::from_millis(rand::rng().random_range(1000..3000));
+                if victim == worker_victim + 1 {
+                    let Some(pid) = broker_pid else {
+                        eprintln!("chaos: no CHAOS_BROKER_PID: the broker is not paused");
+                        continue;
+                    };
+                    eprintln!("chaos: SIGSTOP the broker for {paused_for:?}");
+                    signal(pid, "STOP").await;
+                    tokio::time::sleep(paused_for).await;
+                    signal(pid, "CONT").await;
+                    continue;
+                }
+                if victim == worker_victim + 2 {
+                    eprintln!("chaos: PostgreSQL connections paused for {paused_for:?}");
+                    postgres.pause(true);
+                    tokio::time::sleep(paused_for).await;
+                    postgres.pause(false);
+                    continue;
+                }
+                if victim == worker_victim {
                     let handle = workers
                         .lock()
                         .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -264,6 +387,15 @@ async fn main() -> anyhow::Result<()> {
             for job in 0..jobs {
                 let mut request = concurrency_job("chaos", &format!("k{}", job % keys), limit, 0, &job.to_string());
                 request.job_id = Some(format!("chaos-{job}"));
+                // A killed worker's attempt ends as a lease expiry, which
+                // uses up an attempt: enough of them that faults never fail
+                // a job.
+                request.retry = Some(pb::RetryPolicy {
+                    max_attempts: 100,
+                    initial_backoff: "100ms".to_string(),
+                    max_backoff: "1s".to_string(),
+                    ..pb::RetryPolicy::default()
+                });
                 history
                     .enqueued
                     .lock()
