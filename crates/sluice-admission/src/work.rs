@@ -89,6 +89,17 @@ impl WorkSession {
             .is_ok()
     }
 
+    /// Take back up to `credits` unused credits; how many were taken.
+    pub fn withdraw(&self, credits: u32) -> u32 {
+        let before = self
+            .credits
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                Some(held.saturating_sub(credits))
+            })
+            .unwrap_or_default();
+        before.min(credits)
+    }
+
     fn give_credits(&self, credits: u32) {
         let _ = self
             .credits
@@ -522,5 +533,16 @@ mod tests {
         late.add(dispatched("j3"));
         late.send();
         assert!(hub.close(&session).is_empty());
+    }
+
+    #[test]
+    fn withdrawn_credits_are_at_most_those_held() {
+        let hub = WorkerHub::without_workers();
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 5, None);
+        assert!(hub.take("g", "t").is_some(), "a push used one");
+        assert_eq!(session.withdraw(3), 3);
+        assert_eq!(session.withdraw(3), 1, "only what was left");
+        assert_eq!(session.credits(), 0);
+        assert!(hub.take("g", "t").is_none());
     }
 }

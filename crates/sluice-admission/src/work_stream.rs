@@ -107,6 +107,7 @@ impl StreamReader {
                 instance: self.api.own_endpoint.clone(),
                 stream_end_grace_ms: u64::try_from(self.api.config.admission.stream_end_grace.0.as_millis())
                     .unwrap_or(u64::MAX),
+                withdraws: true,
             })),
         };
         if self.sender.send(Ok(opened)).await.is_err() {
@@ -204,7 +205,23 @@ impl StreamReader {
                 .await;
                 Ok(())
             }
-            None => Err(FieldError::new("message", "set open, credits, heartbeat or complete").into()),
+            Some(pb::work_request::Message::Withdraw(withdraw)) => {
+                if withdraw.credits > MAX_CREDITS {
+                    return Err(FieldError::new("withdraw.credits", format!("at most {MAX_CREDITS}")).into());
+                }
+                // Answered on the stream after the pushes already written;
+                // pushes of credits taken before this are on their way.
+                let taken = self.session.withdraw(withdraw.credits);
+                let answer = pb::WorkResponse {
+                    message: Some(pb::work_response::Message::Answer(pb::WorkAnswer {
+                        id: withdraw.id,
+                        result: Some(pb::work_answer::Result::Withdrawn(pb::WorkWithdrawn { credits: taken })),
+                    })),
+                };
+                let _ = self.sender.send(Ok(answer)).await;
+                Ok(())
+            }
+            None => Err(FieldError::new("message", "set open, credits, heartbeat, complete or withdraw").into()),
         }
     }
 

@@ -379,6 +379,7 @@ async fn main() -> anyhow::Result<()> {
 
     // Producers: every job once, retried with its id until accepted.
     let client = AdmissionClient::new(connect(&admission.endpoint).await?);
+    let watching = tokio::spawn(watch_slow_jobs(client.clone(), history.clone(), started));
     let producing = {
         let history = history.clone();
         let client = client.clone();
@@ -444,6 +445,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let elapsed = started.elapsed();
     stop.trigger();
+    watching.abort();
     // What the jobs that did not succeed are doing.
     let mut unfinished: BTreeMap<String, usize> = BTreeMap::new();
     for job in &pending {
@@ -554,6 +556,55 @@ async fn main() -> anyhow::Result<()> {
     println!("{figures}");
     let failed = !pending.is_empty() || overlapping > 0 || over_limit > 0 || held != Some(0);
     std::process::exit(i32::from(failed));
+}
+
+/// Every 5 s, say on stderr where the jobs that have waited longest
+/// without running are (a stall's cause, while it lasts).
+async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, history: Arc<History>, started: Instant) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let ran: std::collections::HashSet<usize> = history
+            .runs
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .map(|run| run.job)
+            .collect();
+        let mut slow: Vec<(usize, Instant)> = history
+            .enqueued
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .iter()
+            .filter(|(job, at)| !ran.contains(job) && at.elapsed() > Duration::from_secs(10))
+            .map(|(job, at)| (*job, *at))
+            .collect();
+        slow.sort_by_key(|(_, at)| *at);
+        for (job, at) in slow.into_iter().take(3) {
+            let mut client = client.clone();
+            let view = client
+                .get_job(pb::GetJobRequest {
+                    job_id: format!("chaos-{job}"),
+                })
+                .await
+                .ok()
+                .and_then(|response| response.into_inner().job);
+            let Some(view) = view else { continue };
+            eprintln!(
+                "chaos: at {:.1}s chaos-{job} (key k{}) waited {:.1}s: {:?} attempt {} step {}; {}; history {:?}",
+                started.elapsed().as_secs_f64(),
+                job % env_number::<usize>("CHAOS_KEYS", 50),
+                at.elapsed().as_secs_f64(),
+                pb::JobStatus::try_from(view.status).unwrap_or_default(),
+                view.attempt,
+                view.step,
+                view.reason,
+                view.history
+                    .iter()
+                    .map(|record| record.outcome.as_str())
+                    .collect::<Vec<_>>(),
+            );
+        }
+    }
 }
 
 fn start_worker(admission: &str, history: Arc<History>) -> tokio::task::JoinHandle<()> {

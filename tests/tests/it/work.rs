@@ -196,6 +196,54 @@ async fn admission_killed_between_its_commit_and_the_push_loses_no_job() -> anyh
     Ok(())
 }
 
+/// A worker gave all its credits to the only instance; a second instance
+/// joins and takes job partitions over, and the worker opens a stream to it
+/// with no credit left to give. The first stream, idle, gives credits back
+/// (`withdraw`) so the jobs now owned by the second instance run: without
+/// that they would wait for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn credits_parked_on_an_idle_stream_move_to_the_instance_that_has_the_jobs() -> anyhow::Result<()> {
+    let mut stack = Stack::start(test_config_toml("workmove", "", &[])?, 1).await?;
+    let stop = Shutdown::new();
+    let recorder = Arc::new(Recorder::default());
+    let workers = start_stream_workers(&stack.admissions[0].endpoint, &recorder, &stop, 1);
+    wait_streams(&workers, 1).await?;
+    stack.add_admission(Faults::none()).await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    let owners = format!(
+        "SELECT count(DISTINCT endpoint) FROM \"{}\".owners",
+        stack.config.schema("admission")
+    );
+    eventually(
+        Duration::from_secs(60),
+        "each admission owns a job partition",
+        || async {
+            let instances: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(owners.clone()))
+                .fetch_one(&stack.pool)
+                .await?;
+            Ok(instances == 2)
+        },
+    )
+    .await?;
+    wait_streams(&workers, 2).await?;
+    let mut admission = stack.admission_client().await?;
+    for index in 0..40 {
+        let mut request = concurrency_job("acme", &format!("move{index}"), 1, 50, &format!("job {index}"));
+        request.job_id = Some(format!("move-{index}"));
+        admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    }
+    eventually(Duration::from_secs(60), "40 completions", || async {
+        Ok(recorder.completed() == 40)
+    })
+    .await?;
+    let runs = recorder.runs();
+    let unique: std::collections::HashSet<&str> = runs.iter().map(|run| run.job_id.as_str()).collect();
+    assert_eq!((unique.len(), runs.len()), (40, 40), "each job ran once");
+    stop.trigger();
+    stack.stop().await;
+    Ok(())
+}
+
 /// A raw `Work` stream: the requests going up, the responses coming down.
 struct RawSession {
     up: mpsc::Sender<pb::WorkRequest>,

@@ -44,6 +44,9 @@ const RESEND_AFTER: Duration = Duration::from_millis(200);
 const MAX_PER_MESSAGE: usize = 500;
 /// How often due heartbeats are looked for (no `heartbeat_interval` set).
 const HEARTBEAT_TICK: Duration = Duration::from_millis(250);
+/// A stream holding more than its share of credits gives the rest back
+/// once it pushed nothing for this long while another stream has none.
+const IDLE_BEFORE_WITHDRAW: Duration = Duration::from_millis(250);
 /// Messages buffered up one stream.
 const UP_BUFFER: usize = 1024;
 
@@ -93,6 +96,12 @@ struct Session {
     /// How long admission keeps the leases of the attempts pushed on this
     /// stream once it ends (its `opened` says; none from older instances).
     end_grace: Option<Duration>,
+    /// The instance takes back unused credits (its `opened` says).
+    withdraws: bool,
+    /// A withdraw was sent and not answered yet.
+    withdrawing: bool,
+    /// The last push on this stream (or its opening).
+    last_push: Instant,
 }
 
 struct Running {
@@ -148,6 +157,8 @@ struct StreamWorker {
     pending: HashMap<u64, Sent>,
     /// Requests whose stream was gone when they were to be sent.
     unsent: VecDeque<Pending>,
+    /// Withdraws sent and not answered, by id: their stream.
+    withdrawing: HashMap<u64, Arc<str>>,
     next_id: u64,
     draining: bool,
     force_stop: CancellationToken,
@@ -163,6 +174,7 @@ pub(crate) async fn run(settings: StreamSettings, shutdown: CancellationToken) {
         running: HashMap::new(),
         pending: HashMap::new(),
         unsent: VecDeque::new(),
+        withdrawing: HashMap::new(),
         next_id: 1,
         draining: false,
         force_stop: CancellationToken::new(),
@@ -199,7 +211,10 @@ pub(crate) async fn run(settings: StreamSettings, shutdown: CancellationToken) {
                 });
             }
             _ = discover.tick() => worker.discover(),
-            _ = heartbeat.tick() => worker.heartbeat(),
+            _ = heartbeat.tick() => {
+                worker.rebalance_credits();
+                worker.heartbeat();
+            }
             event = receiver.recv() => {
                 let Some(event) = event else { break };
                 worker.handle(event);
@@ -339,6 +354,9 @@ impl StreamWorker {
                 confirmed: false,
                 credits: 0,
                 end_grace: None,
+                withdraws: false,
+                withdrawing: false,
+                last_push: Instant::now(),
             },
         );
         let events = self.events.clone();
@@ -366,6 +384,7 @@ impl StreamWorker {
                     session.confirmed = true;
                     session.end_grace =
                         (opened.stream_end_grace_ms > 0).then(|| Duration::from_millis(opened.stream_end_grace_ms));
+                    session.withdraws = opened.withdraws;
                 }
             }
             None => {}
@@ -376,6 +395,7 @@ impl StreamWorker {
     fn start(&mut self, endpoint: &Arc<str>, dispatched: pb::DispatchedJob) {
         if let Some(session) = self.sessions.get_mut(endpoint) {
             session.credits = session.credits.saturating_sub(1);
+            session.last_push = Instant::now();
         }
         let Some(admitted) = dispatched.job else {
             return;
@@ -455,11 +475,20 @@ impl StreamWorker {
     }
 
     fn answered(&mut self, answer: pb::WorkAnswer) {
+        if let Some(pb::work_answer::Result::Withdrawn(withdrawn)) = &answer.result {
+            if let Some(endpoint) = self.withdrawing.remove(&answer.id) {
+                if let Some(session) = self.sessions.get_mut(&endpoint) {
+                    session.withdrawing = false;
+                    session.credits = session.credits.saturating_sub(withdrawn.credits as usize);
+                }
+            }
+            return;
+        }
         let Some(sent) = self.pending.remove(&answer.id) else {
             return;
         };
         match answer.result {
-            Some(pb::work_answer::Result::Completed(_)) => {}
+            Some(pb::work_answer::Result::Completed(_) | pb::work_answer::Result::Withdrawn(_)) => {}
             Some(pb::work_answer::Result::Heartbeats(response)) => {
                 for result in response.results {
                     let key = (result.job_id, result.attempt);
@@ -616,6 +645,59 @@ impl StreamWorker {
             // The stream is going away; its credits are spread again.
             if let Some(session) = self.sessions.get_mut(endpoint) {
                 session.credits = session.credits.saturating_sub(credits as usize);
+            }
+        }
+    }
+
+    /// Credits follow the work, so the streams of instances that had jobs
+    /// hold them; when the jobs move (a job partition changes owner), the
+    /// instance that has them now may have none. So when a stream has no
+    /// credit, a stream that has more than its share and pushed nothing for
+    /// `IDLE_BEFORE_WITHDRAW` gives back what is over its share (taken back
+    /// with `withdraw`; `spread_credits` then gives it to the streams with
+    /// the fewest).
+    fn rebalance_credits(&mut self) {
+        if self.draining {
+            return;
+        }
+        let confirmed = self.sessions.values().filter(|session| session.confirmed).count();
+        let starving = self
+            .sessions
+            .values()
+            .any(|session| session.confirmed && session.credits == 0);
+        if confirmed < 2 || !starving {
+            return;
+        }
+        let free = self.settings.concurrency.saturating_sub(self.running.len());
+        let share = (free / confirmed).max(1);
+        let now = Instant::now();
+        let over: Vec<(Arc<str>, usize)> = self
+            .sessions
+            .iter()
+            .filter(|(_, session)| {
+                session.confirmed
+                    && session.withdraws
+                    && !session.withdrawing
+                    && session.credits > share
+                    && now.duration_since(session.last_push) >= IDLE_BEFORE_WITHDRAW
+            })
+            .map(|(endpoint, session)| (endpoint.clone(), session.credits - share))
+            .collect();
+        for (endpoint, credits) in over {
+            let id = self.next_id;
+            self.next_id += 1;
+            let Some(session) = self.sessions.get_mut(&endpoint) else {
+                continue;
+            };
+            let request = pb::WorkRequest {
+                message: Some(pb::work_request::Message::Withdraw(pb::WorkWithdraw {
+                    id,
+                    credits: u32::try_from(credits).unwrap_or(u32::MAX),
+                })),
+            };
+            if session.up.try_send(request).is_ok() {
+                session.withdrawing = true;
+                self.withdrawing.insert(id, endpoint);
             }
         }
     }
