@@ -34,6 +34,10 @@ pub enum FaultPoint {
     /// Admission committed a batch that claimed jobs for stream workers and
     /// dies before it pushes them (the partition stops as a crash would).
     AdmissionAfterCommitBeforePush,
+    /// An owner took link commands from a stream and its partition stopped
+    /// before the batch holding them was committed (released, revoked):
+    /// they are never applied, and the stream stays open.
+    LinkCommandsDroppedBeforeCommit,
 }
 
 /// The error an armed `OwnerCommitRefused` or `AdmissionSaveRefused` gives:

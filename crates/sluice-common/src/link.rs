@@ -402,6 +402,7 @@ impl<L: Send + 'static> LinkReader<L> {
     /// commit (the next message is read at once); `LinkApplied` follows it.
     async fn submit(&self, commands: pb::LinkCommands) {
         let seq = commands.seq;
+        let partition_number = commands.partition;
         let Ok(partition) = i32::try_from(commands.partition) else {
             self.refuse(seq, commands.partition, "partition out of range".to_string())
                 .await;
@@ -414,22 +415,43 @@ impl<L: Send + 'static> LinkReader<L> {
             applied,
         };
         let make_local = self.make_local;
-        match self
-            .registry
-            .submit(partition, make_local(LinkInput::Commands(batch)))
-            .await
+        let submitted = if self
+            .router
+            .faults
+            .hit(crate::faults::FaultPoint::LinkCommandsDroppedBeforeCommit)
         {
+            tracing::warn!(
+                partition,
+                seq,
+                "fault hook: the partition stops before these commands are committed"
+            );
+            drop(batch);
+            Ok(())
+        } else {
+            self.registry
+                .submit(partition, make_local(LinkInput::Commands(batch)))
+                .await
+        };
+        match submitted {
             Ok(()) => {
                 let down = self.down.clone();
                 tokio::spawn(async move {
-                    if applied_receiver.await.is_ok() {
-                        let message = pb::LinkDown {
-                            message: Some(pb::link_down::Message::Applied(pb::LinkApplied { seqs: vec![seq] })),
-                        };
-                        let _ = down.send(Ok(message)).await;
-                    }
-                    // Dropped unanswered: the partition stopped before the
-                    // commit; the client sends the commands again.
+                    let message = if applied_receiver.await.is_ok() {
+                        pb::link_down::Message::Applied(pb::LinkApplied { seqs: vec![seq] })
+                    } else {
+                        // Dropped unanswered: the partition stopped before
+                        // the commit (released, revoked). Refused, owner
+                        // unknown: the client reads the directory again
+                        // and sends them to the new owner at once (they
+                        // would wait on this open stream for ever).
+                        pb::link_down::Message::Refused(pb::LinkRefused {
+                            seq,
+                            partition: partition_number,
+                            owner_endpoint: String::new(),
+                            reason: "the partition stopped before the commands were committed".to_string(),
+                        })
+                    };
+                    let _ = down.send(Ok(pb::LinkDown { message: Some(message) })).await;
                 });
             }
             Err(_not_owner) => {
@@ -704,7 +726,15 @@ impl ClientActor {
             ClientEvent::Refused(refused) => {
                 let partition = i32::try_from(refused.partition).unwrap_or(-1);
                 tracing::debug!(service = self.settings.service, partition, owner = %refused.owner_endpoint, reason = %refused.reason, "link commands refused; sending them to the owner");
-                if refused.owner_endpoint.is_empty() {
+                // An owner naming itself (its row not replaced yet) is no
+                // answer: read the directory again rather than loop.
+                let names_itself = self.unacked.get(&refused.seq).is_some_and(|pending| {
+                    pending
+                        .sent_on
+                        .as_ref()
+                        .is_some_and(|(sent_to, _)| **sent_to == *refused.owner_endpoint)
+                });
+                if refused.owner_endpoint.is_empty() || names_itself {
                     self.directory.remove(&partition);
                     self.directory_wanted = true;
                 } else {

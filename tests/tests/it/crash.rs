@@ -220,3 +220,43 @@ async fn a_link_that_breaks_between_commit_and_grant_delivery_loses_no_grant() -
     stack.stop().await;
     Ok(())
 }
+
+/// An owner takes link commands off an open stream and its partition stops
+/// before it commits them (the first twenty messages): it refuses them, and
+/// admission sends them again at once (re-sends after a wait are off here),
+/// so the job's acquire is applied and the job admitted. Before, such
+/// commands waited on the open stream for admission's next re-send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn link_commands_an_owner_dropped_before_its_commit_are_sent_again() -> anyhow::Result<()> {
+    let stack = Stack::start(
+        test_config(
+            "linkdrop",
+            &[
+                ("admission.resend_waiting_after", "10m"),
+                ("admission.claim_timeout", "10m"),
+            ],
+        )?,
+        1,
+    )
+    .await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    stack.limit_grants[0]
+        .faults
+        .arm(FaultPoint::LinkCommandsDroppedBeforeCommit, 0, 20);
+    let mut admission = stack.admission_client().await?;
+    let mut request = concurrency_job("acme", "dropped", 1, 50, "x");
+    request.job_id = Some("dropped-acquire".to_string());
+    admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    eventually(Duration::from_secs(30), "the job admitted", || async {
+        Ok(job_view(&admission, "dropped-acquire").await?.status == pb::JobStatus::Admitted as i32)
+    })
+    .await?;
+    assert!(
+        stack.limit_grants[0]
+            .faults
+            .fired(FaultPoint::LinkCommandsDroppedBeforeCommit)
+            > 0
+    );
+    stack.stop().await;
+    Ok(())
+}
