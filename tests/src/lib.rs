@@ -1090,7 +1090,9 @@ pub async fn observe_grants(
     Ok(())
 }
 
-async fn watch_grants(
+/// Record the grants `endpoint` sends until `stop`, opening the stream
+/// again when it ends; `opened` fires once it first opens.
+pub async fn watch_grants(
     endpoint: String,
     events: Arc<Mutex<Vec<pb::GrantEvent>>>,
     stop: Shutdown,

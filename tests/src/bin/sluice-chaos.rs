@@ -9,8 +9,9 @@
 //!
 //! Faults, one every 3-6 s: SIGKILL of a service instance (restarted
 //! after 0.5-2 s) or of a worker, SIGSTOP of the broker for 1-3 s
-//! (CHAOS_BROKER_PID names it), or every PostgreSQL connection of the
-//! services paused for 1-3 s (they go through a proxy in this runner).
+//! (CHAOS_BROKER_PID names it), every PostgreSQL connection of the
+//! services paused for 1-3 s (they go through a proxy in this runner), or
+//! both instances of one service killed and restarted after 5 s.
 //!
 //! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0 runs the same workload without faults),
@@ -30,6 +31,15 @@ use rand::Rng;
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
+
+/// Every fourth job also takes a unit of one of three rate limits, each
+/// `RATE_LIMIT` per `RATE_WINDOW_MS`.
+const RATE_LIMIT: i64 = 10;
+const RATE_WINDOW_MS: i64 = 1000;
+
+fn rate_key_of(job: usize) -> Option<String> {
+    (job % 4 == 3).then(|| format!("r{}", job % 3))
+}
 
 fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -158,6 +168,28 @@ impl Cluster {
         Ok(())
     }
 
+    /// Kill the instances at `indices`, and start them again after `down`.
+    async fn restart(&mut self, indices: &[usize], down: Duration) {
+        for index in indices {
+            Cluster::kill(&mut self.instances[*index]).await;
+        }
+        tokio::time::sleep(down).await;
+        for index in indices {
+            let mut instance = std::mem::replace(
+                &mut self.instances[*index],
+                Instance {
+                    service: "",
+                    port: 0,
+                    child: None,
+                },
+            );
+            if let Err(error) = self.spawn(&mut instance) {
+                eprintln!("chaos: restarting failed: {error:#}");
+            }
+            self.instances[*index] = instance;
+        }
+    }
+
     async fn kill(instance: &mut Instance) {
         if let Some(mut child) = instance.child.take() {
             let _ = child.start_kill();
@@ -275,6 +307,26 @@ async fn main() -> anyhow::Result<()> {
         wait_serving(&endpoint(instance.port), Duration::from_secs(120)).await?;
     }
 
+    // Every rate grant, as each rate-window instance sends it.
+    let grants: Arc<Mutex<Vec<pb::GrantEvent>>> = Arc::default();
+    let watching_grants = sluice_common::Shutdown::new();
+    for instance in cluster
+        .instances
+        .iter()
+        .filter(|instance| instance.service == "rate-window")
+    {
+        let (opened, opened_receiver) = tokio::sync::oneshot::channel();
+        tokio::spawn(watch_grants(
+            endpoint(instance.port),
+            grants.clone(),
+            watching_grants.clone(),
+            opened,
+        ));
+        tokio::time::timeout(Duration::from_secs(60), opened_receiver)
+            .await
+            .context("watching a rate-window instance's grants")??;
+    }
+
     let history = Arc::new(History::default());
     let started = Instant::now();
     let workers = Arc::new(Mutex::new(Vec::new()));
@@ -308,9 +360,10 @@ async fn main() -> anyhow::Result<()> {
                 if !kills {
                     continue;
                 }
-                // The instances, a worker, the broker, PostgreSQL.
+                // The instances, a worker, the broker, PostgreSQL, a whole
+                // service.
                 let worker_victim = cluster.instances.len();
-                let victims = cluster.instances.len() + 3;
+                let victims = cluster.instances.len() + 4;
                 let victim = if workers_only {
                     worker_victim
                 } else {
@@ -351,23 +404,21 @@ async fn main() -> anyhow::Result<()> {
                     eprintln!("chaos: killed a worker");
                     continue;
                 }
-                let instance = &mut cluster.instances[victim];
-                eprintln!("chaos: kill -9 sluice-{} on port {}", instance.service, instance.port);
-                Cluster::kill(instance).await;
-                let down = Duration::from_millis(rand::rng().random_range(500..2000));
-                tokio::time::sleep(down).await;
-                let mut instance = std::mem::replace(
-                    &mut cluster.instances[victim],
-                    Instance {
-                        service: "",
-                        port: 0,
-                        child: None,
-                    },
-                );
-                if let Err(error) = cluster.spawn(&mut instance) {
-                    eprintln!("chaos: restarting failed: {error:#}");
+                if victim == worker_victim + 3 {
+                    // A whole service down for 5 s.
+                    let services = ["limit-grant", "rate-window", "refresh-dispatcher", "admission"];
+                    let service = services[rand::rng().random_range(0..services.len())];
+                    eprintln!("chaos: kill -9 every sluice-{service} for 5s");
+                    let all: Vec<usize> = (0..cluster.instances.len())
+                        .filter(|index| cluster.instances[*index].service == service)
+                        .collect();
+                    cluster.restart(&all, Duration::from_secs(5)).await;
+                    continue;
                 }
-                cluster.instances[victim] = instance;
+                let instance = &cluster.instances[victim];
+                eprintln!("chaos: kill -9 sluice-{} on port {}", instance.service, instance.port);
+                let down = Duration::from_millis(rand::rng().random_range(500..2000));
+                cluster.restart(&[victim], down).await;
             }
             // No more faults; the instances serve until the checks are done.
             finish.cancelled().await;
@@ -388,6 +439,19 @@ async fn main() -> anyhow::Result<()> {
             for job in 0..jobs {
                 let mut request = concurrency_job("chaos", &format!("k{}", job % keys), limit, 0, &job.to_string());
                 request.job_id = Some(format!("chaos-{job}"));
+                if let Some(name) = rate_key_of(job) {
+                    request.limits.push(pb::Limit {
+                        kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
+                            spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                                name,
+                                unique_key: String::new(),
+                                limit: RATE_LIMIT,
+                                duration_ms: RATE_WINDOW_MS,
+                                cost: 1,
+                            })),
+                        })),
+                    });
+                }
                 // A killed worker's attempt ends as a lease expiry, which
                 // uses up an attempt: enough of them that faults never fail
                 // a job.
@@ -519,9 +583,18 @@ async fn main() -> anyhow::Result<()> {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .clone();
+    watching_grants.trigger();
+    let rate_grants = grants.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+    let (rate_granted, over_rate) = rate_windows_exceeded(&rate_grants);
     let overlapping = overlapping_attempts(&runs);
     let over_limit = max_running_per_key(&runs, keys).saturating_sub(usize::try_from(limit).unwrap_or(usize::MAX));
-    let stalls = stalls(&runs, &enqueued, keys, started + elapsed);
+    // Jobs that wait for a rate limit are not stalled on their key.
+    let unthrottled: HashMap<usize, Instant> = enqueued
+        .iter()
+        .filter(|(job, _)| rate_key_of(**job).is_none())
+        .map(|(job, at)| (*job, *at))
+        .collect();
+    let stalls = stalls(&runs, &unthrottled, keys, started + elapsed);
     let percentile = |p: f64| -> f64 {
         if stalls.is_empty() {
             return 0.0;
@@ -539,6 +612,10 @@ async fn main() -> anyhow::Result<()> {
         "unfinished": unfinished,
         "overlapping_attempts": overlapping,
         "over_limit": over_limit,
+        // Rate grants seen (distinct tickets), and windows of
+        // RATE_WINDOW_MS holding more than RATE_LIMIT of them.
+        "rate_grants": rate_granted,
+        "rate_windows_exceeded": over_rate,
         "held_slots_at_end": held,
         "runs": runs.len(),
         "max_attempt": runs.iter().map(|run| run.attempt).max().unwrap_or(0),
@@ -554,7 +631,7 @@ async fn main() -> anyhow::Result<()> {
         "logs": work.to_string_lossy(),
     });
     println!("{figures}");
-    let failed = !pending.is_empty() || overlapping > 0 || over_limit > 0 || held != Some(0);
+    let failed = !pending.is_empty() || overlapping > 0 || over_limit > 0 || over_rate > 0 || held != Some(0);
     std::process::exit(i32::from(failed));
 }
 
@@ -648,6 +725,43 @@ fn start_worker(admission: &str, history: Arc<History>) -> tokio::task::JoinHand
             Err(error) => eprintln!("chaos: worker failed to build: {error}"),
         }
     })
+}
+
+/// Distinct rate grants (by ticket), and how many of them have more than
+/// `RATE_LIMIT` grants of their key within `RATE_WINDOW_MS` up to and
+/// including themselves, by the rate-window's grant time.
+fn rate_windows_exceeded(events: &[pb::GrantEvent]) -> (usize, usize) {
+    let mut by_key: HashMap<String, BTreeMap<(String, u32, u32), i64>> = HashMap::new();
+    for event in events {
+        if event.kind != pb::LimitKind::Rate as i32 {
+            continue;
+        }
+        let (Some(key), Some(ticket)) = (&event.key, &event.ticket) else {
+            continue;
+        };
+        by_key
+            .entry(key.key.clone())
+            .or_default()
+            .entry((ticket.job_id.clone(), ticket.attempt, ticket.step))
+            .or_insert(event.granted_at_ms);
+    }
+    let mut granted = 0;
+    let mut exceeded = 0;
+    for tickets in by_key.values() {
+        let mut times: Vec<i64> = tickets.values().copied().collect();
+        times.sort_unstable();
+        granted += times.len();
+        let mut first = 0;
+        for (last, at) in times.iter().enumerate() {
+            while times[first] <= at - RATE_WINDOW_MS {
+                first += 1;
+            }
+            if i64::try_from(last - first + 1).unwrap_or(i64::MAX) > RATE_LIMIT {
+                exceeded += 1;
+            }
+        }
+    }
+    (granted, exceeded)
 }
 
 /// Pairs of runs of one job that overlap in time.
