@@ -7,7 +7,7 @@
 //! waiting jobs and nothing running). One JSON line at the end; exit 1 when a
 //! guarantee fails.
 //!
-//! Faults, one every 3-6 s: SIGKILL of a service instance (restarted
+//! Faults, one every 3-6 s while jobs are enqueued: SIGKILL of a service instance (restarted
 //! after 0.5-2 s) or of a worker, SIGSTOP of the broker for 1-3 s
 //! (CHAOS_BROKER_PID names it), every PostgreSQL connection of the
 //! services paused for 1-3 s (they go through a proxy in this runner), or
@@ -483,6 +483,9 @@ async fn main() -> anyhow::Result<()> {
         })
     };
     producing.await?;
+    // Faults while jobs are enqueued; then the system must heal and finish
+    // every job (a fault under way completes: its instances come back).
+    stop.trigger();
 
     // Until every job succeeded (as GetJob says), or the deadline.
     let mut pending: Vec<usize> = (0..jobs).collect();
@@ -508,7 +511,6 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let elapsed = started.elapsed();
-    stop.trigger();
     watching.abort();
     // What the jobs that did not succeed are doing.
     let mut unfinished: BTreeMap<String, usize> = BTreeMap::new();
@@ -537,11 +539,17 @@ async fn main() -> anyhow::Result<()> {
     let mut limits = sluice_proto::v1::limits_client::LimitsClient::new(connect(&limit_grant.endpoint).await?);
     // `None`: some key could not be read (counted as a failure).
     let mut held: Option<usize> = None;
+    let mut unread = String::new();
     let settle = Instant::now() + Duration::from_secs(60);
     while Instant::now() < settle {
+        // A new connection each round: through the proxy, to either
+        // instance (one still loading a partition answers NOT_OWNER).
+        if let Ok(channel) = connect(&limit_grant.endpoint).await {
+            limits = sluice_proto::v1::limits_client::LimitsClient::new(channel);
+        }
         let mut counted = Some(0usize);
         for key in 0..keys {
-            let state = limits
+            let state = match limits
                 .describe_key(pb::DescribeKeyRequest {
                     key: Some(pb::KeyRef {
                         tenant: "chaos".to_string(),
@@ -550,14 +558,22 @@ async fn main() -> anyhow::Result<()> {
                     ..Default::default()
                 })
                 .await
-                .ok()
-                .and_then(|response| response.into_inner().state);
+            {
+                Ok(response) => response.into_inner().state,
+                Err(status) => {
+                    unread = format!("k{key}: {status}");
+                    None
+                }
+            };
             counted = match (counted, state) {
                 (Some(total), Some(state)) => Some(total + state.holders.len()),
                 _ => None,
             };
         }
         held = counted;
+        if held.is_none() {
+            eprintln!("chaos: a key could not be read: {unread}");
+        }
         if held == Some(0) {
             break;
         }
