@@ -62,7 +62,7 @@ test: fmt-check clippy unit-and-integration helm-check chaos-short
 # A short `make chaos` (debug builds, its own broker port): 600 jobs on 10
 # keys while instances, workers, the broker and PostgreSQL fail.
 chaos-short: setup
-	@CHAOS_PROFILE=debug CHAOS_JOBS=600 CHAOS_KEYS=10 CHAOS_RATE=30 CHAOS_DEADLINE_S=300 \
+	@CHAOS_PROFILE=debug CHAOS_JOBS=600 CHAOS_KEYS=10 CHAOS_RATE=15 CHAOS_DEADLINE_S=300 \
 	  SLUICE_CHAOS_BROKER_PORT=19293 scripts/chaos.sh
 
 bench: setup

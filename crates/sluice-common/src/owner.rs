@@ -688,6 +688,12 @@ struct PartitionTask<S: OwnedStore> {
 }
 
 const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// How often an owned partition checks that no newer owner took it over.
+/// A commit finds out anyway; a partition with no input commits nothing,
+/// and while it believes it owns the partition (its consumer still assigned
+/// it after a rebalance that overlapped), nobody serves it: its callers are
+/// sent to the newer owner's row, which has given it up.
+const FENCE_CHECK_EVERY: Duration = Duration::from_secs(2);
 /// How often an owned partition publishes its keys for per-key metrics.
 const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(5);
@@ -724,6 +730,27 @@ impl Backoff {
 }
 
 impl<S: OwnedStore> PartitionTask<S> {
+    /// Whether the owner row names a newer epoch than `epoch` (a newer owner
+    /// took the partition over while this one had no input). The task then
+    /// stops, and its consumer takes the partition over again if it is
+    /// still assigned here. A failed read is not a fence.
+    async fn fenced_while_idle(&self, partition: i32, epoch: i64) -> bool {
+        match lookup_owner(&self.pool, partition).await {
+            Ok(Some((endpoint, current))) if current > epoch => {
+                tracing::warn!(
+                    service = self.settings.service,
+                    partition,
+                    ours = epoch,
+                    current,
+                    %endpoint,
+                    "fenced by a newer owner while idle; giving the partition up"
+                );
+                true
+            }
+            _ => false,
+        }
+    }
+
     async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
         let partition = input.partition;
         self.registry.set_condition(partition, "loading");
@@ -750,6 +777,9 @@ impl<S: OwnedStore> PartitionTask<S> {
 
         let mut last_received: Option<i64> = None;
         let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
+        let mut fence_check = tokio::time::interval(FENCE_CHECK_EVERY);
+        fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        fence_check.tick().await;
         let outcome = loop {
             let mut messages: Vec<InMsg> = Vec::new();
             let mut locals = Vec::new();
@@ -769,6 +799,12 @@ impl<S: OwnedStore> PartitionTask<S> {
                 },
                 Some(local) = local_receiver.recv() => locals.push(local),
                 _ = sleep => {}
+                _ = fence_check.tick() => {
+                    if self.fenced_while_idle(partition, context.epoch).await {
+                        break Ok(());
+                    }
+                    continue;
+                }
             }
             let mut bytes: usize = messages.iter().map(InMsg::size).sum();
             while messages.len() + locals.len() < self.settings.max_batch && bytes < input.max_batch_bytes {

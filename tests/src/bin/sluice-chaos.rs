@@ -15,7 +15,7 @@
 //!
 //! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0 runs the same workload without faults),
-//! CHAOS_DEADLINE_S (600), CHAOS_RATE (200 jobs/s enqueued),
+//! CHAOS_DEADLINE_S (600), CHAOS_RATE (40 jobs/s enqueued),
 //! CHAOS_SERVICE_LOG (the services' RUST_LOG, `warn`), CHAOS_VICTIMS
 //! (`workers`: kill only workers). The service
 //! binaries are taken from this binary's directory (`make chaos` builds
@@ -247,7 +247,7 @@ async fn main() -> anyhow::Result<()> {
     let kills = env_number::<u32>("CHAOS_KILLS", 1) > 0;
     let workers_only = std::env::var("CHAOS_VICTIMS").is_ok_and(|victims| victims == "workers");
     let deadline = Duration::from_secs(env_number("CHAOS_DEADLINE_S", 600));
-    let rate: f64 = env_number("CHAOS_RATE", 200.0);
+    let rate: f64 = env_number("CHAOS_RATE", 40.0);
     let broker_pid: Option<i32> = std::env::var("CHAOS_BROKER_PID").ok().and_then(|pid| pid.parse().ok());
     let base = test_config("chaos", &[])?;
     let postgres = PausingProxy::start(postgres_address(base.postgres.url.expose())?).await?;
@@ -431,55 +431,43 @@ async fn main() -> anyhow::Result<()> {
     // Producers: every job once, retried with its id until accepted.
     let client = AdmissionClient::new(connect(&admission.endpoint).await?);
     let watching = tokio::spawn(watch_slow_jobs(client.clone(), history.clone(), started));
+    // Up to 16 enqueues in flight, started at `rate` per second at most.
     let producing = {
         let history = history.clone();
         let client = client.clone();
         tokio::spawn(async move {
             let every = Duration::from_secs_f64(1.0 / rate.max(1.0));
+            let in_flight = Arc::new(tokio::sync::Semaphore::new(16));
             for job in 0..jobs {
-                let mut request = concurrency_job("chaos", &format!("k{}", job % keys), limit, 0, &job.to_string());
-                request.job_id = Some(format!("chaos-{job}"));
-                if let Some(name) = rate_key_of(job) {
-                    request.limits.push(pb::Limit {
-                        kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
-                            spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
-                                name,
-                                unique_key: String::new(),
-                                limit: RATE_LIMIT,
-                                duration_ms: RATE_WINDOW_MS,
-                                cost: 1,
-                            })),
-                        })),
-                    });
-                }
-                // A killed worker's attempt ends as a lease expiry, which
-                // uses up an attempt: enough of them that faults never fail
-                // a job.
-                request.retry = Some(pb::RetryPolicy {
-                    max_attempts: 100,
-                    initial_backoff: "100ms".to_string(),
-                    max_backoff: "1s".to_string(),
-                    ..pb::RetryPolicy::default()
-                });
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    break;
+                };
+                let request = chaos_request(job, keys, limit);
                 history
                     .enqueued
                     .lock()
                     .unwrap_or_else(|poisoned| poisoned.into_inner())
                     .insert(job, Instant::now());
-                loop {
-                    let mut client = client.clone();
-                    match client
-                        .enqueue(pb::EnqueueRequest {
-                            job: Some(request.clone()),
-                        })
-                        .await
-                    {
-                        Ok(_) => break,
-                        Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    loop {
+                        let mut client = client.clone();
+                        match client
+                            .enqueue(pb::EnqueueRequest {
+                                job: Some(request.clone()),
+                            })
+                            .await
+                        {
+                            Ok(_) => break,
+                            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                        }
                     }
-                }
+                });
                 tokio::time::sleep(every).await;
             }
+            // Every enqueue answered.
+            let _ = in_flight.acquire_many(16).await;
         })
     };
     producing.await?;
@@ -649,6 +637,35 @@ async fn main() -> anyhow::Result<()> {
     println!("{figures}");
     let failed = !pending.is_empty() || overlapping > 0 || over_limit > 0 || over_rate > 0 || held != Some(0);
     std::process::exit(i32::from(failed));
+}
+
+/// Job `job`: on key `k<job % keys>` of `limit`, every fourth one also on
+/// a rate limit, retried up to 100 attempts.
+fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
+    let mut request = concurrency_job("chaos", &format!("k{}", job % keys), limit, 0, &job.to_string());
+    request.job_id = Some(format!("chaos-{job}"));
+    if let Some(name) = rate_key_of(job) {
+        request.limits.push(pb::Limit {
+            kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                    name,
+                    unique_key: String::new(),
+                    limit: RATE_LIMIT,
+                    duration_ms: RATE_WINDOW_MS,
+                    cost: 1,
+                })),
+            })),
+        });
+    }
+    // A killed worker's attempt ends as a lease expiry, which uses up an
+    // attempt: enough of them that faults never fail a job.
+    request.retry = Some(pb::RetryPolicy {
+        max_attempts: 100,
+        initial_backoff: "100ms".to_string(),
+        max_backoff: "1s".to_string(),
+        ..pb::RetryPolicy::default()
+    });
+    request
 }
 
 /// Every 5 s, say on stderr where the jobs that have waited longest

@@ -260,3 +260,52 @@ async fn link_commands_an_owner_dropped_before_its_commit_are_sent_again() -> an
     stack.stop().await;
     Ok(())
 }
+
+/// A newer owner took a partition over and gave it up again while this
+/// instance, still assigned it, had no input (rebalances that overlapped
+/// under faults): the owner row names the other instance at a newer epoch,
+/// so callers go there, and this one never commits to find out. Here the
+/// rate-window rows (nothing else writes to them while no rate job runs)
+/// are moved by hand to an address nobody serves. The idle owner sees the
+/// newer epoch within seconds and takes its partitions over again (before,
+/// they stayed with the address nobody serves for ever), and a rate job is
+/// then admitted (re-sends after a wait are off).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_idle_owner_fenced_by_a_newer_epoch_takes_its_partitions_over_again() -> anyhow::Result<()> {
+    let stack = Stack::start(
+        test_config(
+            "idlefence",
+            &[
+                ("admission.resend_waiting_after", "10m"),
+                ("admission.claim_timeout", "10m"),
+            ],
+        )?,
+        1,
+    )
+    .await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    let schema = stack.config.schema("rate_window");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".owners SET epoch = epoch + 1, endpoint = 'http://127.0.0.1:1'"
+    )))
+    .execute(&stack.pool)
+    .await?;
+    let elsewhere = format!("SELECT count(*) FROM \"{schema}\".owners WHERE endpoint = 'http://127.0.0.1:1'");
+    eventually(Duration::from_secs(30), "every partition taken over again", || async {
+        let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(elsewhere.clone()))
+            .fetch_one(&stack.pool)
+            .await?;
+        Ok(left == 0)
+    })
+    .await?;
+    let mut admission = stack.admission_client().await?;
+    let mut request = rate_job("acme", "fenced", 10, 1000, "x");
+    request.job_id = Some("after-fence".to_string());
+    admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    eventually(Duration::from_secs(30), "the job admitted", || async {
+        Ok(job_view(&admission, "after-fence").await?.status == pb::JobStatus::Admitted as i32)
+    })
+    .await?;
+    stack.stop().await;
+    Ok(())
+}
