@@ -688,6 +688,11 @@ impl pb::admission_server::Admission for AdmissionApi {
         let message = request.into_inner();
         check_name("worker_id", &message.worker_id, MAX_ID_BYTES)?;
         let attempts = attempts_of("jobs", message.jobs)?;
+        if message.stream_ended.is_some() && !caller.service {
+            return Err(Status::permission_denied(
+                "stream_ended: only admission instances report an ended Work stream",
+            ));
+        }
         let ended = message.stream_ended.map(|ended| StreamEnd::of(&ended));
         let results = self
             .heartbeat_attempts(&caller, forwarded, &message.worker_id, attempts, ended)

@@ -443,12 +443,8 @@ async fn main() -> anyhow::Result<()> {
                     break;
                 };
                 let request = chaos_request(job, keys, limit);
-                history
-                    .enqueued
-                    .lock()
-                    .unwrap_or_else(|poisoned| poisoned.into_inner())
-                    .insert(job, Instant::now());
                 let client = client.clone();
+                let history = history.clone();
                 tokio::spawn(async move {
                     let _permit = permit;
                     loop {
@@ -463,6 +459,14 @@ async fn main() -> anyhow::Result<()> {
                             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
                         }
                     }
+                    // Waiting in Sluice from when it was accepted (a retry
+                    // may have been accepted the first time: this is later,
+                    // so a stall is never overstated).
+                    history
+                        .enqueued
+                        .lock()
+                        .unwrap_or_else(|poisoned| poisoned.into_inner())
+                        .insert(job, Instant::now());
                 });
                 tokio::time::sleep(every).await;
             }

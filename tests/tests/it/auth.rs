@@ -186,6 +186,29 @@ async fn callers_need_a_valid_token_and_act_only_on_their_tenants_with_their_rol
         .expect_err("a producer cancelled a job");
     assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
 
+    // Only admission instances report an ended Work stream (it shortens
+    // leases): a worker that says so is refused, naming the field.
+    let mut heartbeat = admission.clone();
+    let ended = heartbeat
+        .heartbeat(with_token(
+            pb::HeartbeatRequest {
+                worker_id: "worker-a".to_string(),
+                jobs: vec![pb::JobAttempt {
+                    job_id: job_ids[0].clone(),
+                    attempt: 1,
+                }],
+                stream_ended: Some(pb::StreamEnded {
+                    closed_at_ms: 0,
+                    grace_ms: 0,
+                }),
+            },
+            &worker_a,
+        ))
+        .await
+        .expect_err("a worker reported an ended stream");
+    assert_eq!(ended.code(), tonic::Code::PermissionDenied, "{ended:?}");
+    assert!(ended.message().contains("stream_ended"), "{}", ended.message());
+
     // Jobs of another tenant do not exist for a caller, at either instance
     // (one of them forwards to the job's owner).
     for job_id in &job_ids[..5] {
