@@ -38,6 +38,10 @@ pub enum FaultPoint {
     /// before the batch holding them was committed (released, revoked):
     /// they are never applied, and the stream stays open.
     LinkCommandsDroppedBeforeCommit,
+    /// An owner's periodic check of its owner row misses a newer epoch (it
+    /// read the row just before another instance took the partition over):
+    /// it goes on believing it owns the partition until a commit fences it.
+    OwnerIdleFenceCheckMissed,
 }
 
 /// The error an armed `OwnerCommitRefused` or `AdmissionSaveRefused` gives:

@@ -89,11 +89,28 @@ pub struct Outbox {
     messages: Vec<OutMsg>,
     links: crate::link::LinkEntries,
     entries: usize,
+    /// Only the partition's current owner may send these entries, even
+    /// when the batch writes nothing (`fence_before_sending`).
+    fence: bool,
 }
 
 impl Outbox {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The entries undo what another instance may have decided (a release
+    /// of a grant this partition does not know the job of): the owner
+    /// runtime checks that this instance still owns the partition before it
+    /// sends them, as a commit would, even when the batch writes nothing.
+    /// A stale owner is fenced and gives the partition up instead.
+    pub fn fence_before_sending(&mut self) {
+        self.fence = true;
+    }
+
+    /// Whether `fence_before_sending` was asked for.
+    pub fn must_fence(&self) -> bool {
+        self.fence
     }
 
     /// Add one entry to the batch message for `(topic, partition)`.
@@ -148,6 +165,7 @@ impl Outbox {
     }
 
     pub fn append(&mut self, other: Outbox) {
+        self.fence |= other.fence;
         for (destination, chunks) in other.batches {
             self.batches.entry(destination).or_default().extend(chunks);
         }

@@ -735,6 +735,9 @@ impl<S: OwnedStore> PartitionTask<S> {
     /// stops, and its consumer takes the partition over again if it is
     /// still assigned here. A failed read is not a fence.
     async fn fenced_while_idle(&self, partition: i32, epoch: i64) -> bool {
+        if self.faults.hit(FaultPoint::OwnerIdleFenceCheckMissed) {
+            return false;
+        }
         match lookup_owner(&self.pool, partition).await {
             Ok(Some((endpoint, current))) if current > epoch => {
                 tracing::warn!(
@@ -1187,7 +1190,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             if writes.is_empty() && outbox.is_empty() && replies.is_empty() && rejected.is_empty() {
                 return Ok(BatchEnd::Done);
             }
-            if !writes.is_empty() || !rejected.is_empty() {
+            if !writes.is_empty() || !rejected.is_empty() || outbox.must_fence() {
                 let started = std::time::Instant::now();
                 match self.commit(context, writes, &rejected, &input.topic, new_offset).await {
                     Ok(()) => {

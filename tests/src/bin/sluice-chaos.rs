@@ -41,6 +41,19 @@ fn rate_key_of(job: usize) -> Option<String> {
     (job % 4 == 3).then(|| format!("r{}", job % 3))
 }
 
+/// Every fifth job also takes the floating limit `FLOATING_KEY` (default
+/// max `FLOATING_DEFAULT_MAX`, refreshed every `FLOATING_REFRESH_MS` while it
+/// has waiters) and runs longer, so that it has waiters. The refresh
+/// worker answers a max from 1 to `FLOATING_CEILING`.
+const FLOATING_KEY: &str = "f0";
+const FLOATING_DEFAULT_MAX: u32 = 2;
+const FLOATING_CEILING: u32 = 3;
+const FLOATING_REFRESH_MS: u64 = 1000;
+
+fn is_floating(job: usize) -> bool {
+    job % 5 == 1
+}
+
 fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -62,6 +75,8 @@ struct Run {
 struct History {
     runs: Mutex<Vec<Run>>,
     enqueued: Mutex<HashMap<usize, Instant>>,
+    /// The floating max each refresh answered.
+    refreshes: Mutex<Vec<u32>>,
 }
 
 /// A TCP proxy to PostgreSQL whose connections can all be paused: nothing
@@ -263,6 +278,7 @@ async fn main() -> anyhow::Result<()> {
     let limit_grant = ServiceProxy::start(false).await?;
     let rate_window = ServiceProxy::start(false).await?;
     let admission = ServiceProxy::start(false).await?;
+    let refresh = ServiceProxy::start(false).await?;
     let config_file = work.join("sluice.toml");
     std::fs::write(
         &config_file,
@@ -298,7 +314,7 @@ async fn main() -> anyhow::Result<()> {
                 "limit-grant" => limit_grant.add(&endpoint(instance.port)),
                 "rate-window" => rate_window.add(&endpoint(instance.port)),
                 "admission" => admission.add(&endpoint(instance.port)),
-                _ => {}
+                _ => refresh.add(&endpoint(instance.port)),
             }
             cluster.instances.push(instance);
         }
@@ -329,6 +345,7 @@ async fn main() -> anyhow::Result<()> {
 
     let history = Arc::new(History::default());
     let started = Instant::now();
+    let refresher = start_refresh_worker(&base, &admission.endpoint, &refresh.endpoint, history.clone())?;
     let workers = Arc::new(Mutex::new(Vec::new()));
     for _ in 0..2 {
         let handle = start_worker(&admission.endpoint, history.clone());
@@ -580,6 +597,7 @@ async fn main() -> anyhow::Result<()> {
     {
         handle.abort();
     }
+    refresher.abort();
 
     let runs = history
         .runs
@@ -595,14 +613,36 @@ async fn main() -> anyhow::Result<()> {
     let rate_grants = grants.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
     let (rate_granted, over_rate) = rate_windows_exceeded(&rate_grants);
     let overlapping = overlapping_attempts(&runs);
-    let over_limit = max_running_per_key(&runs, keys).saturating_sub(usize::try_from(limit).unwrap_or(usize::MAX));
-    // Jobs that wait for a rate limit are not stalled on their key.
+    let over_limit =
+        max_running(&runs, |job| Some(job % keys.max(1))).saturating_sub(usize::try_from(limit).unwrap_or(usize::MAX));
+    // The floating max moves between 1 and FLOATING_CEILING; a lower max
+    // only affects new grants, so the ceiling is never passed.
+    let floating_running = max_running(&runs, |job| is_floating(job).then_some(0));
+    let floating_over_limit = floating_running.saturating_sub(usize::try_from(FLOATING_CEILING).unwrap_or(usize::MAX));
+    let refreshes = history
+        .refreshes
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .len();
+    // Jobs that wait for a rate or floating limit are not stalled on their
+    // key.
     let unthrottled: HashMap<usize, Instant> = enqueued
         .iter()
-        .filter(|(job, _)| rate_key_of(**job).is_none())
+        .filter(|(job, _)| rate_key_of(**job).is_none() && !is_floating(**job))
         .map(|(job, at)| (*job, *at))
         .collect();
-    let stalls = stalls(&runs, &unthrottled, keys, started + elapsed);
+    let stalls = stalls_of(&runs, &unthrottled, |job| job % keys.max(1), started + elapsed);
+    // The floating key's own stalls: its jobs waited, none of them ran
+    // (they may also wait for their concurrency key or a rate limit).
+    let floating_jobs: HashMap<usize, Instant> = enqueued
+        .iter()
+        .filter(|(job, _)| is_floating(**job))
+        .map(|(job, at)| (*job, *at))
+        .collect();
+    let floating_runs: Vec<Run> = runs.iter().filter(|run| is_floating(run.job)).cloned().collect();
+    let floating_stall = stalls_of(&floating_runs, &floating_jobs, |_| 0, started + elapsed)
+        .last()
+        .map_or(0.0, |stall| stall.seconds);
     let percentile = |p: f64| -> f64 {
         if stalls.is_empty() {
             return 0.0;
@@ -625,6 +665,13 @@ async fn main() -> anyhow::Result<()> {
         "rate_grants": rate_granted,
         "rate_windows_exceeded": over_rate,
         "held_slots_at_end": held,
+        // The most floating-limit jobs that ran at once, those over
+        // FLOATING_CEILING, and the refreshes the worker answered (none is
+        // a failure: the floating key has waiters all along).
+        "floating_max_running": floating_running,
+        "floating_over_limit": floating_over_limit,
+        "refreshes": refreshes,
+        "floating_stall_max_s": floating_stall,
         "runs": runs.len(),
         "max_attempt": runs.iter().map(|run| run.attempt).max().unwrap_or(0),
         "stall_p50_s": percentile(0.5),
@@ -639,12 +686,19 @@ async fn main() -> anyhow::Result<()> {
         "logs": work.to_string_lossy(),
     });
     println!("{figures}");
-    let failed = !pending.is_empty() || overlapping > 0 || over_limit > 0 || over_rate > 0 || held != Some(0);
+    let failed = !pending.is_empty()
+        || overlapping > 0
+        || over_limit > 0
+        || floating_over_limit > 0
+        || refreshes == 0
+        || over_rate > 0
+        || held != Some(0);
     std::process::exit(i32::from(failed));
 }
 
 /// Job `job`: on key `k<job % keys>` of `limit`, every fourth one also on
-/// a rate limit, retried up to 100 attempts.
+/// a rate limit, every fifth on the floating limit, retried up to 100
+/// attempts.
 fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
     let mut request = concurrency_job("chaos", &format!("k{}", job % keys), limit, 0, &job.to_string());
     request.job_id = Some(format!("chaos-{job}"));
@@ -661,6 +715,16 @@ fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
             })),
         });
     }
+    if is_floating(job) {
+        request.limits.push(pb::Limit {
+            kind: Some(pb::limit::Kind::Floating(pb::FloatingConcurrencyLimit {
+                key: FLOATING_KEY.to_string(),
+                default_max: FLOATING_DEFAULT_MAX,
+                refresh_interval_ms: FLOATING_REFRESH_MS,
+                metadata: Default::default(),
+            })),
+        });
+    }
     // A killed worker's attempt ends as a lease expiry, which uses up an
     // attempt: enough of them that faults never fail a job.
     request.retry = Some(pb::RetryPolicy {
@@ -672,8 +736,9 @@ fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
     request
 }
 
-/// Every 5 s, say on stderr where the jobs that have waited longest
-/// without running are (a stall's cause, while it lasts).
+/// Every 5 s, say on stderr where the jobs on concurrency keys alone that
+/// have waited longest without running are (a stall's cause, while it
+/// lasts).
 async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, history: Arc<History>, started: Instant) {
     loop {
         tokio::time::sleep(Duration::from_secs(5)).await;
@@ -689,7 +754,14 @@ async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, his
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .iter()
-            .filter(|(job, at)| !ran.contains(job) && at.elapsed() > Duration::from_secs(10))
+            .filter(|(job, at)| {
+                // Those a stall counts (a rate or floating limit's wait is
+                // its capacity).
+                !ran.contains(job)
+                    && at.elapsed() > Duration::from_secs(10)
+                    && rate_key_of(**job).is_none()
+                    && !is_floating(**job)
+            })
             .map(|(job, at)| (*job, *at))
             .collect();
         slow.sort_by_key(|(_, at)| *at);
@@ -736,7 +808,11 @@ fn start_worker(admission: &str, history: Arc<History>) -> tokio::task::JoinHand
                     .ok()
                     .and_then(|text| text.parse().ok())
                     .unwrap_or(usize::MAX);
-                let pause = rand::rng().random_range(10..40);
+                let pause = if is_floating(index) {
+                    rand::rng().random_range(300..900)
+                } else {
+                    rand::rng().random_range(10..40)
+                };
                 tokio::time::sleep(Duration::from_millis(pause)).await;
                 history
                     .runs
@@ -762,6 +838,46 @@ fn start_worker(admission: &str, history: Arc<History>) -> tokio::task::JoinHand
             Err(error) => eprintln!("chaos: worker failed to build: {error}"),
         }
     })
+}
+
+/// A worker that only computes floating-limit refreshes: a max from 1 to
+/// `FLOATING_CEILING`, at random, reported through `refresh` (any
+/// refresh-dispatcher instance).
+fn start_refresh_worker(
+    base: &sluice_common::SluiceConfig,
+    admission: &str,
+    refresh: &str,
+    history: Arc<History>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let options = sluice_client::ClientOptions {
+        brokers: base.kafka.brokers.clone(),
+        topic_prefix: base.kafka.topic_prefix.clone(),
+        admission_endpoint: admission.to_string(),
+        refresh_endpoint: refresh.to_string(),
+        ..sluice_client::ClientOptions::default()
+    };
+    let worker = sluice_client::Worker::builder(options, |_job: sluice_client::Job| async {
+        Err(sluice_client::JobError::retryable("the refresh worker runs no jobs"))
+    })
+    .task_group("chaos-refresh-only")
+    .transport(sluice_client::Transport::Stream)
+    .refresh_handler(move |_task: pb::RefreshTask| {
+        let history = history.clone();
+        async move {
+            let max = rand::rng().random_range(1..=FLOATING_CEILING);
+            history
+                .refreshes
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .push(max);
+            Ok::<u32, sluice_client::RefreshError>(max)
+        }
+    })
+    .build()
+    .context("the refresh worker")?;
+    Ok(tokio::spawn(async move {
+        let _ = worker.run(sluice_client::CancellationToken::new()).await;
+    }))
 }
 
 /// Distinct rate grants (by ticket), and how many of them have more than
@@ -820,11 +936,14 @@ fn overlapping_attempts(runs: &[Run]) -> usize {
     overlapping
 }
 
-/// The most runs of one key at once.
-fn max_running_per_key(runs: &[Run], keys: usize) -> usize {
+/// The most runs of one key at once; `key_of` says which key a job counts
+/// on (`None`: none).
+fn max_running(runs: &[Run], key_of: impl Fn(usize) -> Option<usize>) -> usize {
     let mut events: BTreeMap<usize, Vec<(Instant, i32)>> = BTreeMap::new();
     for run in runs {
-        let key = run.job % keys.max(1);
+        let Some(key) = key_of(run.job) else {
+            continue;
+        };
         // An end before a start at the same instant: back to back is fine.
         events.entry(key).or_default().push((run.started, 1));
         events.entry(key).or_default().push((run.ended, -1));
@@ -851,7 +970,12 @@ struct Stall {
 }
 
 /// Every stall, shortest first.
-fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: Instant) -> Vec<Stall> {
+fn stalls_of(
+    runs: &[Run],
+    enqueued: &HashMap<usize, Instant>,
+    key_of: impl Fn(usize) -> usize,
+    end: Instant,
+) -> Vec<Stall> {
     let mut first_start: HashMap<usize, Instant> = HashMap::new();
     for run in runs {
         let entry = first_start.entry(run.job).or_insert(run.started);
@@ -859,13 +983,13 @@ fn stalls(runs: &[Run], enqueued: &HashMap<usize, Instant>, keys: usize, end: In
     }
     let mut events: BTreeMap<usize, Vec<(Instant, i32, i32)>> = BTreeMap::new();
     for (job, at) in enqueued {
-        let key = job % keys.max(1);
+        let key = key_of(*job);
         let started = first_start.get(job).copied().unwrap_or(end);
         events.entry(key).or_default().push((*at, 1, 0));
         events.entry(key).or_default().push((started, -1, 0));
     }
     for run in runs {
-        let key = run.job % keys.max(1);
+        let key = key_of(run.job);
         events.entry(key).or_default().push((run.started, 0, 1));
         events.entry(key).or_default().push((run.ended, 0, -1));
     }

@@ -1,7 +1,9 @@
-//! A stale owner's commit (old epoch) is refused.
+//! A stale owner's commit (old epoch) is refused, and so is its release of a
+//! grant it does not know the job of.
 
 use std::time::Duration;
 
+use sluice_common::faults::FaultPoint;
 use sluice_common::owner::{bump_epoch, commit_fenced, fence_and_advance, CommitError, FencedStatement};
 use sluice_common::partition::key_partition;
 use sluice_e2e::*;
@@ -147,6 +149,99 @@ async fn a_fenced_owner_writes_nothing_and_the_partition_is_taken_over_again() -
         .filter(|ticket| ticket.key() == "fenced-key")
         .count();
     assert_eq!(tickets, 1, "one ticket: the refused commit wrote nothing");
+    stack.stop().await;
+    Ok(())
+}
+
+/// A grant for a job an admission partition does not know is released only
+/// by the partition's current owner. An instance that lost the partition
+/// without knowing it yet (rebalances overlap) may be sent the grant of a job
+/// that waits for it at the new owner: it must not give the slot back. Its
+/// release is fenced like a commit, so it gives the partition up instead,
+/// and the ticket stays held. (Released unfenced, the job waited for its
+/// re-sent acquire, 30 s, with its key free: a stall make chaos found.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("unknowngrant", &[])?, 1).await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    let config = stack.config.clone();
+    let job_id = "ghost-of-a-newer-owner";
+    let job_partition = sluice_common::partition::job_partition(job_id, config.kafka.partitions.jobs);
+    let schema = config.schema("admission");
+    let epoch_query = format!("SELECT epoch FROM \"{schema}\".owners WHERE partition = $1");
+    // Another instance takes the job partition over, and the running one's
+    // check of its owner row misses it.
+    stack.admissions[0]
+        .faults
+        .arm(FaultPoint::OwnerIdleFenceCheckMissed, 0, u64::MAX);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".owners SET epoch = epoch + 1, owner_id = 'newer-owner' WHERE partition = $1"
+    )))
+    .bind(job_partition)
+    .execute(&stack.pool)
+    .await?;
+    let newer_epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query.clone()))
+        .bind(job_partition)
+        .fetch_one(&stack.pool)
+        .await?;
+
+    // The job's acquire (sent by the newer owner) is granted at once; the
+    // grant reaches the stale instance, which does not know the job.
+    let key = "ghost-key";
+    let acquire = pb::LimitCommand {
+        trace: None,
+        sent_at_ms: 0,
+        command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
+            key: Some(pb::KeyRef {
+                tenant: "acme".to_string(),
+                key: key.to_string(),
+            }),
+            ticket: Some(pb::TicketId {
+                job_id: job_id.to_string(),
+                attempt: 1,
+                step: 0,
+            }),
+            priority: 10,
+            enqueued_at_us: 1,
+            limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
+        })),
+    };
+    publish_raw(
+        &config,
+        vec![sluice_common::kafka::OutMsg {
+            topic: std::sync::Arc::from(config.topic(&config.topics.limit_commands)),
+            partition: Some(key_partition("acme", key, config.kafka.partitions.limit_commands)),
+            key: None,
+            payload: prost::Message::encode_to_vec(&pb::LimitCommandBatch {
+                commands: vec![acquire],
+            }),
+            headers: Vec::new(),
+        }],
+    )
+    .await?;
+
+    // Its release is fenced: it gives the partition up, and its consumer
+    // takes it over again with a newer epoch.
+    eventually(Duration::from_secs(30), "the stale instance fenced", || {
+        let stack = &stack;
+        let epoch_query = epoch_query.clone();
+        async move {
+            let epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query))
+                .bind(job_partition)
+                .fetch_one(&stack.pool)
+                .await?;
+            Ok(epoch > newer_epoch)
+        }
+    })
+    .await?;
+    let held: Vec<bool> = stack
+        .saved_tickets()
+        .await?
+        .into_iter()
+        .filter(|ticket| &*ticket.ticket.job_id == job_id)
+        .map(|ticket| ticket.held)
+        .collect();
+    assert_eq!(held, vec![true], "the grant was not given back by the stale instance");
     stack.stop().await;
     Ok(())
 }
