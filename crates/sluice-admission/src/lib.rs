@@ -107,8 +107,8 @@ pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults, hub: Arc<
         config: config.clone(),
         routes: Arc::new(effects::Routes::from_config(config)),
         timing: Timing {
-            resend_waiting_after_ms: config.admission.resend_waiting_after.as_millis_i64(),
-            claim_timeout_ms: config.admission.claim_timeout.as_millis_i64(),
+            resend_waiting_after_ms: config.resend_waiting_after().as_millis_i64(),
+            claim_timeout_ms: config.claim_timeout().as_millis_i64(),
         },
         stand_behind_interval_ms: config.admission.stand_behind_interval.as_millis_i64(),
         ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),

@@ -233,8 +233,13 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
             vec![Effect::Acquire]
         }
         Status::Admitted => {
-            // Nobody claimed it within claim_timeout: publish again.
-            job.due_at_ms = Some(now_ms + timing.claim_timeout_ms);
+            // Nobody claimed it within claim_timeout: publish again. A
+            // backlog of admitted jobs (workers slower than admission) is
+            // normal, so the interval doubles with the time since it was
+            // admitted, up to ten minutes.
+            let admitted_for = now_ms - job.admitted_at_ms.unwrap_or(now_ms);
+            let interval = admitted_for.clamp(timing.claim_timeout_ms, MAX_RESEND_INTERVAL_MS);
+            job.due_at_ms = Some(now_ms + interval);
             vec![Effect::Admitted]
         }
         Status::Running | Status::Cancelling => {
@@ -570,6 +575,19 @@ mod tests {
         assert_eq!(waiting.due_at_ms, Some(40_000));
         on_due(&mut waiting, 100_000_000, TIMING);
         assert_eq!(waiting.due_at_ms, Some(100_000_000 + MAX_RESEND_INTERVAL_MS));
+    }
+
+    #[test]
+    fn unclaimed_republishes_back_off_with_the_time_since_admission() {
+        let mut admitted = job(Status::Admitted);
+        admitted.admitted_at_ms = Some(0);
+        // TIMING's claim_timeout is 60 s.
+        assert_eq!(on_due(&mut admitted, 60_000, TIMING), vec![Effect::Admitted]);
+        assert_eq!(admitted.due_at_ms, Some(120_000));
+        on_due(&mut admitted, 120_000, TIMING);
+        assert_eq!(admitted.due_at_ms, Some(240_000));
+        on_due(&mut admitted, 100_000_000, TIMING);
+        assert_eq!(admitted.due_at_ms, Some(100_000_000 + MAX_RESEND_INTERVAL_MS));
     }
 
     #[test]

@@ -394,8 +394,10 @@ pub struct AdmissionConfig {
     /// Largest `metadata` of a floating limit (keys plus values, bytes).
     pub max_floating_metadata_bytes: usize,
     pub default_idempotency_window: HumanDuration,
-    pub resend_waiting_after: HumanDuration,
-    pub claim_timeout: HumanDuration,
+    /// Unset: `2 × kafka.session_timeout_ms` (`resend_waiting_after()`).
+    pub resend_waiting_after: Option<HumanDuration>,
+    /// Unset: `5 × kafka.session_timeout_ms` (`claim_timeout()`).
+    pub claim_timeout: Option<HumanDuration>,
     /// When a worker's `Work` stream ends, the attempts pushed on it keep
     /// their leases this long at most unless the worker heartbeats them.
     pub stream_end_grace: HumanDuration,
@@ -508,6 +510,28 @@ pub enum CapScope {
 }
 
 impl SluiceConfig {
+    /// When a waiting job's pending acquire is sent again (the interval then
+    /// doubles with the time waited). Every loss the services detect — a
+    /// broken link, an owner change, a rebalance — re-sends at once and is
+    /// over within about two session timeouts; this backstop covers what
+    /// nothing detects, so by default it is `2 × kafka.session_timeout_ms`
+    /// (12 s).
+    pub fn resend_waiting_after(&self) -> HumanDuration {
+        self.admission
+            .resend_waiting_after
+            .unwrap_or_else(|| HumanDuration(Duration::from_millis(2 * u64::from(self.kafka.session_timeout_ms))))
+    }
+
+    /// When an admitted job nobody claimed is published (or pushed) again
+    /// (the interval then doubles with the time since it was admitted). A
+    /// worker group's rebalance ends within a few session timeouts, so by
+    /// default it is `5 × kafka.session_timeout_ms` (30 s).
+    pub fn claim_timeout(&self) -> HumanDuration {
+        self.admission
+            .claim_timeout
+            .unwrap_or_else(|| HumanDuration(Duration::from_millis(5 * u64::from(self.kafka.session_timeout_ms))))
+    }
+
     /// The most bytes an admitted job's message adds to its payload: the
     /// `AdmittedJob` fields (job id, tenant, task group, numbers), its key
     /// (`<job id>/<attempt>`), the trace-context and content-type headers,
@@ -657,8 +681,8 @@ impl SluiceConfig {
         for (field, value) in [
             ("admission.sweep_interval", self.admission.sweep_interval),
             ("admission.stand_behind_interval", self.admission.stand_behind_interval),
-            ("admission.claim_timeout", self.admission.claim_timeout),
-            ("admission.resend_waiting_after", self.admission.resend_waiting_after),
+            ("admission.claim_timeout", self.claim_timeout()),
+            ("admission.resend_waiting_after", self.resend_waiting_after()),
             ("admission.stream_end_grace", self.admission.stream_end_grace),
             ("limit_grant.ticket_grace", self.limit_grant.ticket_grace),
             ("refresh_dispatcher.task_timeout", self.refresh_dispatcher.task_timeout),
@@ -785,6 +809,30 @@ fn is_task_group_name(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resend_and_claim_timers_follow_the_session_timeout_unless_set() {
+        let defaults = SluiceConfig::load_from(None, None, &[]).unwrap();
+        assert_eq!(defaults.kafka.session_timeout_ms, 6000);
+        assert_eq!(defaults.resend_waiting_after().0, Duration::from_secs(12));
+        assert_eq!(defaults.claim_timeout().0, Duration::from_secs(30));
+        let slower = SluiceConfig::load_from(None, None, &[("kafka.session_timeout_ms", "10000")]).unwrap();
+        assert_eq!(slower.resend_waiting_after().0, Duration::from_secs(20));
+        assert_eq!(slower.claim_timeout().0, Duration::from_secs(50));
+        let set = SluiceConfig::load_from(
+            None,
+            None,
+            &[
+                ("admission.resend_waiting_after", "3s"),
+                ("admission.claim_timeout", "2m"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(set.resend_waiting_after().0, Duration::from_secs(3));
+        assert_eq!(set.claim_timeout().0, Duration::from_secs(120));
+        let zero = SluiceConfig::load_from(None, None, &[("admission.claim_timeout", "0s")]).unwrap_err();
+        assert!(zero.to_string().contains("admission.claim_timeout"), "{zero}");
+    }
 
     /// Every key of `default.toml` has a row in the README's configuration
     /// table (a row may name several: `section.a` / `b`).
@@ -928,7 +976,7 @@ mod tests {
         assert!(!loaded.kafka.create_topics);
         assert!((loaded.telemetry.sampling_ratio - 0.25).abs() < f64::EPSILON);
         assert_eq!(loaded.telemetry.key_metrics_patterns, vec!["acme/a*", "acme/b*"]);
-        assert_eq!(loaded.admission.claim_timeout.0, Duration::from_secs(90));
+        assert_eq!(loaded.claim_timeout().0, Duration::from_secs(90));
         let bad: config::Map<String, String> = [("SLUICE__KAFKA__LINGER_MS".to_string(), "soon".to_string())]
             .into_iter()
             .collect();

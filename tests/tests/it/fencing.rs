@@ -157,9 +157,9 @@ async fn a_fenced_owner_writes_nothing_and_the_partition_is_taken_over_again() -
 /// by the partition's current owner. An instance that lost the partition
 /// without knowing it yet (rebalances overlap) may be sent the grant of a job
 /// that waits for it at the new owner: it must not give the slot back. Its
-/// release is fenced like a commit, so it gives the partition up instead,
-/// and the ticket stays held. (Released unfenced, the job waited for its
-/// re-sent acquire, 30 s, with its key free: a stall make chaos found.)
+/// release is fenced like a commit, so it gives the partition up instead.
+/// (Released unfenced, the job waited for its re-sent acquire, 30 s, with
+/// its key free: a stall make chaos found.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> anyhow::Result<()> {
     let stack = Stack::start(test_config("unknowngrant", &[])?, 1).await?;
@@ -168,25 +168,38 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     let job_id = "ghost-of-a-newer-owner";
     let job_partition = sluice_common::partition::job_partition(job_id, config.kafka.partitions.jobs);
     let schema = config.schema("admission");
-    let epoch_query = format!("SELECT epoch FROM \"{schema}\".owners WHERE partition = $1");
-    // Another instance takes the job partition over, and the running one's
-    // check of its owner row misses it.
+    let owned_query = format!("SELECT count(*) FROM \"{schema}\".owners WHERE partition = $1");
+    eventually(Duration::from_secs(60), "the job partition owned", || {
+        let pool = stack.pool.clone();
+        let owned_query = owned_query.clone();
+        async move {
+            let owned: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(owned_query))
+                .bind(job_partition)
+                .fetch_one(&pool)
+                .await?;
+            Ok(owned == 1)
+        }
+    })
+    .await?;
+    // Another instance is taking the job partition over (its new epoch not
+    // committed yet: the row stays locked, so the order below is fixed), and
+    // the running one's check of its owner row misses it.
     stack.admissions[0]
         .faults
         .arm(FaultPoint::OwnerIdleFenceCheckMissed, 0, u64::MAX);
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE \"{schema}\".owners SET epoch = epoch + 1, owner_id = 'newer-owner' WHERE partition = $1"
+    let mut newer_owner = stack.pool.begin().await?;
+    let newer_owner_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *newer_owner)
+        .await?;
+    let newer_epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".owners SET epoch = epoch + 1, owner_id = 'newer-owner' WHERE partition = $1 RETURNING epoch"
     )))
     .bind(job_partition)
-    .execute(&stack.pool)
+    .fetch_one(&mut *newer_owner)
     .await?;
-    let newer_epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query.clone()))
-        .bind(job_partition)
-        .fetch_one(&stack.pool)
-        .await?;
 
     // The job's acquire (sent by the newer owner) is granted at once; the
-    // grant reaches the stale instance, which does not know the job.
+    // grant reaches the running instance, which does not know the job.
     let key = "ghost-key";
     let acquire = pb::LimitCommand {
         trace: None,
@@ -220,20 +233,22 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     )
     .await?;
 
-    // Its release is fenced: it gives the partition up, and its consumer
-    // takes it over again with a newer epoch.
-    eventually(Duration::from_secs(30), "the stale instance fenced", || {
-        let stack = &stack;
-        let epoch_query = epoch_query.clone();
+    // Its release waits for the owner row, as a commit does (unfenced, it
+    // would have been sent at once and nothing would wait) ...
+    let fence_waits = "SELECT count(*) FROM pg_stat_activity \
+         WHERE $1 = ANY(pg_blocking_pids(pid)) AND query LIKE '%applied_offset = GREATEST%'";
+    eventually(Duration::from_secs(30), "the release waiting for the owner row", || {
+        let pool = stack.pool.clone();
         async move {
-            let epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query))
-                .bind(job_partition)
-                .fetch_one(&stack.pool)
+            let waiting: i64 = sqlx::query_scalar(fence_waits)
+                .bind(newer_owner_pid)
+                .fetch_one(&pool)
                 .await?;
-            Ok(epoch > newer_epoch)
+            Ok(waiting > 0)
         }
     })
     .await?;
+    // ... so the ticket is still held ...
     let held: Vec<bool> = stack
         .saved_tickets()
         .await?
@@ -241,7 +256,25 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
         .filter(|ticket| &*ticket.ticket.job_id == job_id)
         .map(|ticket| ticket.held)
         .collect();
-    assert_eq!(held, vec![true], "the grant was not given back by the stale instance");
+    assert_eq!(held, vec![true], "the stale instance gave the grant back");
+    // ... and once the newer owner's epoch is in, the release is refused:
+    // the instance gives the partition up, and its consumer takes it over
+    // again (its own newer epoch; the grant is then the current owner's to
+    // release).
+    newer_owner.commit().await?;
+    let epoch_query = format!("SELECT epoch FROM \"{schema}\".owners WHERE partition = $1");
+    eventually(Duration::from_secs(30), "the partition taken over again", || {
+        let pool = stack.pool.clone();
+        let epoch_query = epoch_query.clone();
+        async move {
+            let epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query))
+                .bind(job_partition)
+                .fetch_one(&pool)
+                .await?;
+            Ok(epoch > newer_epoch)
+        }
+    })
+    .await?;
     stack.stop().await;
     Ok(())
 }
