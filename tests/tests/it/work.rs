@@ -336,14 +336,19 @@ async fn a_worker_whose_stream_drops_mid_job_loses_it_only_after_its_lease() -> 
     );
     let view = job_view(&admission, &job.job_id).await?;
     assert_eq!(view.claimed_by, "worker-second");
+    assert_first_attempt_lease_expired(&view);
+    stack.stop().await;
+    Ok(())
+}
+
+/// The job's first attempt ended as a lease expiry (its worker was gone).
+fn assert_first_attempt_lease_expired(view: &pb::JobView) {
     assert!(
         view.history
             .iter()
             .any(|record| record.attempt == 1 && record.outcome == "lease_expired"),
         "{view:?}"
     );
-    stack.stop().await;
-    Ok(())
 }
 
 /// Send one heartbeat of `job` on a raw stream; its answer's outcome.
@@ -413,12 +418,7 @@ async fn a_dead_workers_slot_comes_back_after_the_stream_end_grace_not_the_lease
         next.admitted_at_ms
     );
     let view = job_view(&admission, "gone-0").await?;
-    assert!(
-        view.history
-            .iter()
-            .any(|record| record.attempt == 1 && record.outcome == "lease_expired"),
-        "{view:?}"
-    );
+    assert_first_attempt_lease_expired(&view);
     stack.stop().await;
     Ok(())
 }
@@ -547,21 +547,30 @@ async fn bad_work_stream_input_is_refused_by_field() -> anyhow::Result<()> {
     };
     assert_eq!(error.code, tonic::Code::InvalidArgument as i32);
     assert!(error.message.starts_with("heartbeat.jobs[0].job_id"), "{error:?}");
-    session
-        .up
-        .send(pb::WorkRequest {
-            message: Some(pb::work_request::Message::Credits(pb::WorkCredits { credits: 20_000 })),
-        })
-        .await?;
-    let status = loop {
-        match session.down.message().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("ended without an error"),
-            Err(status) => break status,
-        }
-    };
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    assert!(status.message().starts_with("credits.credits"), "{status:?}");
+    // More credits, or a withdrawal of more, than a stream may have ends it.
+    let too_many = [
+        (
+            pb::work_request::Message::Credits(pb::WorkCredits { credits: 20_000 }),
+            "credits.credits",
+        ),
+        (
+            pb::work_request::Message::Withdraw(pb::WorkWithdraw { id: 2, credits: 20_000 }),
+            "withdraw.credits",
+        ),
+    ];
+    for (message, field) in too_many {
+        session.up.send(pb::WorkRequest { message: Some(message) }).await?;
+        let status = loop {
+            match session.down.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("ended without an error"),
+                Err(status) => break status,
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(status.message().starts_with(field), "{field}: {status:?}");
+        session = open_raw(&endpoint, "w", 1).await?;
+    }
     assert!(health_serving(&endpoint).await?);
     stack.stop().await;
     Ok(())
