@@ -57,6 +57,12 @@ pub async fn owner_endpoint(
         .map_err(|error| Status::unavailable(format!("owner directory unavailable: {error}")))?;
     match owner {
         Some((endpoint, _)) if !forwarded && endpoint != own_endpoint => Ok(endpoint),
+        // The directory still names this instance, which does not serve the
+        // partition: it is giving it up (the next owner has not written its
+        // row yet). Retrying here or anywhere is the answer, not "there".
+        Some((endpoint, _)) if endpoint == own_endpoint => Err(Status::unavailable(format!(
+            "NOT_OWNER: partition {partition} is changing owners (this instance, {endpoint}, is giving it up); retry shortly"
+        ))),
         Some((endpoint, _)) => Err(not_owner(partition, Some(&endpoint))),
         None => Err(not_owner(partition, None)),
     }

@@ -278,3 +278,37 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     stack.stop().await;
     Ok(())
 }
+
+/// A call for a partition is forwarded to the owner the directory names;
+/// when the directory still names this instance, which no longer serves the
+/// partition (it is giving it up), the caller is told to retry, not sent
+/// "there".
+#[tokio::test]
+async fn a_call_is_forwarded_to_the_named_owner_and_never_back_to_this_instance() -> anyhow::Result<()> {
+    let config = test_config("forwardself", &[])?;
+    let schema = config.schema("limit_grant");
+    let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
+    sluice_common::storage::migrate(&pool, &schema, &sluice_common::owner::MIGRATOR).await?;
+    let mut connection = pool.acquire().await?;
+    bump_epoch(&mut connection, 2, "owner-other", "http://other:1").await?;
+    let forwarded = sluice_common::forward::owner_endpoint(&pool, 2, false, "http://me:1").await;
+    assert_eq!(forwarded.ok().as_deref(), Some("http://other:1"));
+    let twice = sluice_common::forward::owner_endpoint(&pool, 2, true, "http://me:1")
+        .await
+        .unwrap_err();
+    assert!(twice.message().contains("owned by http://other:1"), "{twice:?}");
+    bump_epoch(&mut connection, 2, "owner-me", "http://me:1").await?;
+    let itself = sluice_common::forward::owner_endpoint(&pool, 2, false, "http://me:1")
+        .await
+        .unwrap_err();
+    assert_eq!(itself.code(), tonic::Code::Unavailable);
+    assert!(
+        itself.message().contains("changing owners") && itself.message().contains("retry shortly"),
+        "{itself:?}"
+    );
+    let unowned = sluice_common::forward::owner_endpoint(&pool, 3, false, "http://me:1")
+        .await
+        .unwrap_err();
+    assert!(unowned.message().contains("no owner yet"), "{unowned:?}");
+    Ok(())
+}
