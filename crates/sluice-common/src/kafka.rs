@@ -1040,6 +1040,41 @@ enum MemberEnd {
     MembershipLost,
 }
 
+/// A partition whose task gave it up to a newer owner while the consumer
+/// still has it assigned is taken over again after a delay: the first time
+/// `RETAKE_FIRST`, doubling for each fence within `RETAKE_FORGET` of the
+/// last, up to `RETAKE_MAX`. During a rebalance two members can both hold
+/// a partition for seconds; taken over again at once, each fenced the other
+/// every few hundred milliseconds (chaos: 7 s of that after a whole service
+/// restarted), each time reloading and sending its callers elsewhere. The
+/// member that keeps the assignment wins once the other's is revoked; one
+/// whose row was taken by an instance that let it go gets it back within
+/// the first delay.
+const RETAKE_FIRST: Duration = Duration::from_millis(500);
+const RETAKE_MAX: Duration = Duration::from_secs(8);
+const RETAKE_FORGET: Duration = Duration::from_secs(30);
+
+/// The fences each partition met lately (`RETAKE_FIRST`).
+#[derive(Debug, Default)]
+struct FenceRetakes {
+    recent: HashMap<i32, (u32, tokio::time::Instant)>,
+}
+
+impl FenceRetakes {
+    /// `partition` was just given up to a newer owner: how long to wait
+    /// before taking it over again.
+    fn delay(&mut self, partition: i32, now: tokio::time::Instant) -> Duration {
+        let (count, last) = self.recent.entry(partition).or_insert((0, now));
+        if now.saturating_duration_since(*last) > RETAKE_FORGET {
+            *count = 0;
+        }
+        *count = count.saturating_add(1);
+        *last = now;
+        let doublings = (*count - 1).min(16);
+        RETAKE_FIRST.saturating_mul(1u32 << doublings).min(RETAKE_MAX)
+    }
+}
+
 const RESTART_FIRST: Duration = Duration::from_secs(1);
 const RESTART_MAX: Duration = Duration::from_secs(30);
 
@@ -1141,6 +1176,7 @@ async fn consume_as_member(
     }
     let mut running: HashMap<i32, Running> = HashMap::new();
     let mut restarts: HashMap<i32, Restart> = HashMap::new();
+    let mut fence_retakes = FenceRetakes::default();
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<(i32, Result<(), PartitionTaskError>)>();
 
     let start_task = |partition: i32, running: &mut HashMap<i32, Running>| {
@@ -1237,12 +1273,15 @@ async fn consume_as_member(
                     Ok(()) => {
                         // Revoked (the next reconcile forgets it), or fenced by
                         // a newer owner: if the partition is still assigned
-                        // here, the next reconcile takes it over again, from
-                        // what this task had stored.
+                        // here, a reconcile after the retake delay takes it
+                        // over again, from what this task had stored.
                         if let Some(entry) = running.remove(&partition) {
                             if !entry.stop.is_cancelled() {
+                                let now = tokio::time::Instant::now();
+                                let delay = fence_retakes.delay(partition, now);
+                                tracing::info!(topic = %topic, partition, ?delay, "partition given up to a newer owner; taking it over again after the delay if still assigned here");
                                 restarts.entry(partition).or_insert(Restart {
-                                    at: tokio::time::Instant::now(),
+                                    at: now + delay,
                                     backoff: Duration::ZERO,
                                     resume_from: entry.resume_point(),
                                 });
@@ -1451,6 +1490,22 @@ mod tests {
     use super::*;
     use prost::Message as _;
     use sluice_proto::v1::{GrantEvent, GrantEventBatch, TicketId};
+
+    #[test]
+    fn a_partition_fenced_again_and_again_is_taken_over_again_ever_later() {
+        let mut retakes = FenceRetakes::default();
+        let start = tokio::time::Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        assert_eq!(retakes.delay(4, at(0)), Duration::from_millis(500));
+        assert_eq!(retakes.delay(4, at(700)), Duration::from_secs(1));
+        assert_eq!(retakes.delay(4, at(2_000)), Duration::from_secs(2));
+        assert_eq!(retakes.delay(4, at(4_500)), Duration::from_secs(4));
+        assert_eq!(retakes.delay(4, at(9_000)), RETAKE_MAX);
+        assert_eq!(retakes.delay(4, at(18_000)), RETAKE_MAX);
+        // Another partition counts apart; a quiet spell starts over.
+        assert_eq!(retakes.delay(5, at(18_000)), RETAKE_FIRST);
+        assert_eq!(retakes.delay(4, at(18_000 + 31_000)), RETAKE_FIRST);
+    }
 
     #[test]
     fn outbox_packs_entries_into_decodable_batches_and_splits_by_size() {

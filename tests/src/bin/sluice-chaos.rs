@@ -738,7 +738,7 @@ fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
 
 /// Every 5 s, say on stderr where the jobs on concurrency keys alone that
 /// have waited longest without running are (a stall's cause, while it
-/// lasts).
+/// lasts), and the oldest floating-limit job past 20 s.
 async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, history: Arc<History>, started: Instant) {
     loop {
         tokio::time::sleep(Duration::from_secs(5)).await;
@@ -754,18 +754,23 @@ async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, his
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .iter()
-            .filter(|(job, at)| {
-                // Those a stall counts (a rate or floating limit's wait is
-                // its capacity).
-                !ran.contains(job)
-                    && at.elapsed() > Duration::from_secs(10)
-                    && rate_key_of(**job).is_none()
-                    && !is_floating(**job)
-            })
+            .filter(|(job, at)| !ran.contains(job) && at.elapsed() > Duration::from_secs(10))
             .map(|(job, at)| (*job, *at))
             .collect();
         slow.sort_by_key(|(_, at)| *at);
-        for (job, at) in slow.into_iter().take(3) {
+        // The three oldest a stall counts (a rate or floating limit's wait
+        // is its capacity), and the oldest floating-limit job once it has
+        // waited 20 s.
+        let counted = slow
+            .iter()
+            .filter(|(job, _)| rate_key_of(*job).is_none() && !is_floating(*job))
+            .take(3);
+        let floating = slow
+            .iter()
+            .filter(|(job, at)| is_floating(*job) && at.elapsed() > Duration::from_secs(20))
+            .take(1);
+        let shown: Vec<(usize, Instant)> = counted.chain(floating).copied().collect();
+        for (job, at) in shown {
             let mut client = client.clone();
             let view = client
                 .get_job(pb::GetJobRequest {
