@@ -858,6 +858,29 @@ pub struct RawRequest {
 }
 
 /// A job on one concurrency key.
+/// The limit command that acquires a ticket (attempt 1, step 0) of `job_id`
+/// on `key` with the job's own max `max`, as admission sends it.
+pub fn acquire_command(tenant: &str, key: &str, job_id: &str, max: u32) -> pb::LimitCommand {
+    pb::LimitCommand {
+        trace: None,
+        sent_at_ms: 0,
+        command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
+            key: Some(pb::KeyRef {
+                tenant: tenant.to_string(),
+                key: key.to_string(),
+            }),
+            ticket: Some(pb::TicketId {
+                job_id: job_id.to_string(),
+                attempt: 1,
+                step: 0,
+            }),
+            priority: 10,
+            enqueued_at_us: 1,
+            limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(max)),
+        })),
+    }
+}
+
 pub fn concurrency_job(tenant: &str, key: &str, max: u32, priority: u32, payload: &str) -> pb::JobRequest {
     pb::JobRequest {
         tenant: tenant.to_string(),

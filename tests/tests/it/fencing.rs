@@ -201,24 +201,7 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     // The job's acquire (sent by the newer owner) is granted at once; the
     // grant reaches the running instance, which does not know the job.
     let key = "ghost-key";
-    let acquire = pb::LimitCommand {
-        trace: None,
-        sent_at_ms: 0,
-        command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
-            key: Some(pb::KeyRef {
-                tenant: "acme".to_string(),
-                key: key.to_string(),
-            }),
-            ticket: Some(pb::TicketId {
-                job_id: job_id.to_string(),
-                attempt: 1,
-                step: 0,
-            }),
-            priority: 10,
-            enqueued_at_us: 1,
-            limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
-        })),
-    };
+    let acquire = acquire_command("acme", key, job_id, 1);
     publish_raw(
         &config,
         vec![sluice_common::kafka::OutMsg {

@@ -554,27 +554,6 @@ fn key_on(config: &sluice_common::SluiceConfig, tenant: &str, prefix: &str, part
         .expect("a key on the partition")
 }
 
-fn acquire(tenant: &str, key: &str, job_id: &str) -> pb::LimitCommand {
-    pb::LimitCommand {
-        trace: None,
-        sent_at_ms: 0,
-        command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
-            key: Some(pb::KeyRef {
-                tenant: tenant.to_string(),
-                key: key.to_string(),
-            }),
-            ticket: Some(pb::TicketId {
-                job_id: job_id.to_string(),
-                attempt: 1,
-                step: 0,
-            }),
-            priority: 10,
-            enqueued_at_us: 1,
-            limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(5)),
-        })),
-    }
-}
-
 fn set_override(tenant: &str, key: &str, max: u32) -> pb::LimitCommand {
     pb::LimitCommand {
         trace: None,
@@ -614,8 +593,8 @@ async fn owners_set_aside_internal_input_they_can_never_apply_and_go_on() -> any
     let nul_key = key_on(&config, "acme", "nul\0", partition);
     let mixed = pb::LimitCommandBatch {
         commands: vec![
-            acquire("acme", &other, "misrouted"),
-            acquire("acme", &nul_key, "nul-key"),
+            acquire_command("acme", &other, "misrouted", 5),
+            acquire_command("acme", &nul_key, "nul-key", 5),
             set_override("acme", &good, 7),
         ],
     };
@@ -641,7 +620,11 @@ async fn owners_set_aside_internal_input_they_can_never_apply_and_go_on() -> any
         set_aside[0].2
     );
     let misrouted = pb::LimitCommand::decode(set_aside[1].1.as_slice())?;
-    assert_eq!(misrouted, acquire("acme", &other, "misrouted"), "the entry's own bytes");
+    assert_eq!(
+        misrouted,
+        acquire_command("acme", &other, "misrouted", 5),
+        "the entry's own bytes"
+    );
     assert!(set_aside[1].2.contains("hashes to partition 0"), "{}", set_aside[1].2);
     assert!(
         set_aside[2]
