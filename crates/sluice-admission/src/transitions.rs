@@ -97,11 +97,23 @@ impl StreamEnd {
     }
 }
 
+/// How far apart the clock that stamps a stream's end (the wall clock of
+/// the instance that held the stream) and the partition's clock (anchored at
+/// PostgreSQL's) may be. A heartbeat counts as heard after the end only
+/// when it is stamped later than the end by more than this: taken the other
+/// way, a heartbeat answered just before the stream ended (the same
+/// millisecond, or another host's clock a little ahead) kept a dead
+/// worker's slot for its whole lease. Shortening a live worker's lease is
+/// harmless: it heartbeats within the grace, which renews it.
+pub const STREAM_END_CLOCK_SKEW_MS: i64 = 1_000;
+
 /// Shorten the running attempt's lease after its stream ended: to at most
 /// `grace_ms` from now, unless the worker was heard from since the stream
-/// ended. Never lengthens it. Returns whether the lease changed.
+/// ended (`STREAM_END_CLOCK_SKEW_MS` later). Never lengthens it. Returns
+/// whether the lease changed.
 pub fn on_stream_ended(job: &mut JobState, now_ms: i64, ended: StreamEnd) -> bool {
-    if job.heard_at_ms.is_some_and(|heard| heard >= ended.closed_at_ms) {
+    let heard_since = |heard: i64| heard > ended.closed_at_ms.saturating_add(STREAM_END_CLOCK_SKEW_MS);
+    if job.heard_at_ms.is_some_and(heard_since) {
         return false;
     }
     let Some(lease) = job.lease_expires_at_ms else {
@@ -615,10 +627,18 @@ mod tests {
         assert_eq!(silent.lease_expires_at_ms, Some(15_100));
         assert_eq!(silent.due_at_ms, Some(15_100));
 
+        // Heard at the very end (the same millisecond, or a clock a little
+        // ahead): not since; the lease is shortened.
+        let mut at_the_end = job(Status::Running);
+        at_the_end.lease_expires_at_ms = Some(40_000);
+        at_the_end.heard_at_ms = Some(10_000 + STREAM_END_CLOCK_SKEW_MS);
+        assert!(on_stream_ended(&mut at_the_end, 11_100, ended));
+        assert_eq!(at_the_end.lease_expires_at_ms, Some(16_100));
+
         let mut heard = job(Status::Running);
         heard.lease_expires_at_ms = Some(40_000);
-        heard.heard_at_ms = Some(10_000);
-        assert!(!on_stream_ended(&mut heard, 10_100, ended));
+        heard.heard_at_ms = Some(10_001 + STREAM_END_CLOCK_SKEW_MS);
+        assert!(!on_stream_ended(&mut heard, 11_100, ended));
         assert_eq!(heard.lease_expires_at_ms, Some(40_000));
 
         // Never lengthened, and a huge grace does not overflow.
