@@ -475,28 +475,6 @@ impl Stack {
         Ok(())
     }
 
-    /// Wait until the owner directory names `endpoint` for every job
-    /// partition (after the other admission instances stopped: their
-    /// partitions have moved).
-    pub async fn wait_admission_owns_all(&self, endpoint: &str, timeout: Duration) -> anyhow::Result<()> {
-        let query = format!(
-            "SELECT count(*) FROM \"{}\".owners WHERE endpoint = $1",
-            self.config.schema("admission")
-        );
-        let partitions = i64::from(self.config.kafka.partitions.jobs);
-        eventually(timeout, "one admission instance owns every job partition", || {
-            let query = query.clone();
-            async move {
-                let owned: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(query))
-                    .bind(endpoint)
-                    .fetch_one(&self.pool)
-                    .await?;
-                Ok(owned == partitions)
-            }
-        })
-        .await
-    }
-
     /// Wait until every limit-command and rate-command partition has an owner row.
     pub async fn wait_owned(&self, timeout: Duration) -> anyhow::Result<()> {
         let checks = [
