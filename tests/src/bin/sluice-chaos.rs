@@ -32,13 +32,17 @@ use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
 
-/// Every fourth job also takes a unit of one of three rate limits, each
-/// `RATE_LIMIT` per `RATE_WINDOW_MS`.
+/// Every fourth job (but the floating ones) also takes a unit of one of
+/// three rate limits, each `RATE_LIMIT` per `RATE_WINDOW_MS`. A job holds the
+/// slots of its earlier steps while it waits for a later one: a floating job
+/// waiting for a rate token (or for a rate-window instance that was killed)
+/// would hold the floating key's few slots, and the floating key's stalls
+/// would measure rate waits.
 const RATE_LIMIT: i64 = 10;
 const RATE_WINDOW_MS: i64 = 1000;
 
 fn rate_key_of(job: usize) -> Option<String> {
-    (job % 4 == 3).then(|| format!("r{}", job % 3))
+    (job % 4 == 3 && !is_floating(job)).then(|| format!("r{}", job % 3))
 }
 
 /// Every fifth job also takes the floating limit `FLOATING_KEY` (default
@@ -447,7 +451,12 @@ async fn main() -> anyhow::Result<()> {
 
     // Producers: every job once, retried with its id until accepted.
     let client = AdmissionClient::new(connect(&admission.endpoint).await?);
-    let watching = tokio::spawn(watch_slow_jobs(client.clone(), history.clone(), started));
+    let watching = tokio::spawn(watch_slow_jobs(
+        client.clone(),
+        limit_grant.endpoint.clone(),
+        history.clone(),
+        started,
+    ));
     // Up to 16 enqueues in flight, started at `rate` per second at most.
     let producing = {
         let history = history.clone();
@@ -739,7 +748,12 @@ fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
 /// Every 5 s, say on stderr where the jobs on concurrency keys alone that
 /// have waited longest without running are (a stall's cause, while it
 /// lasts), and the oldest floating-limit job past 20 s.
-async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, history: Arc<History>, started: Instant) {
+async fn watch_slow_jobs(
+    client: AdmissionClient<tonic::transport::Channel>,
+    limit_grant: String,
+    history: Arc<History>,
+    started: Instant,
+) {
     loop {
         tokio::time::sleep(Duration::from_secs(5)).await;
         let ran: std::collections::HashSet<usize> = history
@@ -794,7 +808,61 @@ async fn watch_slow_jobs(client: AdmissionClient<tonic::transport::Channel>, his
                     .map(|record| record.outcome.as_str())
                     .collect::<Vec<_>>(),
             );
+            if is_floating(job) {
+                print_floating_holders(&client, &limit_grant).await;
+            }
         }
+    }
+}
+
+/// Who holds the floating key, and what those jobs are doing (a floating
+/// job waiting long: is a holder running?).
+async fn print_floating_holders(client: &AdmissionClient<tonic::transport::Channel>, limit_grant: &str) {
+    let Ok(channel) = connect(limit_grant).await else {
+        eprintln!("chaos: the floating key's holders: limit-grant unreachable");
+        return;
+    };
+    let described = sluice_proto::v1::limits_client::LimitsClient::new(channel)
+        .describe_key(pb::DescribeKeyRequest {
+            key: Some(pb::KeyRef {
+                tenant: "chaos".to_string(),
+                key: FLOATING_KEY.to_string(),
+            }),
+            ..Default::default()
+        })
+        .await;
+    let state = match described {
+        Ok(response) => response.into_inner().state.unwrap_or_default(),
+        Err(status) => {
+            eprintln!("chaos: the floating key's holders: {status}");
+            return;
+        }
+    };
+    for holder in state.holders {
+        let Some(ticket) = holder.ticket else { continue };
+        let mut client = client.clone();
+        let view = client
+            .get_job(pb::GetJobRequest {
+                job_id: ticket.job_id.clone(),
+            })
+            .await
+            .ok()
+            .and_then(|response| response.into_inner().job);
+        eprintln!(
+            "chaos:   {FLOATING_KEY} held by {} attempt {} step {} since {} ms (floating max {:?}): {}",
+            ticket.job_id,
+            ticket.attempt,
+            ticket.step,
+            holder.granted_at_ms,
+            state.floating_max,
+            view.map_or("no job".to_string(), |view| format!(
+                "{:?} attempt {} step {}; {}",
+                pb::JobStatus::try_from(view.status).unwrap_or_default(),
+                view.attempt,
+                view.step,
+                view.reason
+            )),
+        );
     }
 }
 
