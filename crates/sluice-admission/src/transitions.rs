@@ -231,6 +231,13 @@ pub fn start_acquiring(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<E
     vec![Effect::Acquire]
 }
 
+/// The interval before the next re-send of something pending for
+/// `elapsed_ms`: as long as it has been pending, at least `first_ms`, at
+/// most `MAX_RESEND_INTERVAL_MS` (so re-sends double).
+fn backed_off(elapsed_ms: i64, first_ms: i64) -> i64 {
+    elapsed_ms.clamp(first_ms, MAX_RESEND_INTERVAL_MS.max(first_ms))
+}
+
 /// The sweeper found the job due.
 pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
     match job.status {
@@ -240,8 +247,7 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
             // owner). A long wait in a full queue is normal, so the interval
             // doubles with the time already waited, up to ten minutes.
             let waited = now_ms - job.step_started_at_ms.unwrap_or(now_ms);
-            let interval = waited.clamp(timing.resend_waiting_after_ms, MAX_RESEND_INTERVAL_MS);
-            job.due_at_ms = Some(now_ms + interval);
+            job.due_at_ms = Some(now_ms + backed_off(waited, timing.resend_waiting_after_ms));
             vec![Effect::Acquire]
         }
         Status::Admitted => {
@@ -250,8 +256,7 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
             // normal, so the interval doubles with the time since it was
             // admitted, up to ten minutes.
             let admitted_for = now_ms - job.admitted_at_ms.unwrap_or(now_ms);
-            let interval = admitted_for.clamp(timing.claim_timeout_ms, MAX_RESEND_INTERVAL_MS);
-            job.due_at_ms = Some(now_ms + interval);
+            job.due_at_ms = Some(now_ms + backed_off(admitted_for, timing.claim_timeout_ms));
             vec![Effect::Admitted]
         }
         Status::Running | Status::Cancelling => {

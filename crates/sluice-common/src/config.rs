@@ -519,7 +519,7 @@ impl SluiceConfig {
     pub fn resend_waiting_after(&self) -> HumanDuration {
         self.admission
             .resend_waiting_after
-            .unwrap_or_else(|| HumanDuration(Duration::from_millis(2 * u64::from(self.kafka.session_timeout_ms))))
+            .unwrap_or_else(|| self.session_timeouts(2))
     }
 
     /// When an admitted job nobody claimed is published (or pushed) again
@@ -527,9 +527,12 @@ impl SluiceConfig {
     /// worker group's rebalance ends within a few session timeouts, so by
     /// default it is `5 × kafka.session_timeout_ms` (30 s).
     pub fn claim_timeout(&self) -> HumanDuration {
-        self.admission
-            .claim_timeout
-            .unwrap_or_else(|| HumanDuration(Duration::from_millis(5 * u64::from(self.kafka.session_timeout_ms))))
+        self.admission.claim_timeout.unwrap_or_else(|| self.session_timeouts(5))
+    }
+
+    /// `times` × `kafka.session_timeout_ms`.
+    fn session_timeouts(&self, times: u64) -> HumanDuration {
+        HumanDuration(Duration::from_millis(times * u64::from(self.kafka.session_timeout_ms)))
     }
 
     /// The most bytes an admitted job's message adds to its payload: the

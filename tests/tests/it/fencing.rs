@@ -168,17 +168,8 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     let job_id = "ghost-of-a-newer-owner";
     let job_partition = sluice_common::partition::job_partition(job_id, config.kafka.partitions.jobs);
     let schema = config.schema("admission");
-    let owned_query = format!("SELECT count(*) FROM \"{schema}\".owners WHERE partition = $1");
-    eventually(Duration::from_secs(60), "the job partition owned", || {
-        let pool = stack.pool.clone();
-        let owned_query = owned_query.clone();
-        async move {
-            let owned: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(owned_query))
-                .bind(job_partition)
-                .fetch_one(&pool)
-                .await?;
-            Ok(owned == 1)
-        }
+    eventually(Duration::from_secs(60), "the job partition owned", || async {
+        Ok(owner_epoch(&stack.pool, &schema, job_partition).await? > 0)
     })
     .await?;
     // Another instance is taking the job partition over (its new epoch not
@@ -245,21 +236,23 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     // again (its own newer epoch; the grant is then the current owner's to
     // release).
     newer_owner.commit().await?;
-    let epoch_query = format!("SELECT epoch FROM \"{schema}\".owners WHERE partition = $1");
-    eventually(Duration::from_secs(30), "the partition taken over again", || {
-        let pool = stack.pool.clone();
-        let epoch_query = epoch_query.clone();
-        async move {
-            let epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(epoch_query))
-                .bind(job_partition)
-                .fetch_one(&pool)
-                .await?;
-            Ok(epoch > newer_epoch)
-        }
+    eventually(Duration::from_secs(30), "the partition taken over again", || async {
+        Ok(owner_epoch(&stack.pool, &schema, job_partition).await? > newer_epoch)
     })
     .await?;
     stack.stop().await;
     Ok(())
+}
+
+/// The epoch of `partition`'s owner row in `schema` (0: no row yet).
+async fn owner_epoch(pool: &sqlx::PgPool, schema: &str, partition: i32) -> anyhow::Result<i64> {
+    let epoch: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT epoch FROM \"{schema}\".owners WHERE partition = $1"
+    )))
+    .bind(partition)
+    .fetch_optional(pool)
+    .await?;
+    Ok(epoch.unwrap_or(0))
 }
 
 /// A call for a partition is forwarded to the owner the directory names;
