@@ -128,6 +128,7 @@ impl JobRow {
             history,
             confirmed: false,
             heard_at_ms: None,
+            pushed: false,
         };
         Ok(JobRow {
             state,

@@ -40,6 +40,9 @@ pub struct JobDynamic {
     pub last_error: String,
     #[prost(int64, optional, tag = "13")]
     pub finished_at_ms: Option<i64>,
+    /// `JobState::pushed`.
+    #[prost(bool, tag = "14")]
+    pub pushed: bool,
 }
 
 impl JobDynamic {
@@ -58,6 +61,7 @@ impl JobDynamic {
             cancel_reason: state.cancel_reason.clone(),
             last_error: state.last_error.clone(),
             finished_at_ms: state.finished_at_ms,
+            pushed: state.pushed,
         }
     }
 
@@ -76,6 +80,7 @@ impl JobDynamic {
         state.cancel_reason = self.cancel_reason.clone();
         state.last_error = self.last_error.clone();
         state.finished_at_ms = self.finished_at_ms;
+        state.pushed = self.pushed;
     }
 }
 
@@ -213,6 +218,7 @@ impl SnapshotJob {
             history: self.history.unwrap_or_default(),
             confirmed: false,
             heard_at_ms: None,
+            pushed: false,
         };
         if let Some(dynamic) = &self.state {
             dynamic.apply_to(&mut state);

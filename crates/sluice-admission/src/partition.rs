@@ -313,7 +313,17 @@ impl AdmissionPartition {
 
     /// A new owner gives every running job one lease from `now_ms`: a worker
     /// whose heartbeats reached the old owner within its lease keeps it.
+    /// An attempt pushed on a `Work` stream gets the stream end grace
+    /// instead (if shorter): the old owner may have died with the push
+    /// unsent, and its streams ended with it, so this is a stream end that
+    /// nobody reported. A worker that holds the attempt heartbeats it every
+    /// third of the grace (at once when its stream ends) and keeps it; a lost
+    /// push no longer holds its slots for a whole lease. Safe for a live
+    /// worker: its own renewal counts for the grace at most from when it was
+    /// sent, so it stops the handler before this lease ends.
     pub fn grant_lease_grace(&mut self, now_ms: i64) {
+        let stream_end_grace_ms =
+            i64::try_from(self.settings.config.admission.stream_end_grace.0.as_millis()).unwrap_or(i64::MAX);
         let running: Vec<String> = self
             .jobs
             .values()
@@ -324,8 +334,12 @@ impl AdmissionPartition {
             self.update(&job_id, |state| {
                 // Confirmed again by the worker's next heartbeat.
                 state.confirmed = false;
-                let grace = now_ms.saturating_add(state.lease_ms);
-                state.lease_expires_at_ms = Some(state.lease_expires_at_ms.unwrap_or(grace).max(grace));
+                state.lease_expires_at_ms = Some(if state.pushed {
+                    now_ms.saturating_add(state.lease_ms.min(stream_end_grace_ms))
+                } else {
+                    let grace = now_ms.saturating_add(state.lease_ms);
+                    state.lease_expires_at_ms.unwrap_or(grace).max(grace)
+                });
                 state.due_at_ms = transitions::running_due_at(state);
             });
         }
@@ -577,6 +591,8 @@ impl AdmissionPartition {
             state.status = Status::Running;
             state.claimed_by = Some(worker);
             state.confirmed = confirmed;
+            // Only a push is unconfirmed at its claim.
+            state.pushed = !confirmed;
             state.heard_at_ms = confirmed.then_some(now_ms);
             state.claimed_at_ms = Some(now_ms);
             state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
@@ -742,6 +758,7 @@ impl AdmissionPartition {
             history: Default::default(),
             confirmed: false,
             heard_at_ms: None,
+            pushed: false,
         };
         match valid.request.run_at_ms {
             Some(run_at) if run_at > now_ms => state.due_at_ms = Some(run_at),

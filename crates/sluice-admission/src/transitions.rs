@@ -42,6 +42,11 @@ pub struct JobState {
     /// When the running attempt's worker was last heard from (its claim, a
     /// heartbeat), by this owner's clock. In memory only, like `confirmed`.
     pub heard_at_ms: Option<i64>,
+    /// The running attempt was pushed on a `Work` stream (not claimed):
+    /// its worker heartbeats it every third of the stream end grace. Saved,
+    /// so that a new owner knows a lost instance's pushes from claims
+    /// (`AdmissionPartition::grant_lease_grace`).
+    pub pushed: bool,
 }
 
 /// Something to publish after the new row is saved.
@@ -200,6 +205,7 @@ impl JobState {
 
     fn clear_run(&mut self) {
         self.confirmed = false;
+        self.pushed = false;
         self.heard_at_ms = None;
         self.claimed_by = None;
         self.claimed_at_ms = None;
@@ -445,6 +451,7 @@ mod tests {
             lease_expires_at_ms: Some(30_000),
             confirmed: true,
             heard_at_ms: None,
+            pushed: false,
             finished_at_ms: None,
             cancel_reason: None,
             last_error: String::new(),

@@ -152,13 +152,18 @@ async fn stream_workers_run_every_job_once_within_its_limit() -> anyhow::Result<
 
 /// The first admission commits a batch that claimed jobs for stream workers
 /// and dies before it pushes them. The second takes its partitions over;
-/// the claimed attempts nobody received end with their lease (3 s here) and
-/// run again. Every job runs once (a lost push never ran), no key is
-/// overrun, no ticket is left.
+/// the pushed attempts get the stream end grace from the takeover (1 s
+/// here), not the lease (10 minutes here: the test would time out), and
+/// those nobody received are handed back and run again. Every job runs
+/// once (a lost push never ran), no key is overrun, no ticket is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn admission_killed_between_its_commit_and_the_push_loses_no_job() -> anyhow::Result<()> {
-    let toml = "[task_groups.default]\nlease = \"3s\"\n";
-    let mut stack = Stack::start(test_config_toml("workcrash", toml, &[])?, 1).await?;
+    let toml = "[task_groups.default]\nlease = \"10m\"\n";
+    let mut stack = Stack::start(
+        test_config_toml("workcrash", toml, &[("admission.stream_end_grace", "1s")])?,
+        1,
+    )
+    .await?;
     stack.add_admission(Faults::none()).await?;
     stack.wait_owned(Duration::from_secs(60)).await?;
     // Both instances own a job partition (the second one's join has moved
