@@ -260,15 +260,30 @@ impl ServiceProxy {
 
     /// One more instance behind the address (`http://host:port`).
     pub fn add(&self, endpoint: &str) {
-        let address = endpoint
-            .trim_start_matches("http://")
-            .trim_start_matches("https://")
-            .to_string();
         self.backends
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push(address);
+            .push(address_of(endpoint));
     }
+
+    /// An instance gone from behind the address, as Kubernetes drops a
+    /// stopped pod's endpoint. Kept, its port could be taken by another
+    /// test's instance (tests run side by side), and the address would
+    /// reach that instead.
+    pub fn remove(&self, endpoint: &str) {
+        let address = address_of(endpoint);
+        self.backends
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .retain(|backend| *backend != address);
+    }
+}
+
+fn address_of(endpoint: &str) -> String {
+    endpoint
+        .trim_start_matches("http://")
+        .trim_start_matches("https://")
+        .to_string()
 }
 
 impl Drop for ServiceProxy {
@@ -473,6 +488,22 @@ impl Stack {
         self.rate_window_service.add(&node.endpoint);
         self.rate_windows.push(node);
         Ok(())
+    }
+
+    /// Take limit-grant instance `index` out of the stack and from behind
+    /// its service address (to stop or kill it).
+    pub fn take_limit_grant(&mut self, index: usize) -> Node {
+        let node = self.limit_grants.remove(index);
+        self.limit_grant_service.remove(&node.endpoint);
+        node
+    }
+
+    /// Take rate-window instance `index` out of the stack and from behind
+    /// its service address (to stop or kill it).
+    pub fn take_rate_window(&mut self, index: usize) -> Node {
+        let node = self.rate_windows.remove(index);
+        self.rate_window_service.remove(&node.endpoint);
+        node
     }
 
     /// Wait until every limit-command and rate-command partition has an owner row.

@@ -52,7 +52,7 @@ async fn run_scenario(name: &str, broken: Break) -> anyhow::Result<()> {
         Break::LimitGrant(point) => {
             stack.limit_grants[0].wait_stopped(Duration::from_secs(60)).await?;
             assert_eq!(stack.limit_grants[0].faults.fired(point), 1);
-            let crashed = stack.limit_grants.remove(0);
+            let crashed = stack.take_limit_grant(0);
             drop(crashed);
             stack.add_limit_grant(Faults::none()).await?;
         }
@@ -65,7 +65,7 @@ async fn run_scenario(name: &str, broken: Break) -> anyhow::Result<()> {
                 Ok(recorder.completed() >= after)
             })
             .await?;
-            let second = stack.limit_grants.remove(1);
+            let second = stack.take_limit_grant(1);
             second.kill().await;
         }
     }

@@ -228,7 +228,7 @@ async fn set_limit(stack: &Stack, key: &str, change: pb::set_limit_request::Chan
 }
 
 async fn restart_limit_grant(stack: &mut Stack) -> anyhow::Result<()> {
-    let old = stack.limit_grants.remove(0);
+    let old = stack.take_limit_grant(0);
     old.stop().await;
     stack.add_limit_grant(sluice_common::Faults::none()).await?;
     let endpoint = stack.limit_grants[0].endpoint.clone();
@@ -476,7 +476,7 @@ async fn tickets_saved_as_rows_by_an_earlier_version_are_kept() -> anyhow::Resul
 
     // limit-grant down; its saved state rewritten as an earlier version
     // would have left it: the ticket as a row, no snapshot, no journal.
-    let old = stack.limit_grants.remove(0);
+    let old = stack.take_limit_grant(0);
     old.stop().await;
     let saved = stack.saved_tickets().await?;
     let [ticket] = saved.as_slice() else {

@@ -139,7 +139,7 @@ async fn a_restart_of_rate_window_keeps_the_window() -> anyhow::Result<()> {
         Ok(rate_grant_times(&events.lock().unwrap(), "inline:api:").len() >= 120)
     })
     .await?;
-    let old = stack.rate_windows.remove(0);
+    let old = stack.take_rate_window(0);
     old.kill().await;
     stack.add_rate_window(sluice_common::Faults::none()).await?;
     eventually(Duration::from_secs(90), "300 completions", || async {
