@@ -398,8 +398,19 @@ async fn chains_race_without_overrun_or_deadlock() -> anyhow::Result<()> {
     Ok(())
 }
 
+fn cap_change(tenant: &str, key: &str, change: pb::set_limit_request::Change) -> pb::SetLimitRequest {
+    pb::SetLimitRequest {
+        key: Some(pb::KeyRef {
+            tenant: tenant.to_string(),
+            key: key.to_string(),
+        }),
+        change: Some(change),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> {
+    use pb::set_limit_request::Change;
     let config = test_config_toml(
         "caps",
         r#"
@@ -414,6 +425,14 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
         &[],
     )?;
     let stack = Stack::start(config, 1).await?;
+    // Both caps paused until every job waits on them: resuming grants each
+    // cap's whole max in one batch, so "the cap is reached" is a state to
+    // check, not a race between workers (their runs overlapping in time).
+    let mut limits = stack.limits_client().await?;
+    let caps = [("acme", "cap:smtp-queue", 2usize), ("*", "cap:cluster", 3)];
+    for (tenant, key, _) in caps {
+        limits.set_limit(cap_change(tenant, key, Change::Max(0))).await?;
+    }
     let mut requests = Vec::new();
     for index in 0..40 {
         let mut email = concurrency_job("acme", &format!("mailbox-{index}"), 10, 0, &format!("emails/{index}"));
@@ -429,6 +448,26 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
     start_workers(&stack, &recorder, &stop, "emails", 1);
     start_workers(&stack, &recorder, &stop, "reports", 1);
     RequestProducer::new(&stack.config)?.send(&requests).await?;
+    // The cluster cap is one key (tenant `*`) that all four tenants' reports wait on.
+    for (tenant, key, _) in caps {
+        eventually(Duration::from_secs(60), "40 jobs waiting on the cap", || async {
+            Ok(key_state(&stack, tenant, key).await?.waiting == 40)
+        })
+        .await?;
+    }
+    for (tenant, key, max) in caps {
+        let resumed = limits
+            .set_limit(cap_change(tenant, key, Change::Clear(true)))
+            .await?
+            .into_inner()
+            .state
+            .unwrap_or_default();
+        assert_eq!(
+            (resumed.holders.len(), resumed.waiting),
+            (max, 40 - u32::try_from(max)?),
+            "{tenant}/{key}: the cap's max is granted at once (and no more): {resumed:?}"
+        );
+    }
     eventually(Duration::from_secs(120), "80 completions", || async {
         Ok(recorder.completed() == 80)
     })
@@ -436,9 +475,8 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
     let runs = recorder.runs();
     let emails: Vec<&RunRecord> = runs.iter().filter(|run| run.payload.starts_with("emails/")).collect();
     let reports: Vec<&RunRecord> = runs.iter().filter(|run| run.payload.starts_with("reports/")).collect();
-    assert_eq!(max_overlap(&emails), 2, "the per-queue cap is 2 (and is reached)");
+    assert!(max_overlap(&emails) <= 2, "the per-queue cap is 2");
     assert!(max_overlap(&reports) <= 3, "the cluster-wide cap across tenants is 3");
-    assert!(max_overlap(&reports) >= 2, "reports ran in parallel across tenants");
     let job = job_view(&stack.admission_client().await?, &runs[0].job_id).await?;
     assert!(job
         .acquisition_order
