@@ -866,7 +866,6 @@ pub struct RawRequest {
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
-/// A job on one concurrency key.
 /// The limit command that acquires a ticket (attempt 1, step 0) of `job_id`
 /// on `key` with the job's own max `max`, as admission sends it.
 pub fn acquire_command(tenant: &str, key: &str, job_id: &str, max: u32) -> pb::LimitCommand {
@@ -886,10 +885,12 @@ pub fn acquire_command(tenant: &str, key: &str, job_id: &str, max: u32) -> pb::L
             priority: 10,
             enqueued_at_us: 1,
             limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(max)),
+            fairness_key: String::new(),
         })),
     }
 }
 
+/// A job on one concurrency key.
 pub fn concurrency_job(tenant: &str, key: &str, max: u32, priority: u32, payload: &str) -> pb::JobRequest {
     pb::JobRequest {
         tenant: tenant.to_string(),

@@ -98,6 +98,7 @@ impl Routes {
                     priority: job.priority,
                     enqueued_at_us: job.enqueued_at_us,
                     limit: Some(limit),
+                    fairness_key: job.spec.fairness_key.clone(),
                 })),
             };
             let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);

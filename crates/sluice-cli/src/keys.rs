@@ -1,5 +1,5 @@
-//! `sluice keys list|describe|set-limit|pause|resume`: concurrency and
-//! floating keys, at their owner in limit-grant.
+//! `sluice keys list|describe|set-limit|set-weight|pause|resume`:
+//! concurrency and floating keys, at their owner in limit-grant.
 
 use serde::Serialize;
 use sluice_proto::v1 as pb;
@@ -49,6 +49,21 @@ pub enum KeysCommand {
         key: String,
         #[arg(required_unless_present = "clear", conflicts_with = "clear")]
         max: Option<u32>,
+        #[arg(long)]
+        clear: bool,
+    },
+    /// Set the weight of one flow (the jobs with this fairness key) among
+    /// the key's waiters, 1 to 1000 (default 1): flows are granted by
+    /// weighted round-robin. Stored; applies to the next grants. --clear
+    /// sets it back to 1. An empty fairness key is the default flow.
+    SetWeight {
+        #[command(flatten)]
+        tenant: TenantArg,
+        key: String,
+        fairness_key: String,
+        #[arg(required_unless_present = "clear", conflicts_with = "clear",
+              value_parser = clap::value_parser!(u32).range(1..=1000))]
+        weight: Option<u32>,
         #[arg(long)]
         clear: bool,
     },
@@ -135,6 +150,20 @@ pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<
             };
             ((tenant.tenant, key), change, verb)
         }
+        KeysCommand::SetWeight {
+            tenant,
+            key,
+            fairness_key,
+            weight,
+            clear,
+        } => (
+            (tenant.tenant, key),
+            pb::set_limit_request::Change::FlowWeight(pb::FlowWeight {
+                fairness_key,
+                weight: weight.filter(|_| !clear),
+            }),
+            "weighted",
+        ),
         KeysCommand::Pause { tenant, key } => ((tenant.tenant, key), pb::set_limit_request::Change::Max(0), "paused"),
         KeysCommand::Resume { tenant, key } => (
             (tenant.tenant, key),
@@ -235,6 +264,17 @@ pub struct WaiterOut {
 }
 
 #[derive(Debug, Serialize)]
+pub struct FlowOut {
+    pub fairness_key: String,
+    pub weight: u32,
+    /// Absent: the default weight.
+    pub stored_weight: Option<u32>,
+    pub waiting: u32,
+    pub holders: u32,
+    pub deficit: i64,
+}
+
+#[derive(Debug, Serialize)]
 pub struct FloatingOut {
     pub default_max: u32,
     pub refresh_interval_ms: u64,
@@ -257,6 +297,9 @@ pub struct KeyOut {
     pub oldest_waiting_since_ms: Option<i64>,
     pub holder_tickets: Vec<HolderOut>,
     pub first_waiters: Vec<WaiterOut>,
+    /// Flows with waiters (the most waiting first) and flows with a stored weight.
+    pub flows: Vec<FlowOut>,
+    pub flows_waiting: u32,
     pub partition: u32,
     pub epoch: u64,
 }
@@ -309,6 +352,19 @@ impl From<pb::KeyState> for KeyOut {
                     }
                 })
                 .collect(),
+            flows: state
+                .flows
+                .into_iter()
+                .map(|flow| FlowOut {
+                    fairness_key: flow.fairness_key,
+                    weight: flow.weight,
+                    stored_weight: flow.stored_weight,
+                    waiting: flow.waiting,
+                    holders: flow.holders,
+                    deficit: flow.deficit,
+                })
+                .collect(),
+            flows_waiting: state.flows_waiting,
             partition: state.partition,
             epoch: state.epoch,
         }
@@ -387,13 +443,30 @@ impl Render for KeyOut {
             out.push_str("\nfirst waiters\n");
             out.push_str(&waiters.render(2));
         }
+        if self.flows.len() > 1 || self.flows.iter().any(|flow| flow.stored_weight.is_some()) {
+            let mut flows = Table::new(&["FAIRNESS KEY", "WEIGHT", "WAITING", "HOLDERS"]);
+            for flow in &self.flows {
+                flows.row(vec![
+                    if flow.fairness_key.is_empty() {
+                        "(default)".to_string()
+                    } else {
+                        flow.fairness_key.clone()
+                    },
+                    flow.weight.to_string(),
+                    flow.waiting.to_string(),
+                    flow.holders.to_string(),
+                ]);
+            }
+            out.push_str(&format!("\nflows ({} with waiters)\n", self.flows_waiting));
+            out.push_str(&flows.render(2));
+        }
         out
     }
 }
 
 #[derive(Debug, Serialize)]
 pub struct SetLimitOut {
-    /// "set", "cleared", "paused" or "resumed".
+    /// "set", "cleared", "weighted", "paused" or "resumed".
     pub change: String,
     pub state: KeyOut,
 }

@@ -46,6 +46,8 @@ pub struct StoredTicket {
     pub traceparent: String,
     #[prost(string, tag = "15")]
     pub tracestate: String,
+    #[prost(string, tag = "16")]
+    pub fairness_key: String,
 }
 
 impl StoredTicket {
@@ -66,6 +68,7 @@ impl StoredTicket {
             granted_at_ms: record.granted_at_ms,
             traceparent: record.trace.traceparent(),
             tracestate: record.trace.tracestate().to_string(),
+            fairness_key: record.fairness_key.to_string(),
         }
     }
 
@@ -89,6 +92,7 @@ impl StoredTicket {
                 traceparent: self.traceparent,
                 tracestate: self.tracestate,
             }),
+            fairness_key: Arc::from(self.fairness_key.as_str()),
         }
     }
 }
@@ -147,6 +151,7 @@ mod tests {
                 traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_string(),
                 tracestate: "a=b".to_string(),
             }),
+            fairness_key: Arc::from("customer-7"),
         }
     }
 

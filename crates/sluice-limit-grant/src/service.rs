@@ -14,7 +14,7 @@ use sluice_proto::v1::limits_client::LimitsClient;
 use sqlx::PgPool;
 use tonic::{Request, Response, Status};
 
-use crate::state::{LocalRequest, TicketKey};
+use crate::state::{LimitChange, LocalRequest, TicketKey};
 
 pub struct LimitsApi {
     pub registry: Arc<OwnerRegistry<LocalRequest>>,
@@ -100,13 +100,23 @@ impl pb::limits_server::Limits for LimitsApi {
         let message = request.into_inner();
         let (tenant, key) = checked_key(message.key.as_ref(), self.max_key_bytes)?;
         caller.authorize(&tenant, Action::Operate, format_args!("key {tenant}/{key}"))?;
-        let max = match message.change {
+        let change = match &message.change {
             Some(pb::set_limit_request::Change::Max(max)) => {
-                check_u32("max", max, 0, MAX_CONCURRENCY)?;
-                Some(max)
+                check_u32("max", *max, 0, MAX_CONCURRENCY)?;
+                LimitChange::Max(Some(*max))
             }
-            Some(pb::set_limit_request::Change::Clear(true)) => None,
-            _ => return Err(FieldError::new("change", "set `max` (0 pauses) or `clear: true`").into()),
+            Some(pb::set_limit_request::Change::Clear(true)) => LimitChange::Max(None),
+            Some(pb::set_limit_request::Change::FlowWeight(flow)) => {
+                check_text("flow_weight.fairness_key", &flow.fairness_key, self.max_key_bytes)?;
+                if let Some(weight) = flow.weight {
+                    check_u32("flow_weight.weight", weight, 1, crate::flows::MAX_WEIGHT)?;
+                }
+                LimitChange::FlowWeight {
+                    fairness_key: flow.fairness_key.clone(),
+                    weight: flow.weight,
+                }
+            }
+            _ => return Err(FieldError::new("change", "set `max` (0 pauses), `clear: true` or `flow_weight`").into()),
         };
         let partition = key_partition(&tenant, &key, self.limit_partitions);
         on_owner(
@@ -115,11 +125,11 @@ impl pb::limits_server::Limits for LimitsApi {
             |reply| LocalRequest::SetLimit {
                 tenant: tenant.clone(),
                 key: key.clone(),
-                max,
+                change: change.clone(),
                 reply,
             },
             |state| {
-                tracing::info!(%tenant, %key, ?max, "limit override set");
+                tracing::info!(%tenant, %key, ?change, "key setting changed");
                 Ok(pb::SetLimitResponse { state: Some(state) })
             },
             async {

@@ -18,6 +18,7 @@ use sluice_common::validate::{
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
+use crate::flows::{self, Flows};
 use crate::journal::{StoredTicket, TicketBatch, TicketSnapshot};
 
 /// (tenant, key).
@@ -44,6 +45,9 @@ pub struct TicketRecord {
     pub position_at_enqueue: u32,
     pub granted_at_ms: Option<i64>,
     pub trace: CompactTraceContext,
+    /// The job's flow among the key's waiters (`crate::flows`); empty: the
+    /// default flow.
+    pub fairness_key: Arc<str>,
 }
 
 impl TicketRecord {
@@ -73,11 +77,14 @@ pub struct FloatingRecord {
 pub struct KeyRecord {
     pub override_max: Option<u32>,
     pub floating: Option<FloatingRecord>,
+    /// Weights of the key's flows that do not have the default
+    /// (`flows::DEFAULT_WEIGHT`), by fairness key.
+    pub flow_weights: BTreeMap<String, u32>,
 }
 
 impl KeyRecord {
     fn is_empty(&self) -> bool {
-        self.override_max.is_none() && self.floating.is_none()
+        self.override_max.is_none() && self.floating.is_none() && self.flow_weights.is_empty()
     }
 }
 
@@ -118,9 +125,11 @@ struct KeyState {
     id: Arc<KeyId>,
     record: KeyRecord,
     holders: HashMap<TicketKey, Holder>,
-    /// Waiters in grant order. A waiter is found by ticket through its
-    /// `TicketPlace` (priority and enqueue time make its `WaitOrder`).
-    waiters: BTreeMap<WaitOrder, Waiting>,
+    /// Waiters by flow, granted by weighted deficit round-robin across flows
+    /// and in `WaitOrder` within one. A waiter is found by ticket through
+    /// its `TicketPlace` (its flow, and the priority and enqueue time that
+    /// make its `WaitOrder`).
+    waiters: Flows<WaitOrder, Waiting>,
 }
 
 /// Where a ticket (held or waiting) is: its key, and what orders it in the
@@ -128,6 +137,7 @@ struct KeyState {
 #[derive(Debug)]
 struct TicketPlace {
     key_id: Arc<KeyId>,
+    flow: Arc<str>,
     priority: u32,
     enqueued_at_us: i64,
 }
@@ -136,6 +146,7 @@ impl TicketPlace {
     fn of(record: &TicketRecord) -> Self {
         TicketPlace {
             key_id: record.key_id.clone(),
+            flow: record.fairness_key.clone(),
             priority: record.priority,
             enqueued_at_us: record.enqueued_at_us,
         }
@@ -156,39 +167,78 @@ impl KeyState {
             id,
             record: KeyRecord::default(),
             holders: HashMap::new(),
-            waiters: BTreeMap::new(),
+            waiters: Flows::default(),
         }
     }
 
     /// The max a grant to `head` is checked against: the override, else the
     /// floating value, else the job's own max.
     fn max_for(&self, head: &TicketRecord) -> u32 {
-        if let Some(override_max) = self.record.override_max {
-            return override_max;
-        }
-        if let Some(floating) = &self.record.floating {
-            return floating.current_max;
-        }
-        head.job_max
+        max_for(&self.record, head)
     }
 
     fn insert_waiter(&mut self, waiting: Waiting) {
-        self.waiters.insert(WaitOrder::of(&waiting.record), waiting);
+        let flow = waiting.record.fairness_key.clone();
+        self.waiters.insert(&flow, WaitOrder::of(&waiting.record), waiting);
     }
 
-    /// How many waiters would be ahead of `order`.
-    fn ahead_of(&self, order: &WaitOrder) -> usize {
-        match self.waiters.last_key_value() {
-            // The common case: a new waiter joins at the tail.
-            Some((last, _)) if last < order => self.waiters.len(),
-            None => 0,
-            Some(_) => self.waiters.range(..order.clone()).count(),
-        }
+    /// Some waiter (for the max of keys whose max is the key's own).
+    fn any_waiter(&self) -> Option<&TicketRecord> {
+        self.waiters.iter().next().map(|(_, _, waiting)| &waiting.record)
     }
 
     fn is_idle(&self) -> bool {
         self.holders.is_empty() && self.waiters.is_empty() && self.record.is_empty()
     }
+}
+
+/// How many flows `DescribeKey` lists (the most waiting first).
+const DESCRIBED_FLOWS: usize = 20;
+
+/// A key's flows for `DescribeKey`: those with waiters (the most waiting
+/// first, at most `DESCRIBED_FLOWS`) and those with a stored weight; and how
+/// many flows have waiters.
+fn describe_flows(state: &KeyState) -> (Vec<pb::FlowState>, u32) {
+    let mut waiting: Vec<(&Arc<str>, usize, i64)> = state.waiters.waiting_flows().collect();
+    let flows_waiting = u32::try_from(waiting.len()).unwrap_or(u32::MAX);
+    waiting.sort_unstable_by(|left, right| right.1.cmp(&left.1).then_with(|| left.0.cmp(right.0)));
+    waiting.truncate(DESCRIBED_FLOWS);
+    let mut holders: HashMap<&str, u32> = HashMap::new();
+    for holder in state.holders.values() {
+        *holders.entry(&*holder.record.fairness_key).or_default() += 1;
+    }
+    let weights = &state.record.flow_weights;
+    let flow_state = |name: &str, waiting: usize, deficit: i64| pb::FlowState {
+        fairness_key: name.to_string(),
+        weight: flows::weight_of(weights, name),
+        stored_weight: weights.get(name).copied(),
+        waiting: u32::try_from(waiting).unwrap_or(u32::MAX),
+        holders: holders.get(name).copied().unwrap_or_default(),
+        deficit,
+    };
+    let mut described: Vec<pb::FlowState> = waiting
+        .iter()
+        .map(|(name, count, deficit)| flow_state(name, *count, *deficit))
+        .collect();
+    for name in weights.keys() {
+        if !waiting.iter().any(|(listed, _, _)| ***listed == **name) {
+            let count = state.waiters.waiting_in(name);
+            described.push(flow_state(name, count, 0));
+        }
+    }
+    (described, flows_waiting)
+}
+
+/// The max a grant to `head` is checked against: the key's override, else
+/// its floating value, else the job's own max.
+fn max_for(record: &KeyRecord, head: &TicketRecord) -> u32 {
+    if let Some(override_max) = record.override_max {
+        return override_max;
+    }
+    if let Some(floating) = &record.floating {
+        return floating.current_max;
+    }
+    head.job_max
 }
 
 /// The writes of one batch, collapsed per row.
@@ -248,7 +298,7 @@ pub enum LocalRequest {
     SetLimit {
         tenant: String,
         key: String,
-        max: Option<u32>,
+        change: LimitChange,
         reply: oneshot::Sender<pb::KeyState>,
     },
     DescribeKey {
@@ -269,6 +319,15 @@ pub enum LocalRequest {
         limit: usize,
         reply: oneshot::Sender<Vec<pb::KeySummary>>,
     },
+}
+
+/// A change to a key's settings (`SetLimit`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LimitChange {
+    /// Set (or, `None`, clear) the override of the key's max.
+    Max(Option<u32>),
+    /// Set (or, `None`, reset to the default) a flow's weight.
+    FlowWeight { fairness_key: String, weight: Option<u32> },
 }
 
 #[derive(Debug)]
@@ -367,7 +426,7 @@ impl LimitPartition {
                 .holders
                 .values()
                 .map(|holder| &holder.record)
-                .chain(state.waiters.values().map(|waiting| &waiting.record))
+                .chain(state.waiters.iter().map(|(_, _, waiting)| &waiting.record))
         })
     }
 
@@ -390,7 +449,7 @@ impl LimitPartition {
                     .holders
                     .values()
                     .map(|holder| &holder.record)
-                    .chain(state.waiters.values().map(|waiting| &waiting.record))
+                    .chain(state.waiters.iter().map(|(_, _, waiting)| &waiting.record))
                     .next()
                     .is_some_and(|record| record.floating);
                 pb::KeySummary {
@@ -414,10 +473,12 @@ impl LimitPartition {
 
     /// Restore loaded rows. Every restored ticket gets one grace period from
     /// `now_ms` (a new owner gives every ticket one lease of grace).
-    pub fn restore(&mut self, now_ms: i64, keys: Vec<(KeyId, KeyRecord)>, tickets: Vec<TicketRecord>) {
+    /// Flows join their key's round in the order of their first waiters.
+    pub fn restore(&mut self, now_ms: i64, keys: Vec<(KeyId, KeyRecord)>, mut tickets: Vec<TicketRecord>) {
         for (key_id, record) in keys {
             self.key_state(&key_id).record = record;
         }
+        tickets.sort_by_cached_key(WaitOrder::of);
         for mut record in tickets {
             let state = self.key_state(&record.key_id);
             // One shared id per key, whatever the loader built.
@@ -536,6 +597,7 @@ impl LimitPartition {
             Command::Acquire(acquire) => {
                 check_ticket("acquire.ticket", acquire.ticket.as_ref())?;
                 check_u32("acquire.priority", acquire.priority, 0, 99)?;
+                check_text("acquire.fairness_key", &acquire.fairness_key, input.max_key_bytes)?;
                 match &acquire.limit {
                     Some(pb::acquire_ticket::Limit::MaxConcurrency(max)) => {
                         check_u32("acquire.max_concurrency", *max, 1, MAX_CONCURRENCY)?;
@@ -660,9 +722,16 @@ impl LimitPartition {
             position_at_enqueue: 0,
             granted_at_ms: None,
             trace: CompactTraceContext::from_context(&trace),
+            fairness_key: state
+                .waiters
+                .flow_named(&acquire.fairness_key)
+                .unwrap_or_else(|| Arc::from(acquire.fairness_key.as_str())),
         };
         let trace_for_refresh = trace;
-        let ahead = state.ahead_of(&WaitOrder::of(&record));
+        // Its place in its flow.
+        let ahead = state
+            .waiters
+            .ahead_in_flow(&record.fairness_key, &WaitOrder::of(&record));
         let record = TicketRecord {
             position_at_enqueue: u32::try_from(ahead).unwrap_or(u32::MAX),
             ..record
@@ -691,9 +760,9 @@ impl LimitPartition {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
         };
-        let order = self.ticket_keys.get(ticket).map(|place| place.order(ticket));
-        let removed =
-            state.holders.remove(ticket).is_some() || order.is_some_and(|order| state.waiters.remove(&order).is_some());
+        let place = self.ticket_keys.get(ticket);
+        let removed = state.holders.remove(ticket).is_some()
+            || place.is_some_and(|place| state.waiters.remove(&place.flow, &place.order(ticket)).is_some());
         if !removed {
             return;
         }
@@ -793,6 +862,30 @@ impl LimitPartition {
         self.pump(now_ms, key_id, writes, outbox, counts);
     }
 
+    /// Store a flow's weight (`None`, or the default: forget it). It counts
+    /// from the flow's next turn; nothing is granted by it alone (a weight
+    /// changes the order of grants, not how many fit).
+    fn set_flow_weight(&mut self, key_id: &KeyId, fairness_key: String, weight: Option<u32>, writes: &mut LimitWrites) {
+        let state = self.key_state(key_id);
+        match weight.map(|weight| weight.clamp(1, flows::MAX_WEIGHT)) {
+            Some(weight) if weight != flows::DEFAULT_WEIGHT => {
+                state.record.flow_weights.insert(fairness_key, weight);
+            }
+            _ => {
+                state.record.flow_weights.remove(&fairness_key);
+            }
+        }
+        let row = if state.record.is_empty() {
+            None
+        } else {
+            Some(state.record.clone())
+        };
+        writes.keys.insert(key_id.clone(), row);
+        if state.is_idle() {
+            self.keys.remove(key_id);
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn set_floating_max(
         &mut self,
@@ -834,13 +927,13 @@ impl LimitPartition {
             return;
         };
         let mut granted = Vec::new();
-        while let Some((order, head)) = state.waiters.first_key_value() {
-            let max = state.max_for(&head.record);
+        let weights = &state.record.flow_weights;
+        while let Some((_, head)) = state.waiters.next(|flow| flows::weight_of(weights, flow)) {
+            let max = max_for(&state.record, &head.record);
             if state.holders.len() >= usize::try_from(max).unwrap_or(usize::MAX) {
                 break;
             }
-            let order = order.clone();
-            let Some(waiting) = state.waiters.remove(&order) else {
+            let Some((_, waiting)) = state.waiters.take_next() else {
                 break;
             };
             let mut record = waiting.record;
@@ -945,7 +1038,7 @@ impl LimitPartition {
             };
             if let Some(holder) = state.holders.get_mut(&ticket) {
                 holder.confirmed_at_ms = holder.confirmed_at_ms.max(snapshot);
-            } else if let Some(waiting) = state.waiters.get_mut(&place.order(&ticket)) {
+            } else if let Some(waiting) = state.waiters.get_mut(&place.flow, &place.order(&ticket)) {
                 waiting.confirmed_at_ms = waiting.confirmed_at_ms.max(snapshot);
             }
         }
@@ -1003,7 +1096,7 @@ impl LimitPartition {
                     expired.push((key_id.clone(), ticket.clone()));
                 }
             }
-            for waiting in state.waiters.values() {
+            for (_, _, waiting) in state.waiters.iter() {
                 if waiting.confirmed_at_ms < cutoff && covered(&waiting.record.ticket) {
                     expired.push((key_id.clone(), waiting.record.ticket.clone()));
                 }
@@ -1052,10 +1145,7 @@ impl LimitPartition {
             });
         }
         let reference = state
-            .waiters
-            .values()
-            .next()
-            .map(|waiting| &waiting.record)
+            .any_waiter()
             .or_else(|| state.holders.values().next().map(|holder| &holder.record));
         described.effective_max = reference.map(|record| i64::from(state.max_for(record)));
         if described.effective_max.is_none() {
@@ -1077,9 +1167,17 @@ impl LimitPartition {
             })
             .collect();
         described.waiting = u32::try_from(state.waiters.len()).unwrap_or(u32::MAX);
-        described.first_waiters = state
+        // The first waiters of every flow, in queue order across flows (an
+        // introspection call: it may look at every flow).
+        let mut first: Vec<(&WaitOrder, &Waiting)> = state
             .waiters
-            .values()
+            .waiting_flows()
+            .flat_map(|(flow, _, _)| state.waiters.first_in_flow(flow, first_waiters))
+            .collect();
+        first.sort_unstable_by(|left, right| left.0.cmp(right.0));
+        described.first_waiters = first
+            .into_iter()
+            .map(|(_, waiting)| waiting)
             .take(first_waiters)
             .map(|waiting| pb::Waiter {
                 ticket: Some(waiting.record.ticket.to_proto()),
@@ -1091,9 +1189,10 @@ impl LimitPartition {
             .collect();
         described.oldest_waiting_since_ms = state
             .waiters
-            .values()
-            .map(|waiting| waiting.record.waiting_since_ms)
+            .iter()
+            .map(|(_, _, waiting)| waiting.record.waiting_since_ms)
             .min();
+        (described.flows, described.flows_waiting) = describe_flows(state);
         described
     }
 
@@ -1112,10 +1211,11 @@ impl LimitPartition {
         };
         if let (Some(ticket), Some(key_state)) = (ticket, self.keys.get(&(tenant.to_string(), key.to_string()))) {
             response.ticket_held = key_state.holders.contains_key(ticket);
-            response.ticket_position = key_state
-                .waiters
-                .keys()
-                .position(|order| &order.ticket == ticket)
+            response.ticket_position = self
+                .ticket_keys
+                .get(ticket)
+                .filter(|place| key_state.waiters.contains(&place.flow, &place.order(ticket)))
+                .map(|place| key_state.waiters.ahead_in_flow(&place.flow, &place.order(ticket)))
                 .and_then(|position| u32::try_from(position).ok());
         }
         response
@@ -1173,11 +1273,16 @@ impl LimitPartition {
             LocalRequest::SetLimit {
                 tenant,
                 key,
-                max,
+                change,
                 reply,
             } => {
                 let key_id = (tenant.clone(), key.clone());
-                self.set_override(now_ms, &key_id, max, writes, outbox, counts);
+                match change {
+                    LimitChange::Max(max) => self.set_override(now_ms, &key_id, max, writes, outbox, counts),
+                    LimitChange::FlowWeight { fairness_key, weight } => {
+                        self.set_flow_weight(&key_id, fairness_key, weight, writes);
+                    }
+                }
                 let described = self.describe(&tenant, &key, 10);
                 replies.push(Box::new(move || {
                     let _ = reply.send(described);
@@ -1266,10 +1371,7 @@ impl OwnedState for LimitPartition {
             .iter()
             .map(|((tenant, key), state)| {
                 let reference = state
-                    .waiters
-                    .values()
-                    .next()
-                    .map(|waiting| &waiting.record)
+                    .any_waiter()
                     .or_else(|| state.holders.values().next().map(|holder| &holder.record));
                 sluice_common::metrics::KeyStat {
                     tenant: tenant.clone(),
@@ -1319,6 +1421,17 @@ mod tests {
     }
 
     fn acquire(job: &str, key_name: &str, priority: u32, enqueued_at_us: i64, max: u32) -> pb::LimitCommand {
+        acquire_in_flow(job, key_name, priority, enqueued_at_us, max, "")
+    }
+
+    fn acquire_in_flow(
+        job: &str,
+        key_name: &str,
+        priority: u32,
+        enqueued_at_us: i64,
+        max: u32,
+        fairness_key: &str,
+    ) -> pb::LimitCommand {
         pb::LimitCommand {
             command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
                 key: key(key_name),
@@ -1330,6 +1443,7 @@ mod tests {
                 priority,
                 enqueued_at_us,
                 limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(max)),
+                fairness_key: fairness_key.to_string(),
             })),
             ..Default::default()
         }
@@ -1678,22 +1792,38 @@ mod tests {
 
         #[derive(Clone, Debug)]
         enum Op {
-            Acquire { job: u8, key: u8, priority: u8, max: u8 },
-            Release { job: u8 },
-            Override { key: u8, max: Option<u8> },
+            Acquire {
+                job: u8,
+                key: u8,
+                priority: u8,
+                max: u8,
+                flow: u8,
+            },
+            Release {
+                job: u8,
+            },
+            Override {
+                key: u8,
+                max: Option<u8>,
+            },
         }
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                (0u8..40, 0u8..3, 0u8..3, 1u8..4).prop_map(|(job, key, priority, max)| Op::Acquire {
+                (0u8..40, 0u8..3, 0u8..3, 1u8..4, 0u8..3).prop_map(|(job, key, priority, max, flow)| Op::Acquire {
                     job,
                     key,
                     priority,
-                    max
+                    max,
+                    flow
                 }),
                 (0u8..40).prop_map(|job| Op::Release { job }),
                 (0u8..3, proptest::option::of(0u8..4)).prop_map(|(key, max)| Op::Override { key, max }),
             ]
+        }
+
+        fn flow_name(flow: u8) -> &'static str {
+            ["", "f1", "f2"][usize::from(flow % 3)]
         }
 
         fn live(state: &LimitPartition) -> HashMap<TicketKey, TicketRecord> {
@@ -1722,9 +1852,9 @@ mod tests {
                     let mut counts = BatchCounts::default();
                     for operation in ops {
                         let command = match operation {
-                            Op::Acquire { job, key: key_index, priority, max } => {
+                            Op::Acquire { job, key: key_index, priority, max, flow } => {
                                 let key_index = *job_keys.entry(job).or_insert(key_index);
-                                acquire(&format!("j{job}"), &format!("k{key_index}"), u32::from(priority), i64::try_from(index).unwrap(), u32::from(max))
+                                acquire_in_flow(&format!("j{job}"), &format!("k{key_index}"), u32::from(priority), i64::try_from(index).unwrap(), u32::from(max), flow_name(flow))
                             }
                             Op::Release { job } => match job_keys.get(&job) {
                                 Some(key_index) => release(&format!("j{job}"), &format!("k{key_index}")),
@@ -1779,9 +1909,9 @@ mod tests {
                     let mut outbox = Outbox::new();
                     let mut counts = BatchCounts::default();
                     let command = match operation {
-                        Op::Acquire { job, key: key_index, priority, max } => {
+                        Op::Acquire { job, key: key_index, priority, max, flow } => {
                             let key_index = *job_keys.entry(job).or_insert(key_index);
-                            acquire(&format!("j{job}"), &format!("k{key_index}"), u32::from(priority), i64::try_from(index).unwrap(), u32::from(max))
+                            acquire_in_flow(&format!("j{job}"), &format!("k{key_index}"), u32::from(priority), i64::try_from(index).unwrap(), u32::from(max), flow_name(flow))
                         }
                         Op::Release { job } => match job_keys.get(&job) {
                             Some(key_index) => release(&format!("j{job}"), &format!("k{key_index}")),
@@ -1805,17 +1935,17 @@ mod tests {
                     outbox = Outbox::new();
                     for key_state in state.keys.values() {
                         for holder in key_state.holders.values() {
-                            prop_assert!(!key_state.waiters.values().any(|waiting| waiting.record.ticket == holder.record.ticket));
+                            prop_assert!(!key_state.waiters.iter().any(|(_, _, waiting)| waiting.record.ticket == holder.record.ticket));
                         }
-                        // Nobody waits while the head would fit (no lost wake-up).
-                        if let Some(head) = key_state.waiters.values().next() {
+                        // Nobody waits while the next head would fit (no lost wake-up).
+                        if let Some((_, head)) = key_state.waiters.peek() {
                             let max = usize::try_from(key_state.max_for(&head.record)).unwrap();
                             prop_assert!(key_state.holders.len() >= max, "head fits but waits");
                         }
-                        for waiting in key_state.waiters.values() {
+                        for (flow, _, waiting) in key_state.waiters.iter() {
                             let place = state.ticket_keys.get(&waiting.record.ticket);
                             prop_assert!(
-                                place.is_some_and(|place| place.order(&waiting.record.ticket) == WaitOrder::of(&waiting.record)),
+                                place.is_some_and(|place| place.order(&waiting.record.ticket) == WaitOrder::of(&waiting.record) && place.flow == *flow),
                                 "every waiter is found by its ticket"
                             );
                         }

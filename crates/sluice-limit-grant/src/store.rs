@@ -63,7 +63,8 @@ impl OwnedStore for LimitStore {
         );
         let key_rows = sqlx::query(
             "SELECT tenant, key, override_max, floating_max, floating_default_max, floating_refresh_interval_ms,
-                    floating_metadata::text, floating_last_due_ms, floating_last_set_ms, floating_last_task_id
+                    floating_metadata::text, floating_last_due_ms, floating_last_set_ms, floating_last_task_id,
+                    flow_weights::text
              FROM keys WHERE partition = $1",
         )
         .bind(context.partition)
@@ -90,11 +91,15 @@ impl OwnedStore for LimitStore {
                 None => None,
             };
             let override_max: Option<i32> = row.try_get(2)?;
+            let weights_text: String = row.try_get(10)?;
+            let flow_weights = serde_json::from_str::<BTreeMap<String, u32>>(&weights_text)
+                .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
             keys.push((
                 (row.try_get(0)?, row.try_get(1)?),
                 KeyRecord {
                     override_max: override_max.map(to_u32),
                     floating,
+                    flow_weights,
                 },
             ));
         }
@@ -175,11 +180,12 @@ impl OwnedStore for LimitStore {
                     let floating = record.floating.as_ref();
                     let metadata = floating
                         .map(|floating| serde_json::to_string(&floating.metadata).unwrap_or_else(|_| "{}".to_string()));
+                    let flow_weights = serde_json::to_string(&record.flow_weights).unwrap_or_else(|_| "{}".to_string());
                     sqlx::query(
                         "INSERT INTO keys (tenant, key, partition, override_max, floating_max, floating_default_max,
                                            floating_refresh_interval_ms, floating_metadata, floating_last_due_ms,
-                                           floating_last_set_ms, floating_last_task_id)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11)
+                                           floating_last_set_ms, floating_last_task_id, flow_weights)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb)
                          ON CONFLICT (tenant, key) DO UPDATE SET
                             override_max = EXCLUDED.override_max, floating_max = EXCLUDED.floating_max,
                             floating_default_max = EXCLUDED.floating_default_max,
@@ -188,6 +194,7 @@ impl OwnedStore for LimitStore {
                             floating_last_due_ms = EXCLUDED.floating_last_due_ms,
                             floating_last_set_ms = EXCLUDED.floating_last_set_ms,
                             floating_last_task_id = EXCLUDED.floating_last_task_id,
+                            flow_weights = EXCLUDED.flow_weights,
                             updated_at = now()",
                     )
                     .bind(&tenant)
@@ -201,6 +208,7 @@ impl OwnedStore for LimitStore {
                     .bind(floating.and_then(|floating| floating.last_due_ms))
                     .bind(floating.and_then(|floating| floating.last_set_ms))
                     .bind(floating.and_then(|floating| floating.last_task_id.clone()))
+                    .bind(flow_weights)
                     .execute(&mut *connection)
                     .await?;
                 }
@@ -299,6 +307,7 @@ async fn legacy_ticket_rows(connection: &mut PgConnection, partition: i32) -> Re
                 traceparent: row.try_get(13)?,
                 tracestate: row.try_get(14)?,
             }),
+            fairness_key: std::sync::Arc::from(""),
         });
     }
     Ok(tickets)

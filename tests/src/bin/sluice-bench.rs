@@ -125,20 +125,8 @@ async fn wal_position(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
 /// a W3C trace context, applied in batches as the owner runtime does. Returns
 /// the growth of resident memory per waiter (run first, in a fresh process).
 fn run_waiter_memory(waiters: u64) -> f64 {
-    use sluice_limit_grant::state::{BatchCounts, LimitPartition, LimitWrites, PartitionSettings};
-    let mut partition = LimitPartition::new(
-        PartitionSettings {
-            partition: 0,
-            limit_partitions: 1,
-            grants_partitions: 1,
-            refresh_due_topic: Arc::from("refresh-due"),
-            refresh_due_partitions: 1,
-            max_message_bytes: 1_000_000,
-            ticket_grace_ms: 30_000,
-            input: sluice_common::validate::InputLimits::default(),
-        },
-        1,
-    );
+    use sluice_limit_grant::state::{BatchCounts, LimitWrites};
+    let mut partition = core_partition();
     let resident_before = resident_bytes();
     let mut writes = LimitWrites::default();
     let mut outbox = sluice_common::kafka::Outbox::new();
@@ -164,6 +152,7 @@ fn run_waiter_memory(waiters: u64) -> f64 {
                 priority: 50,
                 enqueued_at_us: i64::try_from(index).unwrap_or(i64::MAX),
                 limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
+                fairness_key: String::new(),
             })),
         };
         let _ = partition.apply_command(1_000, command, &mut writes, &mut outbox, &mut counts);
@@ -183,12 +172,121 @@ fn run_waiter_memory(waiters: u64) -> f64 {
     to_f64(resident) / to_f64(waiters)
 }
 
+fn core_partition() -> sluice_limit_grant::state::LimitPartition {
+    sluice_limit_grant::state::LimitPartition::new(
+        sluice_limit_grant::state::PartitionSettings {
+            partition: 0,
+            limit_partitions: 1,
+            grants_partitions: 1,
+            refresh_due_topic: Arc::from("refresh-due"),
+            refresh_due_partitions: 1,
+            max_message_bytes: 1_000_000,
+            ticket_grace_ms: 30_000,
+            input: sluice_common::validate::InputLimits::default(),
+        },
+        1,
+    )
+}
+
+fn flow_ticket(job_id: &str) -> Option<pb::TicketId> {
+    Some(pb::TicketId {
+        job_id: job_id.to_string(),
+        attempt: 1,
+        step: 0,
+    })
+}
+
+fn flow_key() -> Option<pb::KeyRef> {
+    Some(pb::KeyRef {
+        tenant: "bench".to_string(),
+        key: "shared".to_string(),
+    })
+}
+
+/// What a grant costs in limit-grant's core when the key's waiters are
+/// spread over `flows` flows (fair sharing by weighted deficit round-robin):
+/// `waiters` acquires of one key limited to 1, round-robin over the flows;
+/// then, `cycles` times, the holder is released and the next waiter is
+/// granted. Returns nanoseconds per release-and-grant (the release command
+/// applied, the grant decided and its event written; decoding the grant to
+/// find the next holder is not counted).
+fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f64> {
+    use sluice_limit_grant::state::{BatchCounts, LimitWrites};
+    let mut partition = core_partition();
+    let mut writes = LimitWrites::default();
+    let mut outbox = sluice_common::kafka::Outbox::new();
+    let mut counts = BatchCounts::default();
+    for index in 0..waiters {
+        let command = pb::LimitCommand {
+            trace: None,
+            sent_at_ms: 0,
+            command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
+                key: flow_key(),
+                ticket: flow_ticket(&format!("job-{index}")),
+                priority: 50,
+                enqueued_at_us: i64::try_from(index).unwrap_or(i64::MAX),
+                limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
+                fairness_key: format!("customer-{}", index % flows),
+            })),
+        };
+        partition
+            .apply_command(1_000, command, &mut writes, &mut outbox, &mut counts)
+            .map_err(|error| anyhow::anyhow!(error))?;
+    }
+    let mut holder = "job-0".to_string();
+    let mut spent = Duration::ZERO;
+    for _ in 0..cycles {
+        writes = LimitWrites::default();
+        outbox = sluice_common::kafka::Outbox::new();
+        let release = pb::LimitCommand {
+            trace: None,
+            sent_at_ms: 0,
+            command: Some(pb::limit_command::Command::Release(pb::ReleaseTicket {
+                key: flow_key(),
+                ticket: flow_ticket(&holder),
+                reason: pb::ReleaseReason::Succeeded as i32,
+            })),
+        };
+        let started = Instant::now();
+        partition
+            .apply_command(2_000, release, &mut writes, &mut outbox, &mut counts)
+            .map_err(|error| anyhow::anyhow!(error))?;
+        spent += started.elapsed();
+        let granted = outbox
+            .take_links()
+            .into_values()
+            .flatten()
+            .find_map(|event| pb::GrantEvent::decode(event.as_slice()).ok())
+            .and_then(|event| event.ticket)
+            .context("a release of the holder granted nobody")?;
+        holder = granted.job_id;
+    }
+    Ok(spent.as_secs_f64() * 1e9 / to_f64(cycles))
+}
+
+/// `grant_ns_by_flows`: the grant cost with 1, 100 and 10,000 flows on one
+/// key (100,000 waiters, 50,000 grants each).
+fn run_grants_by_flows() -> anyhow::Result<serde_json::Value> {
+    let mut figures = serde_json::Map::new();
+    for flows in [1u64, 100, 10_000] {
+        let ns = run_grant_by_flows(flows, 100_000, 50_000)?;
+        eprintln!("bench: {ns:.0} ns per release and grant with {flows} flows");
+        figures.insert(flows.to_string(), serde_json::json!(ns.round()));
+    }
+    Ok(serde_json::Value::Object(figures))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let waiter_count = env_number("BENCH_WAITERS", 200_000);
     eprintln!("bench: memory per waiting job in limit-grant ({waiter_count} waiters on one key)");
     let bytes_per_waiter = run_waiter_memory(waiter_count);
     eprintln!("bench: {bytes_per_waiter:.0} resident bytes per waiter");
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "flows") {
+        let grant_ns_by_flows = run_grants_by_flows()?;
+        println!("{}", serde_json::json!({ "grant_ns_by_flows": grant_ns_by_flows }));
+        return Ok(());
+    }
     if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "waiters") {
         println!(
             "{}",
@@ -312,6 +410,7 @@ async fn main() -> anyhow::Result<()> {
         "try_acquire_per_s_grpc": grpc_decisions.round(),
         "bytes_per_waiter": bytes_per_waiter.round(),
         "waiters": waiter_count,
+        "grant_ns_by_flows": run_grants_by_flows()?,
     });
     println!("{figures}");
     Ok(())

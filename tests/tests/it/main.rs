@@ -10,6 +10,7 @@ mod consumer_buffer;
 mod crash;
 mod deadletter;
 mod edge;
+mod fairness;
 mod fencing;
 mod floating;
 mod flow;
