@@ -1,7 +1,9 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time, not compiled in: checkouts sharing one target
+    // directory share this script's binary.
+    let proto_root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let files = ["jobs", "admission", "limits", "rate", "refresh", "link"]
         .map(|name| proto_root.join(format!("sluice/v1/{name}.proto")));
     // Relative to this package's root, so that two checkouts sharing one
