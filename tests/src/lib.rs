@@ -886,6 +886,7 @@ pub fn acquire_command(tenant: &str, key: &str, job_id: &str, max: u32) -> pb::L
             enqueued_at_us: 1,
             limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(max)),
             fairness_key: String::new(),
+            shadow: false,
         })),
     }
 }
@@ -901,6 +902,7 @@ pub fn concurrency_job(tenant: &str, key: &str, max: u32, priority: u32, payload
             kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: key.to_string(),
                 max_concurrency: max,
+                shadow: false,
             })),
         }],
         ..Default::default()
@@ -1303,6 +1305,7 @@ pub fn multi_key_job(tenant: &str, keys: &[(&str, u32)], payload: &str) -> pb::J
                 kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                     key: key.to_string(),
                     max_concurrency: *max,
+                    shadow: false,
                 })),
             })
             .collect(),

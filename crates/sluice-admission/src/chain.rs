@@ -46,6 +46,9 @@ pub struct StoredStep {
     /// "job" or "task_group:<name>".
     #[prost(string, tag = "10")]
     pub origin: String,
+    /// Concurrency: the job names the limit in shadow mode.
+    #[prost(bool, tag = "11")]
+    pub shadow: bool,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -340,6 +343,7 @@ fn validate_limit(
                 kind: pb::LimitKind::Concurrency as i32,
                 max_concurrency: concurrency.max_concurrency,
                 origin: "job".to_string(),
+                shadow: concurrency.shadow,
                 ..Default::default()
             })
         }
@@ -435,6 +439,7 @@ mod tests {
             kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: key.to_string(),
                 max_concurrency: max,
+                shadow: false,
             })),
         }
     }

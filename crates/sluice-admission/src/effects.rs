@@ -99,6 +99,7 @@ impl Routes {
                     enqueued_at_us: job.enqueued_at_us,
                     limit: Some(limit),
                     fairness_key: job.spec.fairness_key.clone(),
+                    shadow: step.shadow,
                 })),
             };
             let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);

@@ -45,7 +45,7 @@ pub const RETRY_FIELDS: &[&str] = &[
     "on_lease_expiry",
 ];
 pub const LIMIT_FIELDS: &[&str] = &["concurrency", "floating", "rate"];
-pub const CONCURRENCY_FIELDS: &[&str] = &["key", "max_concurrency"];
+pub const CONCURRENCY_FIELDS: &[&str] = &["key", "max_concurrency", "shadow"];
 pub const FLOATING_FIELDS: &[&str] = &["key", "default_max", "refresh_interval_ms", "metadata"];
 pub const RATE_FIELDS: &[&str] = &["inline", "rate_limit_key"];
 pub const INLINE_RATE_FIELDS: &[&str] = &["name", "unique_key", "limit", "duration_ms", "cost"];
@@ -166,6 +166,7 @@ fn limit(path: &str, value: &Value) -> Result<pb::Limit, FieldError> {
         pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
             key: concurrency.string("key")?.unwrap_or_default(),
             max_concurrency: concurrency.u32("max_concurrency")?.unwrap_or_default(),
+            shadow: concurrency.bool("shadow")?.unwrap_or_default(),
         })
     } else if let Some(floating) = fields.object("floating", FLOATING_FIELDS)? {
         pb::limit::Kind::Floating(pb::FloatingConcurrencyLimit {
@@ -301,6 +302,14 @@ impl<'a> Fields<'a> {
             self.field(name),
             format!("must be {expected}, not {}", type_name(found)),
         )
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, FieldError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(Value::Bool(value)) => Ok(Some(*value)),
+            Some(other) => Err(self.wrong_type(name, "true or false", other)),
+        }
     }
 
     fn string(&self, name: &str) -> Result<Option<String>, FieldError> {
@@ -456,6 +465,7 @@ mod tests {
                     kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                         key: "db".to_string(),
                         max_concurrency: 2,
+                        shadow: false,
                     })),
                 },
                 pb::Limit {
@@ -506,7 +516,7 @@ mod tests {
             (r#"{"tenant": "t", "color": "red"}"#, "color: unknown field (expected one of: job_id,"),
             (
                 r#"{"tenant": "t", "limits": [{"concurrency": {"key": "k", "maxConcurrency": 1}}]}"#,
-                "limits[0].concurrency.maxConcurrency: unknown field (expected one of: key, max_concurrency); field names are snake_case: did you mean \"max_concurrency\"?",
+                "limits[0].concurrency.maxConcurrency: unknown field (expected one of: key, max_concurrency, shadow); field names are snake_case: did you mean \"max_concurrency\"?",
             ),
             (
                 r#"{"tenant": "t", "limits": [{"concurrency": {"key": "k", "max_concurrency": -1}}]}"#,

@@ -360,6 +360,7 @@ fn two_limits() -> Vec<pb::Limit> {
             kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: format!("k{step}"),
                 max_concurrency: 1,
+                shadow: false,
             })),
         })
         .collect()

@@ -376,6 +376,7 @@ fn start_producers(
                             kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                                 key: key.clone(),
                                 max_concurrency: limit,
+                                shadow: false,
                             })),
                         }],
                         ..Default::default()

@@ -1,4 +1,4 @@
-//! `sluice keys list|describe|set-limit|set-weight|pause|resume`:
+//! `sluice keys list|describe|set-limit|set-weight|set-mode|pause|resume`:
 //! concurrency and floating keys, at their owner in limit-grant.
 
 use serde::Serialize;
@@ -67,6 +67,18 @@ pub enum KeysCommand {
         #[arg(long)]
         clear: bool,
     },
+    /// Store the key's mode: `shadow` (jobs are admitted as if the limit
+    /// were absent; describe shows what it would have done) or `enforce`.
+    /// Applies at once. --clear lets the jobs' own shadow flags decide.
+    SetMode {
+        #[command(flatten)]
+        tenant: TenantArg,
+        key: String,
+        #[arg(required_unless_present = "clear", conflicts_with = "clear", value_enum)]
+        mode: Option<ModeArg>,
+        #[arg(long)]
+        clear: bool,
+    },
     /// Pause a key (an override of 0): no new grants; running jobs go on.
     Pause {
         #[command(flatten)]
@@ -80,6 +92,12 @@ pub enum KeysCommand {
         tenant: TenantArg,
         key: String,
     },
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum ModeArg {
+    Shadow,
+    Enforce,
 }
 
 pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<Box<dyn Printable>> {
@@ -164,6 +182,23 @@ pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<
             }),
             "weighted",
         ),
+        KeysCommand::SetMode {
+            tenant,
+            key,
+            mode,
+            clear,
+        } => {
+            let mode = match (mode, clear) {
+                (Some(ModeArg::Shadow), false) => pb::LimitMode::Shadow,
+                (Some(ModeArg::Enforce), false) => pb::LimitMode::Enforce,
+                _ => pb::LimitMode::Unspecified,
+            };
+            (
+                (tenant.tenant, key),
+                pb::set_limit_request::Change::Mode(mode as i32),
+                "mode set",
+            )
+        }
         KeysCommand::Pause { tenant, key } => ((tenant.tenant, key), pb::set_limit_request::Change::Max(0), "paused"),
         KeysCommand::Resume { tenant, key } => (
             (tenant.tenant, key),
@@ -275,6 +310,16 @@ pub struct FlowOut {
 }
 
 #[derive(Debug, Serialize)]
+pub struct ShadowOut {
+    pub would_hold: u32,
+    pub would_wait: u32,
+    pub would_have_waited_count: u64,
+    pub would_have_waited_ms_total: i64,
+    pub would_have_waited_ms_max: i64,
+    pub would_have_exceeded: u64,
+}
+
+#[derive(Debug, Serialize)]
 pub struct FloatingOut {
     pub default_max: u32,
     pub refresh_interval_ms: u64,
@@ -300,6 +345,10 @@ pub struct KeyOut {
     /// Flows with waiters (the most waiting first) and flows with a stored weight.
     pub flows: Vec<FlowOut>,
     pub flows_waiting: u32,
+    /// The stored mode ("shadow" or "enforce"); absent: the jobs' flags decide.
+    pub mode: Option<String>,
+    /// What the limit would have done in shadow mode.
+    pub shadow: Option<ShadowOut>,
     pub partition: u32,
     pub epoch: u64,
 }
@@ -365,6 +414,19 @@ impl From<pb::KeyState> for KeyOut {
                 })
                 .collect(),
             flows_waiting: state.flows_waiting,
+            mode: state.mode.and_then(|mode| match pb::LimitMode::try_from(mode) {
+                Ok(pb::LimitMode::Shadow) => Some("shadow".to_string()),
+                Ok(pb::LimitMode::Enforce) => Some("enforce".to_string()),
+                _ => None,
+            }),
+            shadow: state.shadow.map(|shadow| ShadowOut {
+                would_hold: shadow.would_hold,
+                would_wait: shadow.would_wait,
+                would_have_waited_count: shadow.would_have_waited_count,
+                would_have_waited_ms_total: shadow.would_have_waited_ms_total,
+                would_have_waited_ms_max: shadow.would_have_waited_ms_max,
+                would_have_exceeded: shadow.would_have_exceeded,
+            }),
             partition: state.partition,
             epoch: state.epoch,
         }
@@ -410,6 +472,28 @@ impl Render for KeyOut {
                 format!(
                     "default_max {}, refresh every {} ms, metadata {:?}",
                     floating.default_max, floating.refresh_interval_ms, floating.metadata
+                ),
+            ));
+        }
+        if let Some(mode) = &self.mode {
+            pairs.push(("mode", format!("{mode} (stored)")));
+        }
+        if let Some(shadow) = &self.shadow {
+            #[allow(clippy::cast_precision_loss)]
+            let mean = if shadow.would_have_waited_count == 0 {
+                0.0
+            } else {
+                shadow.would_have_waited_ms_total as f64 / shadow.would_have_waited_count as f64
+            };
+            pairs.push((
+                "shadow",
+                format!(
+                    "would hold {}, would wait {}; {} would-be grants waited {mean:.0} ms on average, {} ms at most; {} grants over the max",
+                    shadow.would_hold,
+                    shadow.would_wait,
+                    shadow.would_have_waited_count,
+                    shadow.would_have_waited_ms_max,
+                    shadow.would_have_exceeded
                 ),
             ));
         }
@@ -466,7 +550,7 @@ impl Render for KeyOut {
 
 #[derive(Debug, Serialize)]
 pub struct SetLimitOut {
-    /// "set", "cleared", "weighted", "paused" or "resumed".
+    /// "set", "cleared", "weighted", "mode set", "paused" or "resumed".
     pub change: String,
     pub state: KeyOut,
 }

@@ -73,6 +73,7 @@ pub async fn run(config: &SluiceConfig, options: TryOptions) -> anyhow::Result<(
                 kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                     key: options.key.clone(),
                     max_concurrency: options.limit,
+                    shadow: false,
                 })),
             }],
             ..Default::default()

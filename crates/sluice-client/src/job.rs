@@ -115,6 +115,7 @@ impl JobBuilder {
             kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: key.into(),
                 max_concurrency,
+                shadow: false,
             })),
         });
         self

@@ -161,6 +161,7 @@ impl HostileRequests {
             1..=3 => Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: self.text(),
                 max_concurrency: self.u32(),
+                shadow: false,
             })),
             4 | 5 => {
                 let mut metadata = std::collections::HashMap::new();

@@ -83,6 +83,8 @@ pub struct SluiceMetrics {
     pub waits: Counter<u64>,
     pub wait_seconds: Histogram<f64>,
     pub key_wait_seconds: Histogram<f64>,
+    pub shadow_wait_seconds: Histogram<f64>,
+    pub shadow_exceeded: Counter<u64>,
     pub rate_deferrals: Counter<u64>,
     pub refresh_outcomes: Counter<u64>,
     pub dead_letters: Counter<u64>,
@@ -137,6 +139,18 @@ impl SluiceMetrics {
                 .with_description("Wait time per key, for keys selected by telemetry.key_metrics_patterns")
                 .with_unit("s")
                 .with_boundaries(WAIT_BUCKETS.to_vec())
+                .build(),
+            shadow_wait_seconds: meter
+                .f64_histogram("sluice_shadow_wait_time")
+                .with_description(
+                    "Shadow-mode keys: how long a job would have waited had the limit been enforced, by tenant and key",
+                )
+                .with_unit("s")
+                .with_boundaries(WAIT_BUCKETS.to_vec())
+                .build(),
+            shadow_exceeded: meter
+                .u64_counter("sluice_shadow_exceeded")
+                .with_description("Shadow-mode keys: grants that took the holders over the max, by tenant and key")
                 .build(),
             rate_deferrals: meter
                 .u64_counter("sluice_rate_deferrals")
@@ -239,6 +253,32 @@ impl SluiceMetrics {
                 ],
             );
         }
+    }
+
+    /// A shadow-mode key's simulated grant: the job would have waited
+    /// `waited_ms`. By tenant and key (a shadow key is one an operator is
+    /// studying).
+    pub fn record_shadow_wait(&self, tenant: &str, key: &str, waited_ms: i64) {
+        #[allow(clippy::cast_precision_loss)]
+        let seconds = waited_ms.max(0) as f64 / 1000.0;
+        self.shadow_wait_seconds.record(
+            seconds,
+            &[
+                KeyValue::new("tenant", tenant.to_string()),
+                KeyValue::new("key", key.to_string()),
+            ],
+        );
+    }
+
+    /// A shadow-mode key's real grant took its holders over the max.
+    pub fn record_shadow_exceeded(&self, tenant: &str, key: &str) {
+        self.shadow_exceeded.add(
+            1,
+            &[
+                KeyValue::new("tenant", tenant.to_string()),
+                KeyValue::new("key", key.to_string()),
+            ],
+        );
     }
 
     /// Replace a partition's key snapshot (`None` when the partition is released).

@@ -48,6 +48,8 @@ pub struct StoredTicket {
     pub tracestate: String,
     #[prost(string, tag = "16")]
     pub fairness_key: String,
+    #[prost(bool, tag = "17")]
+    pub shadow: bool,
 }
 
 impl StoredTicket {
@@ -69,6 +71,7 @@ impl StoredTicket {
             traceparent: record.trace.traceparent(),
             tracestate: record.trace.tracestate().to_string(),
             fairness_key: record.fairness_key.to_string(),
+            shadow: record.shadow,
         }
     }
 
@@ -93,6 +96,7 @@ impl StoredTicket {
                 tracestate: self.tracestate,
             }),
             fairness_key: Arc::from(self.fairness_key.as_str()),
+            shadow: self.shadow,
         }
     }
 }
@@ -152,6 +156,7 @@ mod tests {
                 tracestate: "a=b".to_string(),
             }),
             fairness_key: Arc::from("customer-7"),
+            shadow: true,
         }
     }
 

@@ -6,6 +6,7 @@
 pub mod flows;
 pub mod journal;
 pub mod service;
+pub mod shadow;
 pub mod state;
 pub mod store;
 

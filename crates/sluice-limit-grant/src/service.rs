@@ -116,7 +116,16 @@ impl pb::limits_server::Limits for LimitsApi {
                     weight: flow.weight,
                 }
             }
-            _ => return Err(FieldError::new("change", "set `max` (0 pauses), `clear: true` or `flow_weight`").into()),
+            Some(pb::set_limit_request::Change::Mode(mode)) => match pb::LimitMode::try_from(*mode) {
+                Ok(pb::LimitMode::Unspecified) => LimitChange::Mode(None),
+                Ok(mode) => LimitChange::Mode(Some(mode)),
+                Err(_) => return Err(FieldError::new("mode", format!("unknown mode {mode}")).into()),
+            },
+            _ => {
+                return Err(
+                    FieldError::new("change", "set `max` (0 pauses), `clear: true`, `flow_weight` or `mode`").into(),
+                )
+            }
         };
         let partition = key_partition(&tenant, &key, self.limit_partitions);
         on_owner(

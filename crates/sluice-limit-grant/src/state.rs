@@ -20,6 +20,7 @@ use tokio::sync::oneshot;
 
 use crate::flows::{self, Flows};
 use crate::journal::{StoredTicket, TicketBatch, TicketSnapshot};
+use crate::shadow::ShadowSim;
 
 /// (tenant, key).
 pub type KeyId = (String, String);
@@ -48,6 +49,9 @@ pub struct TicketRecord {
     /// The job's flow among the key's waiters (`crate::flows`); empty: the
     /// default flow.
     pub fairness_key: Arc<str>,
+    /// The job names the limit in shadow mode (the key's stored mode beats
+    /// it: `is_shadow`).
+    pub shadow: bool,
 }
 
 impl TicketRecord {
@@ -80,11 +84,23 @@ pub struct KeyRecord {
     /// Weights of the key's flows that do not have the default
     /// (`flows::DEFAULT_WEIGHT`), by fairness key.
     pub flow_weights: BTreeMap<String, u32>,
+    /// The stored mode (`SetLimit{mode}`); `None`: the jobs' shadow flags decide.
+    pub mode: Option<pb::LimitMode>,
 }
 
 impl KeyRecord {
     fn is_empty(&self) -> bool {
-        self.override_max.is_none() && self.floating.is_none() && self.flow_weights.is_empty()
+        self.override_max.is_none() && self.floating.is_none() && self.flow_weights.is_empty() && self.mode.is_none()
+    }
+}
+
+/// Whether `ticket` is granted in shadow mode (at once, accounted only):
+/// the key's stored mode, else the job's own flag.
+fn is_shadow(record: &KeyRecord, ticket: &TicketRecord) -> bool {
+    match record.mode {
+        Some(pb::LimitMode::Shadow) => true,
+        Some(pb::LimitMode::Enforce) => false,
+        _ => ticket.shadow,
     }
 }
 
@@ -130,6 +146,12 @@ struct KeyState {
     /// its `TicketPlace` (its flow, and the priority and enqueue time that
     /// make its `WaitOrder`).
     waiters: Flows<WaitOrder, Waiting>,
+    /// What the limit would do, for tickets granted in shadow mode
+    /// (`crate::shadow`); created by the first one.
+    shadow: Option<ShadowSim<WaitOrder>>,
+    /// The last shadow ticket's own max (the simulated max of a key with no
+    /// override or floating max).
+    shadow_job_max: u32,
 }
 
 /// Where a ticket (held or waiting) is: its key, and what orders it in the
@@ -168,7 +190,17 @@ impl KeyState {
             record: KeyRecord::default(),
             holders: HashMap::new(),
             waiters: Flows::default(),
+            shadow: None,
+            shadow_job_max: 1,
         }
+    }
+
+    /// The max the shadow simulation enforces.
+    fn shadow_max(&self) -> u32 {
+        self.record
+            .override_max
+            .or(self.record.floating.as_ref().map(|floating| floating.current_max))
+            .unwrap_or(self.shadow_job_max)
     }
 
     /// The max a grant to `head` is checked against: the override, else the
@@ -187,8 +219,11 @@ impl KeyState {
         self.waiters.iter().next().map(|(_, _, waiting)| &waiting.record)
     }
 
+    /// Nothing to keep: no tickets, no stored settings, and no shadow-mode
+    /// accounting to show (a shadow key's totals stay until its owner
+    /// changes).
     fn is_idle(&self) -> bool {
-        self.holders.is_empty() && self.waiters.is_empty() && self.record.is_empty()
+        self.holders.is_empty() && self.waiters.is_empty() && self.record.is_empty() && self.shadow.is_none()
     }
 }
 
@@ -328,6 +363,8 @@ pub enum LimitChange {
     Max(Option<u32>),
     /// Set (or, `None`, reset to the default) a flow's weight.
     FlowWeight { fairness_key: String, weight: Option<u32> },
+    /// Store the key's mode (or, `None`, clear it).
+    Mode(Option<pb::LimitMode>),
 }
 
 #[derive(Debug)]
@@ -726,6 +763,7 @@ impl LimitPartition {
                 .waiters
                 .flow_named(&acquire.fairness_key)
                 .unwrap_or_else(|| Arc::from(acquire.fairness_key.as_str())),
+            shadow: acquire.shadow,
         };
         let trace_for_refresh = trace;
         // Its place in its flow.
@@ -738,6 +776,15 @@ impl LimitPartition {
         };
         writes.upsert(record.clone());
         let place = TicketPlace::of(&record);
+        if is_shadow(&state.record, &record) {
+            state.shadow_job_max = record.job_max.max(1);
+            state.shadow.get_or_insert_with(ShadowSim::default).arrive(
+                record.ticket.clone(),
+                WaitOrder::of(&record),
+                now_ms,
+                record.trace.clone(),
+            );
+        }
         state.insert_waiter(Waiting {
             record,
             confirmed_at_ms: now_ms,
@@ -765,6 +812,9 @@ impl LimitPartition {
             || place.is_some_and(|place| state.waiters.remove(&place.flow, &place.order(ticket)).is_some());
         if !removed {
             return;
+        }
+        if let Some(shadow) = state.shadow.as_mut() {
+            shadow.release(ticket, now_ms);
         }
         self.ticket_keys.remove(ticket);
         writes.delete(ticket);
@@ -886,6 +936,35 @@ impl LimitPartition {
         }
     }
 
+    /// Store the key's mode. It applies at once: to shadow, the pump grants
+    /// every waiter; to enforce, the next grants wait for room (holders
+    /// granted in shadow mode keep their slots, as after a lowered max) and
+    /// the simulation stops (its totals stay).
+    fn set_mode(
+        &mut self,
+        now_ms: i64,
+        key_id: &KeyId,
+        mode: Option<pb::LimitMode>,
+        writes: &mut LimitWrites,
+        outbox: &mut Outbox,
+        counts: &mut BatchCounts,
+    ) {
+        let state = self.key_state(key_id);
+        state.record.mode = mode;
+        if mode == Some(pb::LimitMode::Enforce) {
+            if let Some(shadow) = state.shadow.as_mut() {
+                shadow.stop();
+            }
+        }
+        let row = if state.record.is_empty() {
+            None
+        } else {
+            Some(state.record.clone())
+        };
+        writes.keys.insert(key_id.clone(), row);
+        self.pump(now_ms, key_id, writes, outbox, counts);
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn set_floating_max(
         &mut self,
@@ -930,7 +1009,9 @@ impl LimitPartition {
         let weights = &state.record.flow_weights;
         while let Some((_, head)) = state.waiters.next(|flow| flows::weight_of(weights, flow)) {
             let max = max_for(&state.record, &head.record);
-            if state.holders.len() >= usize::try_from(max).unwrap_or(usize::MAX) {
+            let shadow = is_shadow(&state.record, &head.record);
+            // In shadow mode the limit is accounted, not enforced.
+            if !shadow && state.holders.len() >= usize::try_from(max).unwrap_or(usize::MAX) {
                 break;
             }
             let Some((_, waiting)) = state.waiters.take_next() else {
@@ -948,20 +1029,61 @@ impl LimitPartition {
                 },
             );
             debug_assert!(
-                state.holders.len() <= usize::try_from(max).unwrap_or(usize::MAX),
+                shadow || state.holders.len() <= usize::try_from(max).unwrap_or(usize::MAX),
                 "overrun: {} holders over max {max}",
                 state.holders.len()
             );
+            if shadow {
+                let exceeded = state
+                    .shadow
+                    .get_or_insert_with(ShadowSim::default)
+                    .real_grant(state.holders.len(), max);
+                if exceeded {
+                    sluice_common::metrics::metrics().record_shadow_exceeded(&key_id.0, &key_id.1);
+                }
+            }
             granted.push((record, state.holders.len(), i64::from(max)));
         }
+        let shadow_max = state.shadow_max();
+        let would_have_waited = state
+            .shadow
+            .as_mut()
+            .map(|shadow| shadow.pump(shadow_max))
+            .unwrap_or_default();
         let idle = state.is_idle();
         for (record, holders, max) in granted {
             counts.grants += 1;
             self.emit_grant(&record, holders, max, outbox);
         }
+        for simulated in would_have_waited {
+            self.record_shadow_wait(key_id, &simulated);
+        }
         if idle {
             self.keys.remove(key_id);
         }
+    }
+
+    /// A shadow-mode key's simulated grant: the would-have-waited metric,
+    /// and a span on the job's trace with `sluice.shadow_wait` (ms).
+    fn record_shadow_wait(&self, key_id: &KeyId, simulated: &crate::shadow::WouldHaveWaited) {
+        sluice_common::metrics::metrics().record_shadow_wait(&key_id.0, &key_id.1, simulated.waited_ms);
+        let at = sluice_common::clock::system_time_at_ms;
+        sluice_common::telemetry::record_span(
+            "sluice-limit-grant",
+            "limit-grant.shadow",
+            &simulated.trace.to_context(),
+            at(simulated.granted_at_ms - simulated.waited_ms),
+            at(simulated.granted_at_ms),
+            || {
+                vec![
+                    opentelemetry::KeyValue::new("sluice.job_id", simulated.ticket.job_id.to_string()),
+                    opentelemetry::KeyValue::new("sluice.tenant", key_id.0.clone()),
+                    opentelemetry::KeyValue::new("sluice.key", key_id.1.clone()),
+                    opentelemetry::KeyValue::new("sluice.shadow_wait", simulated.waited_ms),
+                    opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
+                ]
+            },
+        );
     }
 
     fn emit_grant(&self, record: &TicketRecord, holders: usize, max: i64, outbox: &mut Outbox) {
@@ -1193,6 +1315,15 @@ impl LimitPartition {
             .map(|(_, _, waiting)| waiting.record.waiting_since_ms)
             .min();
         (described.flows, described.flows_waiting) = describe_flows(state);
+        described.mode = state.record.mode.map(|mode| mode as i32);
+        described.shadow = state.shadow.as_ref().map(|shadow| pb::ShadowStats {
+            would_hold: u32::try_from(shadow.would_hold()).unwrap_or(u32::MAX),
+            would_wait: u32::try_from(shadow.would_wait()).unwrap_or(u32::MAX),
+            would_have_waited_count: shadow.totals.would_have_waited_count,
+            would_have_waited_ms_total: shadow.totals.would_have_waited_ms_total,
+            would_have_waited_ms_max: shadow.totals.would_have_waited_ms_max,
+            would_have_exceeded: shadow.totals.would_have_exceeded,
+        });
         described
     }
 
@@ -1282,6 +1413,7 @@ impl LimitPartition {
                     LimitChange::FlowWeight { fairness_key, weight } => {
                         self.set_flow_weight(&key_id, fairness_key, weight, writes);
                     }
+                    LimitChange::Mode(mode) => self.set_mode(now_ms, &key_id, mode, writes, outbox, counts),
                 }
                 let described = self.describe(&tenant, &key, 10);
                 replies.push(Box::new(move || {
@@ -1444,6 +1576,7 @@ mod tests {
                 enqueued_at_us,
                 limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(max)),
                 fairness_key: fairness_key.to_string(),
+                shadow: false,
             })),
             ..Default::default()
         }
@@ -1694,6 +1827,129 @@ mod tests {
         assert_eq!(writes.deletes.len(), 1);
         let (_, writes) = run(&mut state, vec![release("a", "k")]);
         assert!(writes.is_empty(), "a release of nothing changes nothing");
+    }
+
+    /// Run `arrivals` (ms) on key "s" (max `max`), each job holding its slot
+    /// for `hold_ms` from its real grant, on an explicit clock; in shadow
+    /// mode when `shadow`. Returns each job's measured wait (real grant minus
+    /// arrival) and the key's state at the end.
+    fn run_workload(shadow: bool, arrivals: &[i64], hold_ms: i64, max: u32) -> (Vec<i64>, pb::KeyState) {
+        let mut state = partition();
+        let mut releases: std::collections::BTreeMap<(i64, usize), String> = std::collections::BTreeMap::new();
+        let mut waits = vec![0i64; arrivals.len()];
+        let mut next_arrival = 0;
+        loop {
+            let release_due = releases.first_key_value().map(|((at, _), _)| *at);
+            let arrival_due = arrivals.get(next_arrival).copied();
+            let (now_ms, command) = match (release_due, arrival_due) {
+                // A release at the same instant as an arrival goes first.
+                (Some(release_at), arrival) if arrival.is_none_or(|arrival| release_at <= arrival) => {
+                    let Some((_, job)) = releases.pop_first() else { break };
+                    (release_at, release(&job, "s"))
+                }
+                (_, Some(arrival)) => {
+                    let job = format!("j{next_arrival}");
+                    next_arrival += 1;
+                    let mut command = acquire(&job, "s", 0, arrival, max);
+                    if let Some(pb::limit_command::Command::Acquire(acquire)) = command.command.as_mut() {
+                        acquire.shadow = shadow;
+                    }
+                    (arrival, command)
+                }
+                _ => break,
+            };
+            let mut writes = LimitWrites::default();
+            let mut outbox = Outbox::new();
+            let mut counts = BatchCounts::default();
+            state
+                .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
+                .unwrap();
+            for grant in grants(&mut outbox) {
+                let job = grant.ticket.unwrap().job_id;
+                let index: usize = job.trim_start_matches('j').parse().unwrap();
+                waits[index] = grant.granted_at_ms - grant.waiting_since_ms;
+                releases.insert((grant.granted_at_ms + hold_ms, index), job);
+            }
+        }
+        (waits, state.describe("t", "s", 0))
+    }
+
+    #[test]
+    fn shadow_mode_predicts_the_waits_that_enforcing_measures() {
+        // Bursts and gaps on a key of max 2, every job holding it 100 ms.
+        let arrivals = [0, 0, 0, 10, 20, 30, 250, 260, 400, 400, 400, 400, 405];
+        let (enforced, _) = run_workload(false, &arrivals, 100, 2);
+        let (shadowed, shadow_state) = run_workload(true, &arrivals, 100, 2);
+        assert!(
+            shadowed.iter().all(|wait| *wait == 0),
+            "shadow mode admits at once: {shadowed:?}"
+        );
+        let stats = shadow_state.shadow.expect("shadow stats");
+        assert_eq!(stats.would_have_waited_count, arrivals.len() as u64);
+        assert_eq!(
+            stats.would_have_waited_ms_total,
+            enforced.iter().sum::<i64>(),
+            "predicted against measured waits: {enforced:?}"
+        );
+        assert_eq!(stats.would_have_waited_ms_max, *enforced.iter().max().unwrap());
+        assert!(enforced.iter().sum::<i64>() > 0, "the workload does wait when enforced");
+        // Up to 5 jobs ran at once on a key of 2: each grant over 2 counted.
+        assert!(stats.would_have_exceeded > 0);
+        assert_eq!((stats.would_hold, stats.would_wait), (0, 0));
+    }
+
+    #[test]
+    fn switching_a_key_from_shadow_to_enforce_applies_at_once() {
+        let mut state = partition();
+        let mode = |mode: pb::LimitMode| LocalRequest::SetLimit {
+            tenant: "t".to_string(),
+            key: "m".to_string(),
+            change: LimitChange::Mode(Some(mode)),
+            reply: oneshot::channel().0,
+        };
+        let apply_local = |state: &mut LimitPartition, local: LocalRequest| {
+            let (mut writes, mut outbox) = (LimitWrites::default(), Outbox::new());
+            state.apply(
+                0,
+                &[],
+                vec![local],
+                &mut writes,
+                &mut outbox,
+                &mut Vec::new(),
+                &mut Vec::new(),
+            );
+            (writes, outbox)
+        };
+        let (writes, _) = apply_local(&mut state, mode(pb::LimitMode::Shadow));
+        assert_eq!(
+            writes
+                .keys
+                .get(&("t".to_string(), "m".to_string()))
+                .cloned()
+                .flatten()
+                .and_then(|record| record.mode),
+            Some(pb::LimitMode::Shadow),
+            "the mode is stored"
+        );
+        let (granted, _) = run(
+            &mut state,
+            (0..3)
+                .map(|index| acquire(&format!("s{index}"), "m", 0, index, 1))
+                .collect(),
+        );
+        assert_eq!(granted.len(), 3, "shadow mode grants past the max of 1");
+        apply_local(&mut state, mode(pb::LimitMode::Enforce));
+        let (granted, _) = run(&mut state, vec![acquire("e0", "m", 0, 10, 1)]);
+        assert!(granted.is_empty(), "enforced at once: three hold a key of 1");
+        for index in 0..3 {
+            run(&mut state, vec![release(&format!("s{index}"), "m")]);
+        }
+        assert_eq!(state.holders_of("t", "m"), 1, "e0 granted once the shadow holders left");
+        // Back to shadow: the waiters are granted at once.
+        run(&mut state, vec![acquire("e1", "m", 0, 11, 1)]);
+        assert_eq!(state.waiting_on("t", "m"), 1);
+        let (_, outbox) = apply_local(&mut state, mode(pb::LimitMode::Shadow));
+        assert_eq!(granted_jobs(outbox), vec!["e1".to_string()]);
     }
 
     #[test]

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use prost::Message as _;
 use sluice_common::owner::{FencedStatement, OwnedStore, OwnerContext};
 use sluice_common::telemetry::CompactTraceContext;
+use sluice_proto::v1 as pb;
 use sqlx::{PgConnection, Row};
 
 use crate::journal::{TicketBatch, TicketSnapshot};
@@ -64,7 +65,7 @@ impl OwnedStore for LimitStore {
         let key_rows = sqlx::query(
             "SELECT tenant, key, override_max, floating_max, floating_default_max, floating_refresh_interval_ms,
                     floating_metadata::text, floating_last_due_ms, floating_last_set_ms, floating_last_task_id,
-                    flow_weights::text
+                    flow_weights::text, mode
              FROM keys WHERE partition = $1",
         )
         .bind(context.partition)
@@ -100,6 +101,9 @@ impl OwnedStore for LimitStore {
                     override_max: override_max.map(to_u32),
                     floating,
                     flow_weights,
+                    mode: row
+                        .try_get::<Option<i16>, _>(11)?
+                        .and_then(|mode| pb::LimitMode::try_from(i32::from(mode)).ok()),
                 },
             ));
         }
@@ -184,8 +188,8 @@ impl OwnedStore for LimitStore {
                     sqlx::query(
                         "INSERT INTO keys (tenant, key, partition, override_max, floating_max, floating_default_max,
                                            floating_refresh_interval_ms, floating_metadata, floating_last_due_ms,
-                                           floating_last_set_ms, floating_last_task_id, flow_weights)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb)
+                                           floating_last_set_ms, floating_last_task_id, flow_weights, mode)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb, $13)
                          ON CONFLICT (tenant, key) DO UPDATE SET
                             override_max = EXCLUDED.override_max, floating_max = EXCLUDED.floating_max,
                             floating_default_max = EXCLUDED.floating_default_max,
@@ -194,7 +198,7 @@ impl OwnedStore for LimitStore {
                             floating_last_due_ms = EXCLUDED.floating_last_due_ms,
                             floating_last_set_ms = EXCLUDED.floating_last_set_ms,
                             floating_last_task_id = EXCLUDED.floating_last_task_id,
-                            flow_weights = EXCLUDED.flow_weights,
+                            flow_weights = EXCLUDED.flow_weights, mode = EXCLUDED.mode,
                             updated_at = now()",
                     )
                     .bind(&tenant)
@@ -209,6 +213,7 @@ impl OwnedStore for LimitStore {
                     .bind(floating.and_then(|floating| floating.last_set_ms))
                     .bind(floating.and_then(|floating| floating.last_task_id.clone()))
                     .bind(flow_weights)
+                    .bind(record.mode.and_then(|mode| i16::try_from(mode as i32).ok()))
                     .execute(&mut *connection)
                     .await?;
                 }
@@ -308,6 +313,7 @@ async fn legacy_ticket_rows(connection: &mut PgConnection, partition: i32) -> Re
                 tracestate: row.try_get(14)?,
             }),
             fairness_key: std::sync::Arc::from(""),
+            shadow: false,
         });
     }
     Ok(tickets)

@@ -153,6 +153,7 @@ fn run_waiter_memory(waiters: u64) -> f64 {
                 enqueued_at_us: i64::try_from(index).unwrap_or(i64::MAX),
                 limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
                 fairness_key: String::new(),
+                shadow: false,
             })),
         };
         let _ = partition.apply_command(1_000, command, &mut writes, &mut outbox, &mut counts);
@@ -227,6 +228,7 @@ fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f
                 enqueued_at_us: i64::try_from(index).unwrap_or(i64::MAX),
                 limit: Some(pb::acquire_ticket::Limit::MaxConcurrency(1)),
                 fairness_key: format!("customer-{}", index % flows),
+                shadow: false,
             })),
         };
         partition

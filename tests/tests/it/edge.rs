@@ -86,8 +86,13 @@ fn metadata() -> impl Strategy<Value = std::collections::HashMap<String, String>
 }
 
 fn limit() -> impl Strategy<Value = pb::Limit> {
-    let concurrency = (name(), max_value())
-        .prop_map(|(key, max_concurrency)| pb::limit::Kind::Concurrency(pb::ConcurrencyLimit { key, max_concurrency }));
+    let concurrency = (name(), max_value()).prop_map(|(key, max_concurrency)| {
+        pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+            key,
+            max_concurrency,
+            shadow: false,
+        })
+    });
     let floating =
         (name(), max_value(), interval(), metadata()).prop_map(|(key, default_max, refresh_interval_ms, metadata)| {
             pb::limit::Kind::Floating(pb::FloatingConcurrencyLimit {

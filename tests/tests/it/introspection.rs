@@ -16,6 +16,7 @@ async fn get_job_says_why_a_job_waits() -> anyhow::Result<()> {
             kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: "another-key".to_string(),
                 max_concurrency: 5,
+                shadow: false,
             })),
         });
         let response = admission
@@ -106,6 +107,7 @@ async fn get_job_says_why_a_job_waits() -> anyhow::Result<()> {
         kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
             key: "another-key".to_string(),
             max_concurrency: 5,
+            shadow: false,
         })),
     });
     let duplicate = admission

@@ -22,6 +22,7 @@ mod membership;
 mod quota;
 mod rate;
 mod reflection;
+mod shadow;
 mod storage;
 mod tls;
 mod work;

@@ -92,6 +92,7 @@ async fn a_chain_of_concurrency_then_rate_holds_both() -> anyhow::Result<()> {
                 kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                     key: "workers".to_string(),
                     max_concurrency: 2,
+                    shadow: false,
                 })),
             });
             request

@@ -156,7 +156,8 @@ async fn json_requests_are_admitted_and_run_and_bad_ones_are_dead_lettered_with_
         "{reasons:#?}"
     );
     assert!(
-        reasons[1].starts_with("limits[0].concurrency.burst: unknown field (expected one of: key, max_concurrency)"),
+        reasons[1]
+            .starts_with("limits[0].concurrency.burst: unknown field (expected one of: key, max_concurrency, shadow)"),
         "{reasons:#?}"
     );
     assert!(

@@ -99,7 +99,7 @@ async fn the_readme_kcat_example_produces_a_job_that_runs_and_a_typo_that_is_dea
     assert!(ran.status.success(), "the README's kcat example failed: {ran}");
     assert!(
         ran.stdout.contains(
-            "sluice-deadletter-reason=limits[0].concurrency.max_concurency: unknown field (expected one of: key, max_concurrency)"
+            "sluice-deadletter-reason=limits[0].concurrency.max_concurency: unknown field (expected one of: key, max_concurrency, shadow)"
         ),
         "kcat shows the dead letter's reason: {ran}"
     );
