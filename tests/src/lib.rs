@@ -1314,6 +1314,28 @@ pub fn multi_key_job(tenant: &str, keys: &[(&str, u32)], payload: &str) -> pb::J
 }
 
 /// Holders and waiting count of a key, from its owner.
+/// Change a key's settings (`Limits.SetLimit`); the key's state after it.
+pub async fn set_key(
+    stack: &Stack,
+    tenant: &str,
+    key: &str,
+    change: pb::set_limit_request::Change,
+) -> anyhow::Result<pb::KeyState> {
+    let mut limits = stack.limits_client().await?;
+    Ok(limits
+        .set_limit(pb::SetLimitRequest {
+            key: Some(pb::KeyRef {
+                tenant: tenant.to_string(),
+                key: key.to_string(),
+            }),
+            change: Some(change),
+        })
+        .await?
+        .into_inner()
+        .state
+        .unwrap_or_default())
+}
+
 pub async fn key_state(stack: &Stack, tenant: &str, key: &str) -> anyhow::Result<pb::KeyState> {
     let mut limits = stack.limits_client().await?;
     Ok(limits

@@ -291,6 +291,12 @@ pub struct LimitWrites {
 }
 
 impl LimitWrites {
+    /// Save a key's settings (an empty record deletes its row).
+    fn save_key(&mut self, key_id: &KeyId, record: &KeyRecord) {
+        let row = (!record.is_empty()).then(|| record.clone());
+        self.keys.insert(key_id.clone(), row);
+    }
+
     fn upsert(&mut self, record: TicketRecord) {
         self.deletes.remove(&record.ticket);
         self.upserts.insert(record.ticket.clone(), record);
@@ -903,12 +909,7 @@ impl LimitPartition {
     ) {
         let state = self.key_state(key_id);
         state.record.override_max = max;
-        let row = if state.record.is_empty() {
-            None
-        } else {
-            Some(state.record.clone())
-        };
-        writes.keys.insert(key_id.clone(), row);
+        writes.save_key(key_id, &state.record);
         self.pump(now_ms, key_id, writes, outbox, counts);
     }
 
@@ -925,12 +926,7 @@ impl LimitPartition {
                 state.record.flow_weights.remove(&fairness_key);
             }
         }
-        let row = if state.record.is_empty() {
-            None
-        } else {
-            Some(state.record.clone())
-        };
-        writes.keys.insert(key_id.clone(), row);
+        writes.save_key(key_id, &state.record);
         if state.is_idle() {
             self.keys.remove(key_id);
         }
@@ -956,12 +952,7 @@ impl LimitPartition {
                 shadow.stop();
             }
         }
-        let row = if state.record.is_empty() {
-            None
-        } else {
-            Some(state.record.clone())
-        };
-        writes.keys.insert(key_id.clone(), row);
+        writes.save_key(key_id, &state.record);
         self.pump(now_ms, key_id, writes, outbox, counts);
     }
 

@@ -7,22 +7,6 @@ use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::set_limit_request::Change;
 
-async fn set_key(stack: &Stack, key: &str, change: Change) -> anyhow::Result<pb::KeyState> {
-    let mut limits = stack.limits_client().await?;
-    Ok(limits
-        .set_limit(pb::SetLimitRequest {
-            key: Some(pb::KeyRef {
-                tenant: "acme".to_string(),
-                key: key.to_string(),
-            }),
-            change: Some(change),
-        })
-        .await?
-        .into_inner()
-        .state
-        .unwrap_or_default())
-}
-
 fn flow_weight(fairness_key: &str, weight: Option<u32>) -> Change {
     Change::FlowWeight(pb::FlowWeight {
         fairness_key: fairness_key.to_string(),
@@ -49,9 +33,9 @@ async fn a_small_flow_is_not_stuck_behind_a_big_one_and_weights_survive_a_restar
     let prefix = stack.config.kafka.topic_prefix.clone();
     let admission = stack.admission_client().await?;
     let key = "api:stripe";
-    let weighted = set_key(&stack, key, flow_weight("small", Some(3))).await?;
+    let weighted = set_key(&stack, "acme", key, flow_weight("small", Some(3))).await?;
     assert_eq!(stored_weight(&weighted, "small"), Some(3), "{weighted:?}");
-    set_key(&stack, key, Change::Max(0)).await?;
+    set_key(&stack, "acme", key, Change::Max(0)).await?;
     let mut small = Vec::new();
     for (customer, count) in [("big", 12), ("small", 4)] {
         for index in 0..count {
@@ -88,7 +72,7 @@ async fn a_small_flow_is_not_stuck_behind_a_big_one_and_weights_survive_a_restar
     let big = state.flows.iter().find(|flow| flow.fairness_key == "big");
     assert_eq!(big.map(|flow| (flow.waiting, flow.weight)), Some((12, 1)), "{state:?}");
 
-    set_key(&stack, key, Change::Clear(true)).await?;
+    set_key(&stack, "acme", key, Change::Clear(true)).await?;
     let mut granted: Vec<String> = Vec::new();
     for _ in 0..6 {
         eventually(Duration::from_secs(30), "the next grant", || async {
@@ -129,7 +113,7 @@ async fn a_small_flow_is_not_stuck_behind_a_big_one_and_weights_survive_a_restar
     );
 
     // Back to the default weight: the stored weight goes.
-    let reset = set_key(&stack, key, flow_weight("small", None)).await?;
+    let reset = set_key(&stack, "acme", key, flow_weight("small", None)).await?;
     assert_eq!(stored_weight(&reset, "small"), None, "{reset:?}");
     stack.stop().await;
     Ok(())
@@ -145,7 +129,7 @@ async fn a_bad_flow_weight_is_refused_naming_the_field() -> anyhow::Result<()> {
         (flow_weight("x", Some(1001)), "flow_weight.weight"),
         (flow_weight("a\0b", Some(2)), "flow_weight.fairness_key"),
     ] {
-        let refused = set_key(&stack, "k", change).await.expect_err("refused");
+        let refused = set_key(&stack, "acme", "k", change).await.expect_err("refused");
         let status = refused.downcast_ref::<tonic::Status>().expect("a gRPC status");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains(field), "{status:?}");

@@ -211,22 +211,6 @@ async fn a_failure_retries_after_its_backoff_and_a_late_complete_frees_nothing()
     Ok(())
 }
 
-async fn set_limit(stack: &Stack, key: &str, change: pb::set_limit_request::Change) -> anyhow::Result<pb::KeyState> {
-    let mut limits = stack.limits_client().await?;
-    Ok(limits
-        .set_limit(pb::SetLimitRequest {
-            key: Some(pb::KeyRef {
-                tenant: "acme".to_string(),
-                key: key.to_string(),
-            }),
-            change: Some(change),
-        })
-        .await?
-        .into_inner()
-        .state
-        .unwrap_or_default())
-}
-
 async fn restart_limit_grant(stack: &mut Stack) -> anyhow::Result<()> {
     let old = stack.take_limit_grant(0);
     old.stop().await;
@@ -255,7 +239,7 @@ async fn overrides_survive_a_restart_of_limit_grant() -> anyhow::Result<()> {
     let mut stack = Stack::start(test_config("overrides", &[])?, 1).await?;
     let prefix = stack.config.kafka.topic_prefix.clone();
     let admission = stack.admission_client().await?;
-    let paused = set_limit(&stack, "ov-key", Change::Max(0)).await?;
+    let paused = set_key(&stack, "acme", "ov-key", Change::Max(0)).await?;
     assert!(paused.paused);
     let ids: Vec<String> = (0..3).map(|index| format!("{prefix}job-{index}")).collect();
     for id in &ids {
@@ -288,7 +272,7 @@ async fn overrides_survive_a_restart_of_limit_grant() -> anyhow::Result<()> {
 
     // Raising the limit grants waiters at once.
     let raised_at = Instant::now();
-    set_limit(&stack, "ov-key", Change::Max(2)).await?;
+    set_key(&stack, "acme", "ov-key", Change::Max(2)).await?;
     eventually(Duration::from_secs(10), "two admitted", || async {
         Ok(admitted_count(&admission, &ids).await? == 2)
     })
@@ -326,7 +310,7 @@ async fn overrides_survive_a_restart_of_limit_grant() -> anyhow::Result<()> {
         ),
         ("ov-key", 2, 1, Some(2))
     );
-    let cleared = set_limit(&stack, "ov-key", Change::Clear(true)).await?;
+    let cleared = set_key(&stack, "acme", "ov-key", Change::Clear(true)).await?;
     assert_eq!(cleared.override_max, None);
     stack.stop().await;
     Ok(())
@@ -398,16 +382,6 @@ async fn chains_race_without_overrun_or_deadlock() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn cap_change(tenant: &str, key: &str, change: pb::set_limit_request::Change) -> pb::SetLimitRequest {
-    pb::SetLimitRequest {
-        key: Some(pb::KeyRef {
-            tenant: tenant.to_string(),
-            key: key.to_string(),
-        }),
-        change: Some(change),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> {
     use pb::set_limit_request::Change;
@@ -428,10 +402,9 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
     // Both caps paused until every job waits on them: resuming grants each
     // cap's whole max in one batch, so "the cap is reached" is a state to
     // check, not a race between workers (their runs overlapping in time).
-    let mut limits = stack.limits_client().await?;
     let caps = [("acme", "cap:smtp-queue", 2usize), ("*", "cap:cluster", 3)];
     for (tenant, key, _) in caps {
-        limits.set_limit(cap_change(tenant, key, Change::Max(0))).await?;
+        set_key(&stack, tenant, key, Change::Max(0)).await?;
     }
     let mut requests = Vec::new();
     for index in 0..40 {
@@ -456,12 +429,7 @@ async fn queue_and_cluster_caps_from_configuration_hold() -> anyhow::Result<()> 
         .await?;
     }
     for (tenant, key, max) in caps {
-        let resumed = limits
-            .set_limit(cap_change(tenant, key, Change::Clear(true)))
-            .await?
-            .into_inner()
-            .state
-            .unwrap_or_default();
+        let resumed = set_key(&stack, tenant, key, Change::Clear(true)).await?;
         assert_eq!(
             (resumed.holders.len(), resumed.waiting),
             (max, 40 - u32::try_from(max)?),

@@ -43,19 +43,7 @@ async fn a_shadow_limit_admits_everyone_accounts_the_limit_and_enforcing_applies
         "{state:?}"
     );
 
-    let mut limits = stack.limits_client().await?;
-    let enforced = limits
-        .set_limit(pb::SetLimitRequest {
-            key: Some(pb::KeyRef {
-                tenant: "acme".to_string(),
-                key: key.to_string(),
-            }),
-            change: Some(Change::Mode(pb::LimitMode::Enforce as i32)),
-        })
-        .await?
-        .into_inner()
-        .state
-        .unwrap_or_default();
+    let enforced = set_key(&stack, "acme", key, Change::Mode(pb::LimitMode::Enforce as i32)).await?;
     assert_eq!(enforced.mode, Some(pb::LimitMode::Enforce as i32));
     let late = format!("{prefix}late");
     enqueue_with_id(&admission, &late, shadow_job(key, "late")).await?;
