@@ -11,8 +11,9 @@ use std::collections::HashSet;
 
 use sluice_common::config::{parse_duration, CapScope, SluiceConfig};
 use sluice_common::validate::{
-    check_floating_values, check_i64, check_name, check_rate_window, check_u32, check_unique_key, FieldError,
-    MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_IDEMPOTENCY_WINDOW_MS, MAX_ID_BYTES, MAX_RUN_AT_MS,
+    check_adaptive_values, check_floating_values, check_i64, check_name, check_rate_window, check_u32,
+    check_unique_key, FieldError, MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_IDEMPOTENCY_WINDOW_MS, MAX_ID_BYTES,
+    MAX_RUN_AT_MS,
 };
 use sluice_proto::v1 as pb;
 
@@ -49,6 +50,9 @@ pub struct StoredStep {
     /// Concurrency: the job names the limit in shadow mode.
     #[prost(bool, tag = "11")]
     pub shadow: bool,
+    /// Adaptive: the job's settings (the first job's create the key's state).
+    #[prost(message, optional, tag = "12")]
+    pub adaptive: Option<pb::AdaptiveConcurrencyLimit>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -71,7 +75,10 @@ impl StoredStep {
 
     /// Steps limit-grant holds tickets for (and that must be released).
     pub fn is_ticketed(&self) -> bool {
-        matches!(self.limit_kind(), pb::LimitKind::Concurrency | pb::LimitKind::Floating)
+        matches!(
+            self.limit_kind(),
+            pb::LimitKind::Concurrency | pb::LimitKind::Floating | pb::LimitKind::Adaptive
+        )
     }
 
     pub fn view(&self) -> pb::ChainStep {
@@ -81,6 +88,11 @@ impl StoredStep {
                 self.floating
                     .as_ref()
                     .map_or(0, |floating| i64::from(floating.default_max)),
+                0,
+                0,
+            ),
+            pb::LimitKind::Adaptive => (
+                self.adaptive.as_ref().map_or(0, |adaptive| i64::from(adaptive.max)),
                 0,
                 0,
             ),
@@ -322,7 +334,10 @@ fn validate_limit(
 ) -> Result<StoredStep, FieldError> {
     let max_key_bytes = limits.max_key_bytes;
     match &limit.kind {
-        None => Err(FieldError::new("kind", "set one of concurrency, floating, rate")),
+        None => Err(FieldError::new(
+            "kind",
+            "set one of concurrency, floating, rate, adaptive",
+        )),
         Some(pb::limit::Kind::Concurrency(concurrency)) => {
             check_job_key("concurrency.key", &concurrency.key, max_key_bytes)?;
             if concurrency.max_concurrency < 1 {
@@ -355,6 +370,18 @@ fn validate_limit(
                 key: floating.key.clone(),
                 kind: pb::LimitKind::Floating as i32,
                 floating: Some(floating.clone()),
+                origin: "job".to_string(),
+                ..Default::default()
+            })
+        }
+        Some(pb::limit::Kind::Adaptive(adaptive)) => {
+            check_job_key("adaptive.key", &adaptive.key, max_key_bytes)?;
+            check_adaptive_values("adaptive", adaptive)?;
+            Ok(StoredStep {
+                tenant: tenant.to_string(),
+                key: adaptive.key.clone(),
+                kind: pb::LimitKind::Adaptive as i32,
+                adaptive: Some(adaptive.clone()),
                 origin: "job".to_string(),
                 ..Default::default()
             })
@@ -421,6 +448,7 @@ pub fn describe_step(step: &StoredStep) -> String {
         pb::LimitKind::Concurrency => "concurrency",
         pb::LimitKind::Floating => "floating concurrency",
         pb::LimitKind::Rate => "rate",
+        pb::LimitKind::Adaptive => "adaptive concurrency",
         pb::LimitKind::Unspecified => "unknown",
     };
     format!("{kind} key {:?} (tenant {:?})", step.key, step.tenant)

@@ -17,6 +17,17 @@ use crate::chain::StoredStep;
 use crate::jobs::JobRow;
 use crate::transitions::Effect;
 
+/// One ticket release (`Routes::push_release_of`).
+pub struct Release<'a> {
+    pub job_id: &'a str,
+    pub trace: &'a pb::TraceContext,
+    pub attempt: u32,
+    pub step_index: u32,
+    pub reason: pb::ReleaseReason,
+    /// How long the attempt ran (claim to its end), for adaptive keys.
+    pub run_ms: Option<i64>,
+}
+
 /// Where admission's messages go.
 #[derive(Clone, Debug)]
 pub struct Routes {
@@ -55,9 +66,14 @@ impl Routes {
             match effect {
                 Effect::Acquire => self.push_acquire(outbox, job),
                 Effect::Admitted => self.push_admitted(outbox, job),
-                Effect::Release { attempt, steps, reason } => {
+                Effect::Release {
+                    attempt,
+                    steps,
+                    reason,
+                    run_ms,
+                } => {
                     for step_index in steps {
-                        self.push_release(outbox, job, *attempt, *step_index, *reason);
+                        self.push_release(outbox, job, *attempt, *step_index, *reason, *run_ms);
                     }
                 }
                 Effect::CancelRateWait { attempt, step } => self.push_rate_cancel(outbox, job, *attempt, *step),
@@ -82,9 +98,10 @@ impl Routes {
         };
         let sent_at_ms = wall_clock_ms();
         if step.is_ticketed() {
-            let limit = match &step.floating {
-                Some(floating) => pb::acquire_ticket::Limit::Floating(floating.clone()),
-                None => pb::acquire_ticket::Limit::MaxConcurrency(step.max_concurrency),
+            let limit = match (&step.floating, &step.adaptive) {
+                (Some(floating), _) => pb::acquire_ticket::Limit::Floating(floating.clone()),
+                (None, Some(adaptive)) => pb::acquire_ticket::Limit::Adaptive(adaptive.clone()),
+                (None, None) => pb::acquire_ticket::Limit::MaxConcurrency(step.max_concurrency),
             };
             let command = pb::LimitCommand {
                 trace: Some(job.trace.clone()),
@@ -127,7 +144,9 @@ impl Routes {
         }
     }
 
-    /// Release (or withdraw) the ticket of `attempt` at `step_index`.
+    /// Release (or withdraw) the ticket of `attempt` at `step_index`;
+    /// `run_ms`: how long the attempt ran, for adaptive keys.
+    #[allow(clippy::too_many_arguments)]
     pub fn push_release(
         &self,
         outbox: &mut Outbox,
@@ -135,6 +154,7 @@ impl Routes {
         attempt: u32,
         step_index: u32,
         reason: pb::ReleaseReason,
+        run_ms: Option<i64>,
     ) {
         let Some(step) = self.step_of(job, step_index) else {
             return;
@@ -142,20 +162,26 @@ impl Routes {
         if !step.is_ticketed() {
             return;
         }
-        self.push_release_of(outbox, &job.state.job_id, &job.trace, attempt, step_index, step, reason);
+        let release = Release {
+            job_id: &job.state.job_id,
+            trace: &job.trace,
+            attempt,
+            step_index,
+            reason,
+            run_ms,
+        };
+        self.push_release_of(outbox, step, release);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn push_release_of(
-        &self,
-        outbox: &mut Outbox,
-        job_id: &str,
-        trace: &pb::TraceContext,
-        attempt: u32,
-        step_index: u32,
-        step: &StoredStep,
-        reason: pb::ReleaseReason,
-    ) {
+    pub fn push_release_of(&self, outbox: &mut Outbox, step: &StoredStep, release: Release<'_>) {
+        let Release {
+            job_id,
+            trace,
+            attempt,
+            step_index,
+            reason,
+            run_ms,
+        } = release;
         let command = pb::LimitCommand {
             trace: Some(trace.clone()),
             sent_at_ms: wall_clock_ms(),
@@ -170,6 +196,7 @@ impl Routes {
                     step: step_index,
                 }),
                 reason: reason as i32,
+                run_ms: run_ms.and_then(|run_ms| u64::try_from(run_ms).ok()),
             })),
         };
         let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);

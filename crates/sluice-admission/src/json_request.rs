@@ -44,9 +44,18 @@ pub const RETRY_FIELDS: &[&str] = &[
     "backoff_multiplier",
     "on_lease_expiry",
 ];
-pub const LIMIT_FIELDS: &[&str] = &["concurrency", "floating", "rate"];
+pub const LIMIT_FIELDS: &[&str] = &["concurrency", "floating", "rate", "adaptive"];
 pub const CONCURRENCY_FIELDS: &[&str] = &["key", "max_concurrency", "shadow"];
 pub const FLOATING_FIELDS: &[&str] = &["key", "default_max", "refresh_interval_ms", "metadata"];
+pub const ADAPTIVE_FIELDS: &[&str] = &[
+    "key",
+    "min",
+    "max",
+    "initial",
+    "target_latency_ms",
+    "max_error_ratio",
+    "smoothing",
+];
 pub const RATE_FIELDS: &[&str] = &["inline", "rate_limit_key"];
 pub const INLINE_RATE_FIELDS: &[&str] = &["name", "unique_key", "limit", "duration_ms", "cost"];
 
@@ -177,6 +186,16 @@ fn limit(path: &str, value: &Value) -> Result<pb::Limit, FieldError> {
         })
     } else if let Some(rate) = fields.object("rate", RATE_FIELDS)? {
         pb::limit::Kind::Rate(rate_limit(&rate)?)
+    } else if let Some(adaptive) = fields.object("adaptive", ADAPTIVE_FIELDS)? {
+        pb::limit::Kind::Adaptive(pb::AdaptiveConcurrencyLimit {
+            key: adaptive.string("key")?.unwrap_or_default(),
+            min: adaptive.u32("min")?.unwrap_or_default(),
+            max: adaptive.u32("max")?.unwrap_or_default(),
+            initial: adaptive.u32("initial")?.unwrap_or_default(),
+            target_latency_ms: adaptive.u64("target_latency_ms")?.unwrap_or_default(),
+            max_error_ratio: adaptive.f64("max_error_ratio")?.unwrap_or_default(),
+            smoothing: adaptive.f64("smoothing")?.unwrap_or_default(),
+        })
     } else {
         return Err(FieldError::new(path, exactly_one_message(LIMIT_FIELDS, &[])));
     };
@@ -598,6 +617,7 @@ mod tests {
             ("Limit", LIMIT_FIELDS),
             ("ConcurrencyLimit", CONCURRENCY_FIELDS),
             ("FloatingConcurrencyLimit", FLOATING_FIELDS),
+            ("AdaptiveConcurrencyLimit", ADAPTIVE_FIELDS),
             ("RateLimit", RATE_FIELDS),
             ("InlineRateLimit", INLINE_RATE_FIELDS),
         ];

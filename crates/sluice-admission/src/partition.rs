@@ -1148,12 +1148,15 @@ impl AdmissionPartition {
         let trace = event.trace.clone().unwrap_or_default();
         self.settings.routes.push_release_of(
             out.outbox,
-            &ticket.job_id,
-            &trace,
-            ticket.attempt,
-            ticket.step,
             &step,
-            pb::ReleaseReason::UnwantedGrant,
+            crate::effects::Release {
+                job_id: &ticket.job_id,
+                trace: &trace,
+                attempt: ticket.attempt,
+                step_index: ticket.step,
+                reason: pb::ReleaseReason::UnwantedGrant,
+                run_ms: None,
+            },
         );
     }
 

@@ -61,6 +61,9 @@ pub enum Effect {
         attempt: u32,
         steps: Vec<u32>,
         reason: pb::ReleaseReason,
+        /// How long the attempt ran (claim to its end): what adaptive keys
+        /// learn from. Set only when the attempt ran and ended here.
+        run_ms: Option<i64>,
     },
     /// Remove the job's waiting rate ticket at `step`.
     CancelRateWait { attempt: u32, step: u32 },
@@ -172,6 +175,7 @@ impl JobState {
                 attempt: self.attempt,
                 steps,
                 reason,
+                run_ms: None,
             });
         }
         if self.status == Status::Waiting {
@@ -325,11 +329,18 @@ pub fn end_attempt(job: &mut JobState, now_ms: i64, end: AttemptEnd, timing: Tim
             ),
         ),
     };
-    let effects = job.release_everything(if was_cancelling {
+    let mut effects = job.release_everything(if was_cancelling {
         pb::ReleaseReason::Cancelled
     } else {
         reason
     });
+    // What the attempt's run says about its keys' downstream.
+    let ran_ms = job.claimed_at_ms.map(|claimed_at_ms| (now_ms - claimed_at_ms).max(0));
+    for effect in &mut effects {
+        if let Effect::Release { run_ms, .. } = effect {
+            *run_ms = ran_ms;
+        }
+    }
     job.record(
         now_ms,
         if was_cancelling { "cancelled" } else { outcome },
@@ -482,7 +493,9 @@ mod tests {
             vec![Effect::Release {
                 attempt: 1,
                 steps: vec![0, 1],
-                reason: pb::ReleaseReason::Failed
+                reason: pb::ReleaseReason::Failed,
+                // Claimed at 0, failed at 100: adaptive keys learn from it.
+                run_ms: Some(100),
             }]
         );
         assert_eq!(running.status, Status::Scheduled);
@@ -564,7 +577,8 @@ mod tests {
                 Effect::Release {
                     attempt: 1,
                     steps: vec![0, 1],
-                    reason: pb::ReleaseReason::Cancelled
+                    reason: pb::ReleaseReason::Cancelled,
+                    run_ms: None,
                 },
                 Effect::CancelRateWait { attempt: 1, step: 2 }
             ]

@@ -67,8 +67,22 @@ pub fn kind_word(kind: i32) -> String {
 /// A limit in the JSON form producers write (docs/job-request.schema.json).
 pub fn limit_json(limit: &pb::Limit) -> serde_json::Value {
     match &limit.kind {
+        Some(pb::limit::Kind::Concurrency(concurrency)) if concurrency.shadow => json!({
+            "concurrency": {"key": concurrency.key, "max_concurrency": concurrency.max_concurrency, "shadow": true}
+        }),
         Some(pb::limit::Kind::Concurrency(concurrency)) => json!({
             "concurrency": {"key": concurrency.key, "max_concurrency": concurrency.max_concurrency}
+        }),
+        Some(pb::limit::Kind::Adaptive(adaptive)) => json!({
+            "adaptive": {
+                "key": adaptive.key,
+                "min": adaptive.min,
+                "max": adaptive.max,
+                "initial": adaptive.initial,
+                "target_latency_ms": adaptive.target_latency_ms,
+                "max_error_ratio": adaptive.max_error_ratio,
+                "smoothing": adaptive.smoothing,
+            }
         }),
         Some(pb::limit::Kind::Floating(floating)) => json!({
             "floating": {

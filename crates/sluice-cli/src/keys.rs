@@ -134,6 +134,7 @@ pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<
                             waiting: summary.waiting,
                             override_max: summary.override_max,
                             floating_max: summary.floating_max,
+                            adaptive_max: summary.adaptive_max,
                         }
                     })
                     .collect(),
@@ -234,6 +235,7 @@ pub struct KeySummaryOut {
     pub waiting: u32,
     pub override_max: Option<u32>,
     pub floating_max: Option<u32>,
+    pub adaptive_max: Option<u32>,
 }
 
 #[derive(Debug, Serialize)]
@@ -252,6 +254,7 @@ impl Render for KeyListOut {
             "WAITING",
             "OVERRIDE",
             "FLOATING MAX",
+            "ADAPTIVE MAX",
         ]);
         for key in &self.keys {
             table.row(vec![
@@ -265,6 +268,7 @@ impl Render for KeyListOut {
                     other => or_dash(other),
                 },
                 or_dash(key.floating_max),
+                or_dash(key.adaptive_max),
             ]);
         }
         let mut out = if table.is_empty() {
@@ -327,6 +331,31 @@ pub struct FloatingOut {
 }
 
 #[derive(Debug, Serialize)]
+pub struct AdaptiveOut {
+    pub current_max: u32,
+    pub min: u32,
+    pub max: u32,
+    pub target_latency_ms: u64,
+    pub max_error_ratio: f64,
+    pub smoothing: f64,
+    pub slow_start: bool,
+    /// The last closed window: completions, mean run time, error ratio.
+    pub window_samples: u32,
+    pub window_mean_run_ms: Option<f64>,
+    pub window_error_ratio: f64,
+    pub changes: u64,
+    pub last_change: Option<AdaptiveChangeOut>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AdaptiveChangeOut {
+    pub at_ms: i64,
+    pub from: u32,
+    pub to: u32,
+    pub reason: String,
+}
+
+#[derive(Debug, Serialize)]
 pub struct KeyOut {
     pub tenant: String,
     pub key: String,
@@ -349,6 +378,8 @@ pub struct KeyOut {
     pub mode: Option<String>,
     /// What the limit would have done in shadow mode.
     pub shadow: Option<ShadowOut>,
+    /// Adaptive keys: the computed max, its settings and its last change.
+    pub adaptive: Option<AdaptiveOut>,
     pub partition: u32,
     pub epoch: u64,
 }
@@ -427,6 +458,28 @@ impl From<pb::KeyState> for KeyOut {
                 would_have_waited_ms_max: shadow.would_have_waited_ms_max,
                 would_have_exceeded: shadow.would_have_exceeded,
             }),
+            adaptive: state.adaptive.map(|adaptive| {
+                let settings = adaptive.settings.unwrap_or_default();
+                AdaptiveOut {
+                    current_max: adaptive.current_max,
+                    min: settings.min,
+                    max: settings.max,
+                    target_latency_ms: settings.target_latency_ms,
+                    max_error_ratio: settings.max_error_ratio,
+                    smoothing: settings.smoothing,
+                    slow_start: adaptive.slow_start,
+                    window_samples: adaptive.window_samples,
+                    window_mean_run_ms: adaptive.window_mean_run_ms,
+                    window_error_ratio: adaptive.window_error_ratio,
+                    changes: adaptive.changes,
+                    last_change: adaptive.last_change.map(|change| AdaptiveChangeOut {
+                        at_ms: change.at_ms,
+                        from: change.from,
+                        to: change.to,
+                        reason: change.reason,
+                    }),
+                }
+            }),
             partition: state.partition,
             epoch: state.epoch,
         }
@@ -442,6 +495,8 @@ impl KeyOut {
             format!("{max} (override)")
         } else if let Some(max) = self.floating_max {
             format!("{max} (floating)")
+        } else if let Some(adaptive) = &self.adaptive {
+            format!("{} (adaptive)", adaptive.current_max)
         } else if let Some(max) = self.effective_max {
             format!("{max} (the jobs' own max)")
         } else {
@@ -477,6 +532,48 @@ impl Render for KeyOut {
         }
         if let Some(mode) = &self.mode {
             pairs.push(("mode", format!("{mode} (stored)")));
+        }
+        if let Some(adaptive) = &self.adaptive {
+            let target = match adaptive.target_latency_ms {
+                0 => "no latency target".to_string(),
+                ms => format!("target {ms} ms"),
+            };
+            pairs.push((
+                "adaptive",
+                format!(
+                    "{} to {}, {target}, errors up to {:.0} %, smoothing {}{}",
+                    adaptive.min,
+                    adaptive.max,
+                    adaptive.max_error_ratio * 100.0,
+                    adaptive.smoothing,
+                    if adaptive.slow_start { ", slow start" } else { "" }
+                ),
+            ));
+            pairs.push((
+                "last window",
+                match adaptive.window_mean_run_ms {
+                    Some(mean) => format!(
+                        "{} completions, mean run {mean:.0} ms, {:.0} % failed",
+                        adaptive.window_samples,
+                        adaptive.window_error_ratio * 100.0
+                    ),
+                    None => "none closed yet".to_string(),
+                },
+            ));
+            pairs.push((
+                "last change",
+                match &adaptive.last_change {
+                    Some(change) => format!(
+                        "{} -> {} at {} ({}); {} changes in all",
+                        change.from,
+                        change.to,
+                        time_ms(change.at_ms),
+                        change.reason,
+                        adaptive.changes
+                    ),
+                    None => "none yet".to_string(),
+                },
+            ));
         }
         if let Some(shadow) = &self.shadow {
             #[allow(clippy::cast_precision_loss)]

@@ -103,7 +103,8 @@ impl JobBuilder {
         self
     }
 
-    /// Stored with the job; reserved for fair scheduling.
+    /// The job's flow among a key's waiters: flows share a key by weighted
+    /// round-robin (`sluice keys set-weight`); no fairness key: the default flow.
     pub fn fairness_key(mut self, key: impl Into<String>) -> Self {
         self.request.fairness_key = key.into();
         self
@@ -125,6 +126,15 @@ impl JobBuilder {
     pub fn floating(mut self, limit: FloatingLimit) -> Self {
         self.request.limits.push(pb::Limit {
             kind: Some(pb::limit::Kind::Floating(limit.into_proto())),
+        });
+        self
+    }
+
+    /// A concurrency limit whose max Sluice computes from the key's run
+    /// times and outcomes.
+    pub fn adaptive(mut self, limit: AdaptiveLimit) -> Self {
+        self.request.limits.push(pb::Limit {
+            kind: Some(pb::limit::Kind::Adaptive(limit.proto)),
         });
         self
     }
@@ -202,6 +212,54 @@ impl FloatingLimit {
             refresh_interval_ms: u64::try_from(self.refresh_interval.as_millis()).unwrap_or(u64::MAX),
             metadata: self.metadata.into_iter().collect(),
         }
+    }
+}
+
+/// An adaptive concurrency limit: Sluice computes the key's max between
+/// `min` and `max` from its jobs' run times (claim to completion) and
+/// outcomes. The first job that names `key` creates its state; later jobs'
+/// values are ignored.
+#[derive(Clone, Debug)]
+pub struct AdaptiveLimit {
+    proto: pb::AdaptiveConcurrencyLimit,
+}
+
+impl AdaptiveLimit {
+    /// A max between `min` and `max`, starting at `min`; errors (10 % of a
+    /// window) are the only signal until [`AdaptiveLimit::target_latency`].
+    pub fn new(key: impl Into<String>, min: u32, max: u32) -> Self {
+        AdaptiveLimit {
+            proto: pb::AdaptiveConcurrencyLimit {
+                key: key.into(),
+                min,
+                max,
+                ..Default::default()
+            },
+        }
+    }
+
+    /// The mean run time above which the max shrinks.
+    pub fn target_latency(mut self, target: Duration) -> Self {
+        self.proto.target_latency_ms = u64::try_from(target.as_millis()).unwrap_or(u64::MAX);
+        self
+    }
+
+    /// Start from this max instead of `min`.
+    pub fn initial(mut self, initial: u32) -> Self {
+        self.proto.initial = initial;
+        self
+    }
+
+    /// The share of failed completions (0 to 1) above which the max shrinks.
+    pub fn max_error_ratio(mut self, ratio: f64) -> Self {
+        self.proto.max_error_ratio = ratio;
+        self
+    }
+
+    /// How far one window moves the max down toward what it computed (0 to 1).
+    pub fn smoothing(mut self, smoothing: f64) -> Self {
+        self.proto.smoothing = smoothing;
+        self
     }
 }
 
@@ -335,7 +393,24 @@ pub(crate) fn check_request(request: &pb::JobRequest) -> Result<()> {
 
 fn check_limit(limit: &pb::Limit) -> Result<()> {
     match &limit.kind {
-        None => Err(Error::invalid("kind", "set concurrency, floating or rate")),
+        None => Err(Error::invalid("kind", "set concurrency, floating, rate or adaptive")),
+        Some(pb::limit::Kind::Adaptive(adaptive)) => {
+            if adaptive.key.is_empty() {
+                return Err(Error::invalid("adaptive.key", "must not be empty"));
+            }
+            if adaptive.max != 0 && adaptive.max < adaptive.min {
+                return Err(Error::invalid("adaptive.max", "must be at least min"));
+            }
+            for (name, value) in [
+                ("max_error_ratio", adaptive.max_error_ratio),
+                ("smoothing", adaptive.smoothing),
+            ] {
+                if !(0.0..=1.0).contains(&value) {
+                    return Err(Error::invalid(format!("adaptive.{name}"), "must be between 0 and 1"));
+                }
+            }
+            Ok(())
+        }
         Some(pb::limit::Kind::Concurrency(concurrency)) => {
             if concurrency.key.is_empty() {
                 return Err(Error::invalid("concurrency.key", "must not be empty"));

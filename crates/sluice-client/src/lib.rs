@@ -67,7 +67,7 @@ mod signals;
 mod worker;
 
 pub use error::{Error, Result};
-pub use job::{FloatingLimit, InlineRate, JobBuilder, RetryPolicy};
+pub use job::{AdaptiveLimit, FloatingLimit, InlineRate, JobBuilder, RetryPolicy};
 pub use options::ClientOptions;
 pub use producer::{Enqueued, Producer, Sent};
 pub use propagation::TraceContext;

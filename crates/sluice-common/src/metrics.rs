@@ -85,6 +85,8 @@ pub struct SluiceMetrics {
     pub key_wait_seconds: Histogram<f64>,
     pub shadow_wait_seconds: Histogram<f64>,
     pub shadow_exceeded: Counter<u64>,
+    pub adaptive_max: opentelemetry::metrics::Gauge<u64>,
+    pub adaptive_changes: Counter<u64>,
     pub rate_deferrals: Counter<u64>,
     pub refresh_outcomes: Counter<u64>,
     pub dead_letters: Counter<u64>,
@@ -151,6 +153,16 @@ impl SluiceMetrics {
             shadow_exceeded: meter
                 .u64_counter("sluice_shadow_exceeded")
                 .with_description("Shadow-mode keys: grants that took the holders over the max, by tenant and key")
+                .build(),
+            adaptive_max: meter
+                .u64_gauge("sluice_adaptive_max")
+                .with_description("Adaptive keys: the computed max after its last change, by tenant and key")
+                .build(),
+            adaptive_changes: meter
+                .u64_counter("sluice_adaptive_changes")
+                .with_description(
+                    "Adaptive keys: changes of the computed max, by tenant, key and reason (grow, latency, errors)",
+                )
                 .build(),
             rate_deferrals: meter
                 .u64_counter("sluice_rate_deferrals")
@@ -277,6 +289,24 @@ impl SluiceMetrics {
             &[
                 KeyValue::new("tenant", tenant.to_string()),
                 KeyValue::new("key", key.to_string()),
+            ],
+        );
+    }
+
+    /// An adaptive key's computed max changed to `to`, for `reason` (grow,
+    /// latency or errors).
+    pub fn record_adaptive_change(&self, tenant: &str, key: &str, reason: &'static str, to: u32) {
+        let labels = [
+            KeyValue::new("tenant", tenant.to_string()),
+            KeyValue::new("key", key.to_string()),
+        ];
+        self.adaptive_max.record(u64::from(to), &labels);
+        self.adaptive_changes.add(
+            1,
+            &[
+                KeyValue::new("tenant", tenant.to_string()),
+                KeyValue::new("key", key.to_string()),
+                KeyValue::new("reason", reason),
             ],
         );
     }

@@ -220,6 +220,50 @@ pub fn check_floating_values(
     check_metadata(&format!("{field}.metadata"), &floating.metadata, max_metadata_bytes)
 }
 
+/// The longest target run time of an adaptive limit (a day).
+pub const MAX_TARGET_LATENCY_MS: u64 = 24 * 60 * 60 * 1000;
+
+/// An adaptive limit's values (0 means the default for each): bounds
+/// within `MAX_CONCURRENCY` with `min <= max` and `initial` between them, a
+/// target run time of at most a day, ratios in [0, 1] and not NaN. The key
+/// is checked by the caller.
+pub fn check_adaptive_values(field: &str, adaptive: &pb::AdaptiveConcurrencyLimit) -> Result<(), FieldError> {
+    check_u32(&format!("{field}.min"), adaptive.min, 0, MAX_CONCURRENCY)?;
+    check_u32(&format!("{field}.max"), adaptive.max, 0, MAX_CONCURRENCY)?;
+    check_u32(&format!("{field}.initial"), adaptive.initial, 0, MAX_CONCURRENCY)?;
+    let min = adaptive.min.max(1);
+    if adaptive.max != 0 && adaptive.max < min {
+        return Err(FieldError::new(
+            format!("{field}.max"),
+            format!("is {}; must be at least min ({min})", adaptive.max),
+        ));
+    }
+    if adaptive.initial != 0 && (adaptive.initial < min || (adaptive.max != 0 && adaptive.initial > adaptive.max)) {
+        return Err(FieldError::new(
+            format!("{field}.initial"),
+            format!("is {}; must be between min and max", adaptive.initial),
+        ));
+    }
+    check_u64(
+        &format!("{field}.target_latency_ms"),
+        adaptive.target_latency_ms,
+        0,
+        MAX_TARGET_LATENCY_MS,
+    )?;
+    for (name, value) in [
+        ("max_error_ratio", adaptive.max_error_ratio),
+        ("smoothing", adaptive.smoothing),
+    ] {
+        if !(0.0..=1.0).contains(&value) {
+            return Err(FieldError::new(
+                format!("{field}.{name}"),
+                format!("is {value}; must be between 0 and 1 (0: the default)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A floating limit's metadata: no NUL bytes in keys or values (PostgreSQL's
 /// `jsonb` refuses `\u0000`), at most `max_bytes` of keys and values in all.
 pub fn check_metadata(

@@ -3,6 +3,7 @@
 //! command topic it is assigned. Decisions are made in memory by the owner,
 //! committed in batches fenced by the partition's epoch, then published.
 
+pub mod adaptive;
 pub mod flows;
 pub mod journal;
 pub mod service;

@@ -12,12 +12,13 @@ use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet}
 use sluice_common::partition::{job_partition, key_partition};
 use sluice_common::telemetry::CompactTraceContext;
 use sluice_common::validate::{
-    check_floating_values, check_key_ref, check_text, check_ticket, check_u32, check_u64, FieldError, InputLimits,
-    MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_ID_BYTES,
+    check_adaptive_values, check_floating_values, check_key_ref, check_text, check_ticket, check_u32, check_u64,
+    FieldError, InputLimits, MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_ID_BYTES,
 };
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
+use crate::adaptive::{Adaptive, AdaptiveSettings, Outcome};
 use crate::flows::{self, Flows};
 use crate::journal::{StoredTicket, TicketBatch, TicketSnapshot};
 use crate::shadow::ShadowSim;
@@ -86,11 +87,37 @@ pub struct KeyRecord {
     pub flow_weights: BTreeMap<String, u32>,
     /// The stored mode (`SetLimit{mode}`); `None`: the jobs' shadow flags decide.
     pub mode: Option<pb::LimitMode>,
+    /// An adaptive key's computed max (`crate::adaptive`), created by its
+    /// first job.
+    pub adaptive: Option<Adaptive>,
 }
 
 impl KeyRecord {
     fn is_empty(&self) -> bool {
-        self.override_max.is_none() && self.floating.is_none() && self.flow_weights.is_empty() && self.mode.is_none()
+        self.override_max.is_none()
+            && self.floating.is_none()
+            && self.flow_weights.is_empty()
+            && self.mode.is_none()
+            && self.adaptive.is_none()
+    }
+
+    /// The kind a grant of `ticket` reports.
+    fn grant_kind(&self, ticket: &TicketRecord) -> pb::LimitKind {
+        if ticket.floating {
+            pb::LimitKind::Floating
+        } else if self.adaptive.is_some() {
+            pb::LimitKind::Adaptive
+        } else {
+            pb::LimitKind::Concurrency
+        }
+    }
+
+    /// The key's own max, when it has one: the override, else the floating
+    /// value, else the adaptive one.
+    fn key_max(&self) -> Option<u32> {
+        self.override_max
+            .or(self.floating.as_ref().map(|floating| floating.current_max))
+            .or(self.adaptive.as_ref().map(Adaptive::current))
     }
 }
 
@@ -197,10 +224,7 @@ impl KeyState {
 
     /// The max the shadow simulation enforces.
     fn shadow_max(&self) -> u32 {
-        self.record
-            .override_max
-            .or(self.record.floating.as_ref().map(|floating| floating.current_max))
-            .unwrap_or(self.shadow_job_max)
+        self.record.key_max().unwrap_or(self.shadow_job_max)
     }
 
     /// The max a grant to `head` is checked against: the override, else the
@@ -265,15 +289,37 @@ fn describe_flows(state: &KeyState) -> (Vec<pb::FlowState>, u32) {
 }
 
 /// The max a grant to `head` is checked against: the key's override, else
-/// its floating value, else the job's own max.
+/// its floating value, else its adaptive value, else the job's own max.
 fn max_for(record: &KeyRecord, head: &TicketRecord) -> u32 {
-    if let Some(override_max) = record.override_max {
-        return override_max;
-    }
-    if let Some(floating) = &record.floating {
-        return floating.current_max;
-    }
-    head.job_max
+    record.key_max().unwrap_or(head.job_max)
+}
+
+/// What a release says about its attempt for an adaptive key: how long it
+/// ran, and whether it ended well (failures, run timeouts and expired leases
+/// are signs of overload). Nothing for releases that say nothing about the
+/// downstream (cancelled, handed back, unwanted).
+fn observed_run(release: &pb::ReleaseTicket) -> Option<(i64, Outcome)> {
+    let run_ms = i64::try_from(release.run_ms?).unwrap_or(i64::MAX);
+    let outcome = match pb::ReleaseReason::try_from(release.reason).ok()? {
+        pb::ReleaseReason::Succeeded => Outcome::Succeeded,
+        pb::ReleaseReason::Failed | pb::ReleaseReason::LeaseExpired => Outcome::Failed,
+        _ => return None,
+    };
+    Some((run_ms, outcome))
+}
+
+/// Log and count a change of an adaptive key's computed max.
+fn record_adaptive_change(partition: i32, key_id: &KeyId, change: &crate::adaptive::Change) {
+    tracing::info!(
+        partition,
+        tenant = %key_id.0,
+        key = %key_id.1,
+        from = change.from,
+        to = change.to,
+        reason = %change.reason,
+        "adaptive max changed"
+    );
+    sluice_common::metrics::metrics().record_adaptive_change(&key_id.0, &key_id.1, change.reason.label(), change.to);
 }
 
 /// The writes of one batch, collapsed per row.
@@ -502,6 +548,8 @@ impl LimitPartition {
                     }),
                     kind: if floating_ticket || state.record.floating.is_some() {
                         pb::LimitKind::Floating as i32
+                    } else if state.record.adaptive.is_some() {
+                        pb::LimitKind::Adaptive as i32
                     } else {
                         pb::LimitKind::Concurrency as i32
                     },
@@ -509,6 +557,7 @@ impl LimitPartition {
                     waiting: u32::try_from(state.waiters.len()).unwrap_or(u32::MAX),
                     override_max: state.record.override_max,
                     floating_max: state.record.floating.as_ref().map(|floating| floating.current_max),
+                    adaptive_max: state.record.adaptive.as_ref().map(Adaptive::current),
                 }
             })
             .collect()
@@ -587,8 +636,9 @@ impl LimitPartition {
             }
             pb::limit_command::Command::Release(release) => {
                 let key_id = self.checked_key(release.key.as_ref())?;
+                let observed = observed_run(&release);
                 let ticket = TicketKey::from_proto(&release.ticket.unwrap_or_default());
-                self.release(now_ms, &key_id, &ticket, writes, outbox, counts);
+                self.release(now_ms, &key_id, &ticket, observed, writes, outbox, counts);
                 Ok(())
             }
             pb::limit_command::Command::StandBehind(stand_behind) => {
@@ -647,6 +697,9 @@ impl LimitPartition {
                     }
                     Some(pb::acquire_ticket::Limit::Floating(floating)) => {
                         check_floating_values("acquire.floating", floating, input.max_floating_metadata_bytes)?;
+                    }
+                    Some(pb::acquire_ticket::Limit::Adaptive(adaptive)) => {
+                        check_adaptive_values("acquire.adaptive", adaptive)?;
                     }
                     None => return Err(FieldError::new("acquire.limit", "must be set")),
                 }
@@ -727,17 +780,29 @@ impl LimitPartition {
                     holder.confirmed_at_ms = holder.confirmed_at_ms.max(now_ms);
                     let record = holder.record.clone();
                     let max = i64::from(state.max_for(&record));
-                    self.emit_grant(&record, holders, max, outbox);
+                    let kind = state.record.grant_kind(&record);
+                    self.emit_grant(&record, kind, holders, max, outbox);
                 }
             }
             return Ok(());
         }
-        let (job_max, floating_spec) = match acquire.limit {
-            Some(pb::acquire_ticket::Limit::MaxConcurrency(max)) => (max, None),
-            Some(pb::acquire_ticket::Limit::Floating(spec)) => (spec.default_max, Some(spec)),
+        let (job_max, floating_spec, adaptive_settings) = match acquire.limit {
+            Some(pb::acquire_ticket::Limit::MaxConcurrency(max)) => (max, None, None),
+            Some(pb::acquire_ticket::Limit::Floating(spec)) => (spec.default_max, Some(spec), None),
+            Some(pb::acquire_ticket::Limit::Adaptive(spec)) => {
+                let settings = AdaptiveSettings::of(&spec);
+                (settings.initial, None, Some(settings))
+            }
             None => return Err(format!("acquire for job {} has no limit", ticket.job_id)),
         };
         let state = self.key_state(&key_id);
+        if let Some(settings) = adaptive_settings {
+            if state.record.adaptive.is_none() {
+                // The first job creates the shared state; later jobs' values are ignored.
+                state.record.adaptive = Some(Adaptive::new(settings));
+                writes.save_key(&key_id, &state.record);
+            }
+        }
         if let Some(spec) = &floating_spec {
             if state.record.floating.is_none() {
                 // The first job creates the shared state; later jobs' values are ignored.
@@ -801,11 +866,15 @@ impl LimitPartition {
         Ok(())
     }
 
+    /// Free a held ticket or remove a waiting one. `observed`: how long a
+    /// held ticket's attempt ran and how it ended, for an adaptive key.
+    #[allow(clippy::too_many_arguments)]
     fn release(
         &mut self,
         now_ms: i64,
         key_id: &KeyId,
         ticket: &TicketKey,
+        observed: Option<(i64, Outcome)>,
         writes: &mut LimitWrites,
         outbox: &mut Outbox,
         counts: &mut BatchCounts,
@@ -814,10 +883,17 @@ impl LimitPartition {
             return;
         };
         let place = self.ticket_keys.get(ticket);
-        let removed = state.holders.remove(ticket).is_some()
-            || place.is_some_and(|place| state.waiters.remove(&place.flow, &place.order(ticket)).is_some());
+        let was_held = state.holders.remove(ticket).is_some();
+        let removed =
+            was_held || place.is_some_and(|place| state.waiters.remove(&place.flow, &place.order(ticket)).is_some());
         if !removed {
             return;
+        }
+        if let (true, Some((run_ms, outcome)), Some(adaptive)) = (was_held, observed, state.record.adaptive.as_mut()) {
+            if let Some(change) = adaptive.observe(now_ms, ticket, run_ms, outcome) {
+                writes.save_key(key_id, &state.record);
+                record_adaptive_change(self.settings.partition, key_id, &change);
+            }
         }
         if let Some(shadow) = state.shadow.as_mut() {
             shadow.release(ticket, now_ms);
@@ -1000,6 +1076,7 @@ impl LimitPartition {
         let weights = &state.record.flow_weights;
         while let Some((_, head)) = state.waiters.next(|flow| flows::weight_of(weights, flow)) {
             let max = max_for(&state.record, &head.record);
+            let kind = state.record.grant_kind(&head.record);
             let shadow = is_shadow(&state.record, &head.record);
             // In shadow mode the limit is accounted, not enforced.
             if !shadow && state.holders.len() >= usize::try_from(max).unwrap_or(usize::MAX) {
@@ -1033,7 +1110,16 @@ impl LimitPartition {
                     sluice_common::metrics::metrics().record_shadow_exceeded(&key_id.0, &key_id.1);
                 }
             }
-            granted.push((record, state.holders.len(), i64::from(max)));
+            if let Some(adaptive) = state.record.adaptive.as_mut() {
+                adaptive.granted(&record.ticket);
+            }
+            granted.push((record, kind, state.holders.len(), i64::from(max)));
+        }
+        if let Some(adaptive) = state.record.adaptive.as_mut() {
+            // The window used the whole max: jobs wait, or the holders fill it.
+            if !state.waiters.is_empty() || state.holders.len() >= usize::try_from(adaptive.current()).unwrap_or(0) {
+                adaptive.saturated();
+            }
         }
         let shadow_max = state.shadow_max();
         let would_have_waited = state
@@ -1042,9 +1128,9 @@ impl LimitPartition {
             .map(|shadow| shadow.pump(shadow_max))
             .unwrap_or_default();
         let idle = state.is_idle();
-        for (record, holders, max) in granted {
+        for (record, kind, holders, max) in granted {
             counts.grants += 1;
-            self.emit_grant(&record, holders, max, outbox);
+            self.emit_grant(&record, kind, holders, max, outbox);
         }
         for simulated in would_have_waited {
             self.record_shadow_wait(key_id, &simulated);
@@ -1077,8 +1163,19 @@ impl LimitPartition {
         );
     }
 
-    fn emit_grant(&self, record: &TicketRecord, holders: usize, max: i64, outbox: &mut Outbox) {
-        let kind = if record.floating { "floating" } else { "concurrency" };
+    fn emit_grant(
+        &self,
+        record: &TicketRecord,
+        limit_kind: pb::LimitKind,
+        holders: usize,
+        max: i64,
+        outbox: &mut Outbox,
+    ) {
+        let kind = match limit_kind {
+            pb::LimitKind::Floating => "floating",
+            pb::LimitKind::Adaptive => "adaptive",
+            _ => "concurrency",
+        };
         let granted_at_ms = record.granted_at_ms.unwrap_or_default();
         sluice_common::metrics::metrics().record_grant(
             "limit-grant",
@@ -1113,11 +1210,7 @@ impl LimitPartition {
                 tenant: record.tenant().to_string(),
                 key: record.key().to_string(),
             }),
-            kind: if record.floating {
-                pb::LimitKind::Floating as i32
-            } else {
-                pb::LimitKind::Concurrency as i32
-            },
+            kind: limit_kind as i32,
             granted_at_ms: record.granted_at_ms.unwrap_or_default(),
             holders: u32::try_from(holders).unwrap_or(u32::MAX),
             max,
@@ -1226,7 +1319,7 @@ impl LimitPartition {
                 "reclaiming a ticket nobody stands behind"
             );
             counts.expired += 1;
-            self.release(now_ms, &key_id, &ticket, writes, outbox, counts);
+            self.release(now_ms, &key_id, &ticket, None, writes, outbox, counts);
         }
     }
 
@@ -1257,16 +1350,16 @@ impl LimitPartition {
                 metadata: floating.metadata.clone().into_iter().collect(),
             });
         }
+        if let Some(adaptive) = &state.record.adaptive {
+            described.kind = pb::LimitKind::Adaptive as i32;
+            described.adaptive = Some(adaptive.describe(key));
+        }
         let reference = state
             .any_waiter()
             .or_else(|| state.holders.values().next().map(|holder| &holder.record));
         described.effective_max = reference.map(|record| i64::from(state.max_for(record)));
         if described.effective_max.is_none() {
-            described.effective_max = state
-                .record
-                .override_max
-                .or(state.record.floating.as_ref().map(|floating| floating.current_max))
-                .map(i64::from);
+            described.effective_max = state.record.key_max().map(i64::from);
         }
         let mut holders: Vec<&Holder> = state.holders.values().collect();
         holders.sort_by(|left, right| left.record.ticket.cmp(&right.record.ticket));
@@ -1352,7 +1445,8 @@ impl LimitPartition {
             for holder in state.holders.values() {
                 if wanted.contains(&job_partition(&holder.record.ticket.job_id, partitions)) {
                     let max = i64::from(state.max_for(&holder.record));
-                    self.emit_grant(&holder.record, state.holders.len(), max, outbox);
+                    let kind = state.record.grant_kind(&holder.record);
+                    self.emit_grant(&holder.record, kind, state.holders.len(), max, outbox);
                 }
             }
         }
@@ -1470,7 +1564,8 @@ impl OwnedState for LimitPartition {
         for (key_id, state) in &self.keys {
             for holder in state.holders.values() {
                 let max = i64::from(state.max_for(&holder.record));
-                self.emit_grant(&holder.record, state.holders.len(), max, outbox);
+                let kind = state.record.grant_kind(&holder.record);
+                self.emit_grant(&holder.record, kind, state.holders.len(), max, outbox);
             }
             // The last refresh-due event may have been saved and not sent.
             if let Some(floating) = &state.record.floating {
@@ -1583,6 +1678,7 @@ mod tests {
                     step: 0,
                 }),
                 reason: 0,
+                run_ms: None,
             })),
             ..Default::default()
         }
@@ -2031,6 +2127,235 @@ mod tests {
             )
             .unwrap_err();
         assert!(error.contains("hashes to partition"), "{error}");
+    }
+
+    /// A downstream that serves `capacity` jobs at once in `base_ms`; above
+    /// that its latency climbs with the load: a job started with `running`
+    /// jobs in flight takes `base × (1 + 2 × (running − capacity) / capacity)`.
+    #[derive(Clone, Copy)]
+    struct Downstream {
+        capacity: u32,
+        base_ms: i64,
+    }
+
+    impl Downstream {
+        fn run_ms(self, running: u32) -> i64 {
+            let over = i64::from(running.saturating_sub(self.capacity));
+            self.base_ms + 2 * self.base_ms * over / i64::from(self.capacity)
+        }
+    }
+
+    fn acquire_adaptive(job: &str, spec: &pb::AdaptiveConcurrencyLimit) -> pb::LimitCommand {
+        pb::LimitCommand {
+            command: Some(pb::limit_command::Command::Acquire(pb::AcquireTicket {
+                key: key(&spec.key),
+                ticket: Some(pb::TicketId {
+                    job_id: job.to_string(),
+                    attempt: 1,
+                    step: 0,
+                }),
+                limit: Some(pb::acquire_ticket::Limit::Adaptive(spec.clone())),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn release_after(job: &str, key_name: &str, run_ms: i64, reason: pb::ReleaseReason) -> pb::LimitCommand {
+        let mut command = release(job, key_name);
+        if let Some(pb::limit_command::Command::Release(release)) = &mut command.command {
+            release.run_ms = Some(u64::try_from(run_ms).unwrap());
+            release.reason = reason as i32;
+        }
+        command
+    }
+
+    /// Runs an adaptive key against `phases` of a downstream, each for a
+    /// number of completions, on an explicit clock, with jobs always waiting.
+    /// Returns the key's max after every completion, and checks at every
+    /// grant that the holders never exceed the max they were granted under.
+    fn simulate(spec: &pb::AdaptiveConcurrencyLimit, phases: &[(Downstream, usize)]) -> Vec<u32> {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let mut state = partition();
+        let mut now_ms = 0i64;
+        let mut next_job = 0u64;
+        // (ends at, job, run ms)
+        let mut running: BinaryHeap<Reverse<(i64, String, i64)>> = BinaryHeap::new();
+        let mut maxes = Vec::new();
+        let apply = |state: &mut LimitPartition, command: pb::LimitCommand, now_ms: i64| {
+            let mut writes = LimitWrites::default();
+            let mut outbox = Outbox::new();
+            let mut counts = BatchCounts::default();
+            state
+                .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
+                .unwrap();
+            grants(&mut outbox)
+        };
+        for (downstream, completions) in phases {
+            for _ in 0..*completions {
+                // Keep ten jobs waiting: the key is always in demand.
+                while state.waiting_on("t", &spec.key) < 10 {
+                    next_job += 1;
+                    let job = format!("job-{next_job}");
+                    for grant in apply(&mut state, acquire_adaptive(&job, spec), now_ms) {
+                        assert!(i64::from(grant.holders) <= grant.max, "overrun");
+                        let run_ms = downstream.run_ms(grant.holders);
+                        running.push(Reverse((now_ms + run_ms, grant.ticket.unwrap().job_id, run_ms)));
+                    }
+                }
+                let Reverse((ends_at, job, run_ms)) = running.pop().expect("a job runs");
+                now_ms = ends_at;
+                let release = release_after(&job, &spec.key, run_ms, pb::ReleaseReason::Succeeded);
+                for grant in apply(&mut state, release, now_ms) {
+                    assert!(i64::from(grant.holders) <= grant.max, "overrun");
+                    let run_ms = downstream.run_ms(grant.holders);
+                    running.push(Reverse((now_ms + run_ms, grant.ticket.unwrap().job_id, run_ms)));
+                }
+                let described = state.describe("t", &spec.key, 0);
+                maxes.push(described.adaptive.unwrap().current_max);
+            }
+        }
+        maxes
+    }
+
+    fn adaptive_spec() -> pb::AdaptiveConcurrencyLimit {
+        pb::AdaptiveConcurrencyLimit {
+            key: "api".to_string(),
+            min: 1,
+            max: 500,
+            initial: 0,
+            target_latency_ms: 110,
+            max_error_ratio: 0.0,
+            smoothing: 0.0,
+        }
+    }
+
+    /// The first completion from which every later max is within `low..=high`.
+    fn settled_from(maxes: &[u32], low: u32, high: u32) -> Option<usize> {
+        let last_outside = maxes.iter().rposition(|max| !(low..=high).contains(max));
+        match last_outside {
+            None => Some(0),
+            Some(index) if index + 1 < maxes.len() => Some(index + 1),
+            Some(_) => None,
+        }
+    }
+
+    #[test]
+    fn an_adaptive_key_settles_near_the_concurrency_where_latency_climbs() {
+        let downstream = Downstream {
+            capacity: 40,
+            base_ms: 100,
+        };
+        let maxes = simulate(&adaptive_spec(), &[(downstream, 4_000)]);
+        // ±20 % of 40, within 1,000 completions (from a max of 1).
+        let settled = settled_from(&maxes, 32, 48).expect("settles within ±20 % of 40");
+        assert!(settled <= 1_000, "settled only after {settled} completions: {maxes:?}");
+        assert!(maxes.iter().all(|max| (1..=500).contains(max)));
+    }
+
+    #[test]
+    fn an_adaptive_key_backs_off_when_the_downstream_slows_down_mid_run() {
+        let fast = Downstream {
+            capacity: 40,
+            base_ms: 100,
+        };
+        let slow = Downstream {
+            capacity: 10,
+            base_ms: 100,
+        };
+        let maxes = simulate(&adaptive_spec(), &[(fast, 2_000), (slow, 3_000)]);
+        let (before, after) = maxes.split_at(2_000);
+        assert!(settled_from(before, 32, 48).is_some(), "{before:?}");
+        let settled = settled_from(after, 8, 12).expect("settles within ±20 % of 10");
+        assert!(settled <= 1_000, "settled only after {settled} completions: {after:?}");
+        // And it recovers when the downstream does.
+        let maxes = simulate(&adaptive_spec(), &[(slow, 1_000), (fast, 4_000)]);
+        let settled = settled_from(&maxes[1_000..], 32, 48).expect("grows back within ±20 % of 40");
+        assert!(settled <= 2_500, "grew back only after {settled} completions");
+    }
+
+    #[test]
+    fn an_adaptive_key_shrinks_on_errors_and_its_changes_are_described() {
+        let spec = pb::AdaptiveConcurrencyLimit {
+            target_latency_ms: 0,
+            initial: 20,
+            max_error_ratio: 0.2,
+            smoothing: 1.0,
+            ..adaptive_spec()
+        };
+        let mut state = partition();
+        let mut holders = Vec::new();
+        for index in 0..40 {
+            let job = format!("job-{index}");
+            let mut writes = LimitWrites::default();
+            let mut outbox = Outbox::new();
+            let mut counts = BatchCounts::default();
+            state
+                .apply_command(0, acquire_adaptive(&job, &spec), &mut writes, &mut outbox, &mut counts)
+                .unwrap();
+            holders.extend(
+                grants(&mut outbox)
+                    .into_iter()
+                    .map(|grant| grant.ticket.unwrap().job_id),
+            );
+            if index == 0 {
+                // The first job creates the key's state, saved with the key.
+                assert!(writes
+                    .keys
+                    .values()
+                    .any(|record| record.as_ref().is_some_and(|record| record.adaptive.is_some())));
+            }
+        }
+        assert_eq!(holders.len(), 20);
+        // Half the window fails (a lost lease counts as a failure; a
+        // cancelled job says nothing about the downstream).
+        let mut saved = None;
+        for (index, job) in holders.iter().enumerate() {
+            let reason = match index % 4 {
+                0 => pb::ReleaseReason::Failed,
+                1 => pb::ReleaseReason::LeaseExpired,
+                _ => pb::ReleaseReason::Succeeded,
+            };
+            let mut writes = LimitWrites::default();
+            let mut outbox = Outbox::new();
+            let mut counts = BatchCounts::default();
+            state
+                .apply_command(
+                    1_000,
+                    release_after(job, "api", 50, reason),
+                    &mut writes,
+                    &mut outbox,
+                    &mut counts,
+                )
+                .unwrap();
+            if let Some(Some(record)) = writes.keys.remove(&("t".to_string(), "api".to_string())) {
+                saved = record.adaptive;
+            }
+        }
+        let described = state.describe("t", "api", 0);
+        assert_eq!(described.kind, pb::LimitKind::Adaptive as i32);
+        assert_eq!(described.effective_max, Some(10));
+        let adaptive = described.adaptive.unwrap();
+        assert_eq!(adaptive.current_max, 10);
+        assert_eq!(adaptive.window_samples, 20);
+        assert_eq!(adaptive.window_error_ratio, 0.5);
+        let change = adaptive.last_change.unwrap();
+        assert_eq!((change.from, change.to, change.at_ms), (20, 10, 1_000));
+        assert_eq!(
+            change.reason,
+            "errors: 50 % of the window failed, over the 20 % allowed"
+        );
+        // The change was saved with the key: a new owner starts from 10.
+        assert_eq!(saved.map(|adaptive| adaptive.current()), Some(10));
+        // Like a lowered floating max, the new max only affects new grants:
+        // the first 19 releases each granted a waiter under the old max, the
+        // 20th (which closed the window) none; no more until holders < 10.
+        assert_eq!(state.holders_of("t", "api"), 19);
+        assert_eq!(state.waiting_on("t", "api"), 1);
+        // An override beats the computed max.
+        run(&mut state, vec![set_override("api", Some(3))]);
+        assert_eq!(state.describe("t", "api", 0).effective_max, Some(3));
     }
 
     mod properties {

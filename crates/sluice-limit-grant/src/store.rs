@@ -12,6 +12,7 @@ use sluice_common::telemetry::CompactTraceContext;
 use sluice_proto::v1 as pb;
 use sqlx::{PgConnection, Row};
 
+use crate::adaptive::{Adaptive, StoredAdaptive};
 use crate::journal::{TicketBatch, TicketSnapshot};
 use crate::state::{
     FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord,
@@ -65,7 +66,7 @@ impl OwnedStore for LimitStore {
         let key_rows = sqlx::query(
             "SELECT tenant, key, override_max, floating_max, floating_default_max, floating_refresh_interval_ms,
                     floating_metadata::text, floating_last_due_ms, floating_last_set_ms, floating_last_task_id,
-                    flow_weights::text, mode
+                    flow_weights::text, mode, adaptive
              FROM keys WHERE partition = $1",
         )
         .bind(context.partition)
@@ -104,6 +105,12 @@ impl OwnedStore for LimitStore {
                     mode: row
                         .try_get::<Option<i16>, _>(11)?
                         .and_then(|mode| pb::LimitMode::try_from(i32::from(mode)).ok()),
+                    adaptive: row
+                        .try_get::<Option<Vec<u8>>, _>(12)?
+                        .map(|bytes| StoredAdaptive::decode(bytes.as_slice()))
+                        .transpose()
+                        .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
+                        .map(Adaptive::from_stored),
                 },
             ));
         }
@@ -188,8 +195,8 @@ impl OwnedStore for LimitStore {
                     sqlx::query(
                         "INSERT INTO keys (tenant, key, partition, override_max, floating_max, floating_default_max,
                                            floating_refresh_interval_ms, floating_metadata, floating_last_due_ms,
-                                           floating_last_set_ms, floating_last_task_id, flow_weights, mode)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb, $13)
+                                           floating_last_set_ms, floating_last_task_id, flow_weights, mode, adaptive)
+                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb, $13, $14)
                          ON CONFLICT (tenant, key) DO UPDATE SET
                             override_max = EXCLUDED.override_max, floating_max = EXCLUDED.floating_max,
                             floating_default_max = EXCLUDED.floating_default_max,
@@ -199,6 +206,7 @@ impl OwnedStore for LimitStore {
                             floating_last_set_ms = EXCLUDED.floating_last_set_ms,
                             floating_last_task_id = EXCLUDED.floating_last_task_id,
                             flow_weights = EXCLUDED.flow_weights, mode = EXCLUDED.mode,
+                            adaptive = EXCLUDED.adaptive,
                             updated_at = now()",
                     )
                     .bind(&tenant)
@@ -214,6 +222,12 @@ impl OwnedStore for LimitStore {
                     .bind(floating.and_then(|floating| floating.last_task_id.clone()))
                     .bind(flow_weights)
                     .bind(record.mode.and_then(|mode| i16::try_from(mode as i32).ok()))
+                    .bind(
+                        record
+                            .adaptive
+                            .as_ref()
+                            .map(|adaptive| adaptive.stored(&key).encode_to_vec()),
+                    )
                     .execute(&mut *connection)
                     .await?;
                 }

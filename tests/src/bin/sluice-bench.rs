@@ -247,6 +247,7 @@ fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f
                 key: flow_key(),
                 ticket: flow_ticket(&holder),
                 reason: pb::ReleaseReason::Succeeded as i32,
+                run_ms: None,
             })),
         };
         let started = Instant::now();

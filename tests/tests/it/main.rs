@@ -4,6 +4,7 @@
 // Test-only crate: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod adaptive;
 mod auth;
 mod broker_reset;
 mod consumer_buffer;
