@@ -495,6 +495,92 @@ mod tests {
         }
     }
 
+    fn adaptive(spec: pb::AdaptiveConcurrencyLimit) -> pb::Limit {
+        pb::Limit {
+            kind: Some(pb::limit::Kind::Adaptive(pb::AdaptiveConcurrencyLimit {
+                key: "api".to_string(),
+                ..spec
+            })),
+        }
+    }
+
+    #[test]
+    fn an_adaptive_limit_is_a_ticketed_step_and_bad_settings_name_their_field() {
+        let valid = validate(
+            &config(),
+            request(vec![adaptive(pb::AdaptiveConcurrencyLimit {
+                min: 2,
+                max: 40,
+                target_latency_ms: 250,
+                ..Default::default()
+            })]),
+        )
+        .unwrap();
+        assert_eq!(valid.chain.len(), 1);
+        assert!(valid.chain[0].is_ticketed());
+        assert_eq!(valid.chain[0].limit_kind(), pb::LimitKind::Adaptive);
+        assert_eq!(valid.chain[0].view().max, 40);
+        let refused =
+            |spec: pb::AdaptiveConcurrencyLimit| validate(&config(), request(vec![adaptive(spec)])).unwrap_err().field;
+        let cases = [
+            (
+                pb::AdaptiveConcurrencyLimit {
+                    min: 10,
+                    max: 5,
+                    ..Default::default()
+                },
+                "limits[0].adaptive.max",
+            ),
+            (
+                pb::AdaptiveConcurrencyLimit {
+                    min: 2,
+                    initial: 1,
+                    ..Default::default()
+                },
+                "limits[0].adaptive.initial",
+            ),
+            (
+                pb::AdaptiveConcurrencyLimit {
+                    smoothing: f64::NAN,
+                    ..Default::default()
+                },
+                "limits[0].adaptive.smoothing",
+            ),
+            (
+                pb::AdaptiveConcurrencyLimit {
+                    max_error_ratio: -0.5,
+                    ..Default::default()
+                },
+                "limits[0].adaptive.max_error_ratio",
+            ),
+            (
+                pb::AdaptiveConcurrencyLimit {
+                    target_latency_ms: u64::MAX,
+                    ..Default::default()
+                },
+                "limits[0].adaptive.target_latency_ms",
+            ),
+            (
+                pb::AdaptiveConcurrencyLimit {
+                    max: u32::MAX,
+                    ..Default::default()
+                },
+                "limits[0].adaptive.max",
+            ),
+        ];
+        for (spec, field) in cases {
+            assert_eq!(refused(spec.clone()), field, "{spec:?}");
+        }
+        let mut no_key = adaptive(pb::AdaptiveConcurrencyLimit::default());
+        if let Some(pb::limit::Kind::Adaptive(spec)) = &mut no_key.kind {
+            spec.key = "bad\0key".to_string();
+        }
+        assert_eq!(
+            validate(&config(), request(vec![no_key])).unwrap_err().field,
+            "limits[0].adaptive.key"
+        );
+    }
+
     #[test]
     fn chain_follows_the_global_order_whatever_the_listed_order() {
         let valid = validate(

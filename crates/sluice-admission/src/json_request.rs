@@ -551,11 +551,11 @@ mod tests {
             (r#"{"tenant": "t", "limits": [7]}"#, "limits[0]: must be an object, not a number"),
             (
                 r#"{"tenant": "t", "limits": [{}]}"#,
-                "limits[0]: set exactly one of concurrency, floating, rate",
+                "limits[0]: set exactly one of concurrency, floating, rate, adaptive",
             ),
             (
                 r#"{"tenant": "t", "limits": [{"concurrency": {"key": "a", "max_concurrency": 1}, "rate": {"rate_limit_key": "r"}}]}"#,
-                "limits[0]: set exactly one of concurrency, floating, rate, not concurrency and rate",
+                "limits[0]: set exactly one of concurrency, floating, rate, adaptive, not concurrency and rate",
             ),
             (
                 r#"{"tenant": "t", "limits": [{"rate": {}}]}"#,
@@ -585,6 +585,39 @@ mod tests {
                 "{input}\n  gave: {error}\n  want: {expected}"
             );
         }
+    }
+
+    #[test]
+    fn an_adaptive_limit_decodes_and_its_wrong_types_name_the_field() {
+        let request = decode(
+            r#"{"tenant": "acme", "task_group": "default",
+                "limits": [{"adaptive": {"key": "api", "min": 2, "max": 40, "target_latency_ms": 250,
+                                         "max_error_ratio": 0.05, "smoothing": 0.25}}]}"#,
+        )
+        .unwrap();
+        let Some(pb::limit::Kind::Adaptive(adaptive)) = &request.limits[0].kind else {
+            panic!("an adaptive limit: {request:?}");
+        };
+        assert_eq!((adaptive.min, adaptive.max, adaptive.target_latency_ms), (2, 40, 250));
+        assert_eq!((adaptive.max_error_ratio, adaptive.smoothing), (0.05, 0.25));
+        let cases = [
+            (r#"{"smoothing": "half"}"#, "limits[0].adaptive.smoothing"),
+            (r#"{"max": -1}"#, "limits[0].adaptive.max"),
+            (r#"{"target": 5}"#, "limits[0].adaptive"),
+        ];
+        for (fields, field) in cases {
+            let input =
+                format!(r#"{{"tenant": "acme", "task_group": "default", "limits": [{{"adaptive": {fields}}}]}}"#);
+            let error = decode(&input).unwrap_err();
+            assert!(error.starts_with(field), "{input}\n  gave: {error}\n  want: {field}");
+        }
+        // The shadow flag of a concurrency limit must be a boolean.
+        let error = decode(
+            r#"{"tenant": "acme", "task_group": "default",
+                "limits": [{"concurrency": {"key": "k", "max_concurrency": 1, "shadow": "yes"}}]}"#,
+        )
+        .unwrap_err();
+        assert!(error.starts_with("limits[0].concurrency.shadow"), "{error}");
     }
 
     #[test]

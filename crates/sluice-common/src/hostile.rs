@@ -112,6 +112,22 @@ impl HostileRequests {
         }
     }
 
+    /// A ratio: in range when sane, else NaN, infinities, negatives, huge.
+    fn ratio(&mut self) -> f64 {
+        if self.sane && !self.one_in(40) {
+            return f64::from(self.rng.random_range(0..=100u32)) / 100.0;
+        }
+        match self.rng.random_range(0..7) {
+            0 => f64::NAN,
+            1 => f64::INFINITY,
+            2 => f64::NEG_INFINITY,
+            3 => -0.5,
+            4 => 1.5,
+            5 => f64::MAX,
+            _ => f64::MIN_POSITIVE,
+        }
+    }
+
     fn u64(&mut self) -> u64 {
         if self.sane && !self.one_in(40) {
             return self.rng.random_range(1..100_000);
@@ -156,7 +172,7 @@ impl HostileRequests {
     }
 
     fn limit(&mut self) -> pb::Limit {
-        let kind = match self.rng.random_range(0..9) {
+        let kind = match self.rng.random_range(0..10) {
             0 => None,
             1..=3 => Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
                 key: self.text(),
@@ -183,6 +199,15 @@ impl HostileRequests {
                     duration_ms: self.i64(),
                     cost: if self.one_in(2) { 0 } else { self.i64() },
                 })),
+            })),
+            8 => Some(pb::limit::Kind::Adaptive(pb::AdaptiveConcurrencyLimit {
+                key: self.text(),
+                min: self.u32(),
+                max: self.u32(),
+                initial: if self.one_in(2) { 0 } else { self.u32() },
+                target_latency_ms: self.u64(),
+                max_error_ratio: self.ratio(),
+                smoothing: self.ratio(),
             })),
             _ => Some(pb::limit::Kind::Rate(pb::RateLimit {
                 spec: if self.one_in(8) {
@@ -301,6 +326,11 @@ impl HostileRequests {
                 Some(pb::limit::Kind::Rate(pb::RateLimit {
                     spec: Some(pb::rate_limit::Spec::RateLimitKey(key)),
                 })) => json!({"rate": {"rate_limit_key": key}}),
+                // NaN and the infinities become null (JSON has no such numbers).
+                Some(pb::limit::Kind::Adaptive(a)) => json!({"adaptive": {
+                    "key": a.key, "min": a.min, "max": a.max, "initial": a.initial,
+                    "target_latency_ms": a.target_latency_ms,
+                    "max_error_ratio": a.max_error_ratio, "smoothing": a.smoothing}}),
                 _ => json!({}),
             })
             .collect();

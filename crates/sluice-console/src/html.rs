@@ -193,6 +193,7 @@ pub fn kind_name(kind: i32) -> &'static str {
         Ok(pb::LimitKind::Concurrency) => "concurrency",
         Ok(pb::LimitKind::Floating) => "floating",
         Ok(pb::LimitKind::Rate) => "rate",
+        Ok(pb::LimitKind::Adaptive) => "adaptive",
         _ => "unknown",
     }
 }

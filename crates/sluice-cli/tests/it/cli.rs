@@ -104,7 +104,7 @@ async fn jobs_and_keys_commands_show_waits_and_steer_keys() -> anyhow::Result<()
     assert_eq!(
         listed,
         serde_json::json!({"keys": [{"tenant": "acme", "key": "cli-key", "kind": "concurrency", "holders": 1,
-            "waiting": 1, "override_max": null, "floating_max": null}], "next_page_token": null})
+            "waiting": 1, "override_max": null, "floating_max": null, "adaptive_max": null}], "next_page_token": null})
     );
     let described = sluice_ok(&stack, &["keys", "describe", "-t", "acme", "cli-key"]).await?;
     assert_eq!(

@@ -50,6 +50,12 @@ pub fn effective_max(state: &pb::KeyState) -> (String, &'static str) {
     if let Some(max) = state.floating_max {
         return (max.to_string(), "floating value (recomputed by workers)");
     }
+    if let Some(adaptive) = &state.adaptive {
+        return (
+            adaptive.current_max.to_string(),
+            "adaptive value (computed from run times and outcomes)",
+        );
+    }
     match state.effective_max {
         Some(max) if state.waiting > 0 => (max.to_string(), "job max (carried by the head waiter)"),
         Some(max) => (max.to_string(), "job max (carried by the last holder)"),
@@ -130,6 +136,9 @@ pub async fn page(
         (holders_table(&state, &holder_jobs, now))
         (waiters_table(&state, now))
         @if let Some(floating) = &floating { (floating_section(floating, &refreshes, now)) }
+        @if let Some(adaptive) = &state.adaptive { (adaptive_section(adaptive, now)) }
+        @if let Some(shadow) = &state.shadow { (shadow_section(shadow)) }
+        @if !state.flows.is_empty() { (flows_table(&state)) }
     };
     page.after = actions(tenant, key, &state);
     respond(page, fragment)
@@ -222,6 +231,82 @@ fn waiters_table(state: &pb::KeyState, now: i64) -> Markup {
                                 td { (clock(waiter.enqueued_at_us / 1000)) }
                                 td { @if waiter.job_max > 0 { (waiter.job_max) } @else { "—" } }
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An adaptive key's computed max, settings, last window and last change.
+fn adaptive_section(adaptive: &pb::AdaptiveState, now: i64) -> Markup {
+    let settings = adaptive.settings.clone().unwrap_or_default();
+    html! {
+        section #adaptive {
+            h2 { "Adaptive max" }
+            dl {
+                dt { "computed max" } dd #adaptive-max { (adaptive.current_max) @if adaptive.slow_start { " (slow start)" } }
+                dt { "bounds" } dd { (settings.min) " to " (settings.max) }
+                dt { "target" } dd {
+                    @if settings.target_latency_ms == 0 { "no latency target" }
+                    @else { "mean run under " (settings.target_latency_ms) " ms" }
+                    ", errors under " (format!("{:.0}", settings.max_error_ratio * 100.0)) " %"
+                }
+                dt { "last window" } dd {
+                    @match adaptive.window_mean_run_ms {
+                        Some(mean) => {
+                            (adaptive.window_samples) " completions, mean run " (format!("{mean:.0}")) " ms, "
+                            (format!("{:.0}", adaptive.window_error_ratio * 100.0)) " % failed"
+                        }
+                        None => "none closed yet",
+                    }
+                }
+                dt { "open window" } dd { (adaptive.open_window_samples) " of " (adaptive.open_window_size) " completions" }
+                dt { "last change" } dd #adaptive-change {
+                    @match &adaptive.last_change {
+                        Some(change) => {
+                            (change.from) " → " (change.to) ", " (when(now, change.at_ms)) ": " (change.reason)
+                        }
+                        None => "none yet",
+                    }
+                }
+                dt { "changes" } dd { (adaptive.changes) }
+            }
+        }
+    }
+}
+
+/// What the key's limit would have done in shadow mode.
+fn shadow_section(shadow: &pb::ShadowStats) -> Markup {
+    html! {
+        section #shadow {
+            h2 { "Shadow mode" }
+            dl {
+                dt { "would hold now" } dd { (shadow.would_hold) }
+                dt { "would wait now" } dd { (shadow.would_wait) }
+                dt { "would-be grants" } dd { (shadow.would_have_waited_count) }
+                dt { "longest would-be wait" } dd { (duration_text(shadow.would_have_waited_ms_max)) }
+                dt { "grants over the max" } dd #shadow-exceeded { (shadow.would_have_exceeded) }
+            }
+        }
+    }
+}
+
+/// The key's flows (fair sharing): the most waiting first, and stored weights.
+fn flows_table(state: &pb::KeyState) -> Markup {
+    html! {
+        section #flows {
+            h2 { "Flows (" (state.flows_waiting) " with waiters)" }
+            table {
+                thead { tr { th { "fairness key" } th { "weight" } th { "waiting" } th { "holders" } } }
+                tbody {
+                    @for flow in &state.flows {
+                        tr {
+                            td { @if flow.fairness_key.is_empty() { "(default)" } @else { (flow.fairness_key) } }
+                            td { (flow.weight) @if flow.stored_weight.is_some() { " (stored)" } }
+                            td { (flow.waiting) }
+                            td { (flow.holders) }
                         }
                     }
                 }
@@ -338,6 +423,17 @@ mod tests {
             effective_max(&state),
             ("6".to_string(), "floating value (recomputed by workers)")
         );
+        state.floating_max = None;
+        state.adaptive = Some(pb::AdaptiveState {
+            current_max: 9,
+            ..Default::default()
+        });
+        assert_eq!(
+            effective_max(&state),
+            ("9".to_string(), "adaptive value (computed from run times and outcomes)")
+        );
+        let page = adaptive_section(state.adaptive.as_ref().unwrap(), 0).into_string();
+        assert!(page.contains("none closed yet") && page.contains("none yet"), "{page}");
         state.override_max = Some(0);
         assert_eq!(effective_max(&state), ("0".to_string(), "runtime override (paused)"));
         assert_eq!(effective_max(&pb::KeyState::default()).0, "—");
