@@ -100,7 +100,9 @@ pub async fn serve_over_tls(routes: RoutesBuilder, config: &TlsConfig, stop: &Sh
     let endpoint = format!("https://{}", listener.local_addr()?);
     let tls = sluice_common::tls::ServerTls::load(config)?;
     anyhow::ensure!(tls.is_some(), "TLS is on when a certificate is configured");
-    tokio::spawn(sluice_common::grpc::serve(listener, routes, tls, stop.clone()));
+    let defaults = sluice_common::SluiceConfig::load_with(None, &[])?;
+    let limits = sluice_common::grpc::ServerLimits::of(&defaults.process);
+    tokio::spawn(sluice_common::grpc::serve(listener, routes, tls, limits, stop.clone()));
     Ok(endpoint)
 }
 

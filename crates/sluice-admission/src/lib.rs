@@ -202,7 +202,7 @@ pub async fn run(
         &auth,
     ));
 
-    let mut supervisor = Supervisor::new(shutdown.clone());
+    let mut supervisor = Supervisor::new(shutdown.clone(), config.process.drain_timeout.0);
     let jobs_topic = config.topic(&config.topics.jobs);
     {
         let options = ConsumerOptions {
@@ -305,7 +305,16 @@ pub async fn run(
         "idempotency key cleanup",
         drop_expired_idempotency_keys(pool.clone(), config.admission.sweep_interval.0, shutdown.clone()),
     );
-    supervisor.spawn("grpc server", grpc::serve(listener, grpc_routes, tls, shutdown.clone()));
+    supervisor.spawn(
+        "grpc server",
+        grpc::serve(
+            listener,
+            grpc_routes,
+            tls,
+            grpc::ServerLimits::of(&config.process),
+            shutdown.clone(),
+        ),
+    );
     supervisor.spawn(
         "topic watch",
         kafka::watch_topics(
@@ -323,7 +332,7 @@ pub async fn run(
     let outcome = supervisor.wait().await;
     health.set_serving(false).await;
     tracing::debug!("admission tasks ended; flushing the producer");
-    publisher.flush(Duration::from_secs(5));
+    publisher.flush(Duration::from_secs(5)).await;
     tracing::debug!("closing the database pool");
     pool.close().await;
     tracing::debug!("admission stopped");

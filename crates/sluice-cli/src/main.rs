@@ -411,7 +411,7 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
         ("refresh-dispatcher", refresh_dispatcher.local_addr()?),
     ];
     let faults = Faults::none();
-    let mut supervisor = Supervisor::new(shutdown.clone());
+    let mut supervisor = Supervisor::new(shutdown.clone(), config.process.drain_timeout.0);
     supervisor.spawn(
         "limit-grant",
         sluice_limit_grant::run(config.clone(), limit_grant, shutdown.clone(), faults.clone()),

@@ -267,6 +267,13 @@ pub struct ProcessConfig {
     /// Serve gRPC reflection (grpcurl's `list` and `describe`) beside the
     /// health service. Health always stays open for probes.
     pub grpc_reflection: bool,
+    /// The longest a unary gRPC call (or a stream's opening) may take before
+    /// it is answered DEADLINE_EXCEEDED; a client's shorter `grpc-timeout`
+    /// wins. Open streams are not cut by it.
+    pub grpc_request_timeout: HumanDuration,
+    /// gRPC calls served at once per client connection; more wait their
+    /// turn (HTTP/2 flow control pushes back on the client).
+    pub grpc_max_concurrent_requests: usize,
 }
 
 #[derive(Clone, Debug, Deserialize)]

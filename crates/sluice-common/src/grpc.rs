@@ -87,12 +87,32 @@ pub fn base_routes(services: Vec<&'static str>, reflection: bool) -> Result<(Rou
 /// How long a client may take over its TLS handshake.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// How much one gRPC server takes on (`process.grpc_*`).
+#[derive(Clone, Copy, Debug)]
+pub struct ServerLimits {
+    /// A call's longest time to its response (a stream's: to its opening).
+    pub request_timeout: std::time::Duration,
+    /// Calls served at once per connection.
+    pub max_concurrent_requests: usize,
+}
+
+impl ServerLimits {
+    pub fn of(config: &crate::config::ProcessConfig) -> Self {
+        ServerLimits {
+            request_timeout: config.grpc_request_timeout.0,
+            max_concurrent_requests: config.grpc_max_concurrent_requests.max(1),
+        }
+    }
+}
+
 /// Serve until `shutdown` (graceful: in-flight calls finish); over TLS when
-/// `tls` is set (its certificate reloaded while serving).
+/// `tls` is set (its certificate reloaded while serving). Each call is
+/// bounded by `limits`.
 pub async fn serve(
     listener: TcpListener,
     routes: RoutesBuilder,
     tls: Option<std::sync::Arc<crate::tls::ServerTls>>,
+    limits: ServerLimits,
     shutdown: Shutdown,
 ) -> Result<(), GrpcError> {
     let local: Option<SocketAddr> = listener.local_addr().ok();
@@ -107,7 +127,10 @@ pub async fn serve(
             }
         })
     });
-    let server = tonic::transport::Server::builder().add_routes(routes.routes());
+    let server = tonic::transport::Server::builder()
+        .timeout(limits.request_timeout)
+        .concurrency_limit_per_connection(limits.max_concurrent_requests)
+        .add_routes(routes.routes());
     let stop = shutdown.clone();
     match tls {
         None => {

@@ -164,18 +164,6 @@ impl Outbox {
         self.entries
     }
 
-    pub fn append(&mut self, other: Outbox) {
-        self.fence |= other.fence;
-        for (destination, chunks) in other.batches {
-            self.batches.entry(destination).or_default().extend(chunks);
-        }
-        for (destination, entries) in other.links {
-            self.links.entry(destination).or_default().extend(entries);
-        }
-        self.messages.extend(other.messages);
-        self.entries += other.entries;
-    }
-
     /// The Kafka messages. Link entries must have been taken (`take_links`).
     pub fn into_messages(self) -> Vec<OutMsg> {
         debug_assert!(self.links.is_empty(), "link entries left in an outbox sent to Kafka");
@@ -413,16 +401,14 @@ impl Publisher {
         Ok(())
     }
 
-    /// Publish an outbox; see `send_all`.
-    pub async fn publish(&self, outbox: Outbox) -> Result<(), KafkaPlumbingError> {
-        self.send_all(outbox.into_messages()).await
-    }
-
-    /// Wait for queued messages (graceful shutdown).
-    pub fn flush(&self, timeout: Duration) {
+    /// Wait for queued messages (graceful shutdown), at most `timeout`,
+    /// off the async runtime (librdkafka's flush blocks its thread).
+    pub async fn flush(&self, timeout: Duration) {
         let (_, producer) = self.current();
-        if let Err(error) = producer.flush(timeout) {
-            tracing::warn!(%error, "producer flush at shutdown did not finish");
+        match tokio::task::spawn_blocking(move || producer.flush(timeout)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "producer flush at shutdown did not finish"),
+            Err(error) => tracing::warn!(%error, "producer flush at shutdown was cut short"),
         }
     }
 }
@@ -1416,11 +1402,36 @@ async fn consume_as_member(
         options.readiness.clear(&task_condition(&topic, *partition));
     }
     if matches!(outcome, MemberEnd::Stopped) && !shutdown.is_crashed() {
-        // Give partition tasks a moment to store their last offsets, then
-        // commit them before leaving the group.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        if let Err(error) = consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
-            tracing::debug!(%error, "final offset commit");
+        // Wait for the partition tasks to end (each stores its last offset
+        // as it stops), then commit the stored offsets before leaving the
+        // group — off the async runtime: a synchronous commit waits for the
+        // broker. Both bounded.
+        let mut left: HashSet<i32> = running.keys().copied().collect();
+        let all_ended = tokio::time::timeout(TASKS_END_TIMEOUT, async {
+            while !left.is_empty() {
+                match finished.recv().await {
+                    Some((partition, _)) => {
+                        left.remove(&partition);
+                    }
+                    None => break,
+                }
+            }
+        })
+        .await;
+        if all_ended.is_err() {
+            tracing::warn!(topic = %topic, "partition tasks still running {TASKS_END_TIMEOUT:?} after the stop; committing what they stored");
+        }
+        let committing = consumer.clone();
+        let committed = tokio::time::timeout(
+            CLOSE_TIMEOUT,
+            tokio::task::spawn_blocking(move || committing.commit_consumer_state(rdkafka::consumer::CommitMode::Sync)),
+        )
+        .await;
+        match committed {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(error))) => tracing::debug!(%error, "final offset commit"),
+            Ok(Err(error)) => tracing::debug!(%error, "final offset commit was cut short"),
+            Err(_) => tracing::warn!(topic = %topic, "the final offset commit did not finish within {CLOSE_TIMEOUT:?}"),
         }
     }
     consumer.unsubscribe();
@@ -1442,6 +1453,8 @@ async fn consume_as_member(
 
 /// How long leaving a consumer group may take at shutdown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a member waits for its partition tasks to end at a stop.
+const TASKS_END_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Point the consumer's position for `partition` at `offset` (a restarted
 /// task re-reads what its failed predecessor had not stored).

@@ -1228,22 +1228,34 @@ impl<S: OwnedStore> PartitionTask<S> {
                         } else {
                             tracing::error!(service = self.settings.service, partition, %error, "PostgreSQL refuses the batch's commit");
                         }
-                        let (reloaded_offset, recommitted) = match self.reload_until_done(context, state, input).await {
-                            Step::Done(reloaded_offset) => (
-                                reloaded_offset,
-                                new_offset.is_some_and(|offset| reloaded_offset >= offset),
-                            ),
-                            Step::Stop => return Ok(BatchEnd::Stop),
-                        };
-                        if recommitted {
-                            // The commit had gone through after all.
-                            *applied_offset = reloaded_offset;
+                        let (reloaded_offset, committed_anyway) =
+                            match self.reload_until_done(context, state, input).await {
+                                Step::Done(reloaded_offset) => (
+                                    reloaded_offset,
+                                    new_offset.is_some_and(|offset| reloaded_offset >= offset),
+                                ),
+                                Step::Stop => return Ok(BatchEnd::Stop),
+                            };
+                        // `committed_anyway`: the saved offset shows the
+                        // commit went through after all. A batch without
+                        // Kafka input (timers, local requests) leaves no such
+                        // trace and may have gone through too; deciding it
+                        // again would then find nothing to do and its
+                        // messages would never be sent. Either way, what the
+                        // reloaded state holds is sent again (every receiver
+                        // ignores a repeat).
+                        if committed_anyway || new_offset.is_none() {
+                            if committed_anyway {
+                                *applied_offset = reloaded_offset;
+                            }
                             let mut outbox = Outbox::new();
                             state.resend_all(context.clock.now_ms(), &mut outbox);
-                            return Ok(match self.publish_until_done(outbox, input).await {
-                                Step::Done(()) => BatchEnd::Done,
-                                Step::Stop => BatchEnd::Stop,
-                            });
+                            if let Step::Stop = self.publish_until_done(outbox, input).await {
+                                return Ok(BatchEnd::Stop);
+                            }
+                            if committed_anyway {
+                                return Ok(BatchEnd::Done);
+                            }
                         }
                         if !transient {
                             return Ok(BatchEnd::Permanent(format!("PostgreSQL refused the commit: {error}")));

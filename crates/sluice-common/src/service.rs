@@ -2,6 +2,7 @@
 //! topics it needs, the endpoint other instances reach it on, and a
 //! supervisor that stops the node when any named task fails.
 
+use std::collections::HashMap;
 use std::future::Future;
 
 use sqlx::migrate::Migrator;
@@ -125,17 +126,23 @@ pub fn advertised_endpoint(configured: &str, listener: &TcpListener, tls: bool) 
     }
 }
 
-/// Named tasks of one node: the first to fail stops the others.
+/// Named tasks of one node: the first to fail stops the others. Once the
+/// node stops, the tasks have `drain_timeout` to end; those still running
+/// then are aborted and named in the error.
 pub struct Supervisor {
     tasks: JoinSet<(&'static str, Result<(), String>)>,
+    names: HashMap<tokio::task::Id, &'static str>,
     shutdown: Shutdown,
+    drain_timeout: std::time::Duration,
 }
 
 impl Supervisor {
-    pub fn new(shutdown: Shutdown) -> Self {
+    pub fn new(shutdown: Shutdown, drain_timeout: std::time::Duration) -> Self {
         Supervisor {
             tasks: JoinSet::new(),
+            names: HashMap::new(),
             shutdown,
+            drain_timeout,
         }
     }
 
@@ -144,18 +151,52 @@ impl Supervisor {
         name: &'static str,
         task: impl Future<Output = Result<(), E>> + Send + 'static,
     ) {
-        self.tasks
+        let handle = self
+            .tasks
             .spawn(async move { (name, task.await.map_err(|error| error.to_string())) });
+        self.names.insert(handle.id(), name);
     }
 
     /// Wait for every task; returns the first failure. A task that ends
-    /// before shutdown was asked for is a failure too.
+    /// before shutdown was asked for is a failure too, and so is a drain
+    /// that does not finish within the drain timeout.
     pub async fn wait(mut self) -> Result<(), String> {
         let mut first_error: Option<String> = None;
-        while let Some(joined) = self.tasks.join_next().await {
+        let mut drain_deadline: Option<tokio::time::Instant> = None;
+        loop {
+            if drain_deadline.is_none() && self.shutdown.is_triggered() {
+                drain_deadline = Some(tokio::time::Instant::now() + self.drain_timeout);
+            }
+            let joined = tokio::select! {
+                joined = self.tasks.join_next_with_id() => joined,
+                _ = self.shutdown.cancelled(), if drain_deadline.is_none() => continue,
+                _ = sleep_until_some(drain_deadline) => {
+                    let mut left: Vec<&str> = self.names.values().copied().collect();
+                    left.sort_unstable();
+                    let error = format!(
+                        "the drain did not finish within {:?}; still running: {}",
+                        self.drain_timeout,
+                        left.join(", ")
+                    );
+                    tracing::error!(%error, "aborting the tasks left");
+                    self.tasks.abort_all();
+                    while self.tasks.join_next().await.is_some() {}
+                    first_error.get_or_insert(error);
+                    break;
+                }
+            };
+            let Some(joined) = joined else {
+                break;
+            };
             let (name, outcome) = match joined {
-                Ok(result) => result,
-                Err(join_error) => ("task", Err(format!("panicked: {join_error}"))),
+                Ok((id, result)) => {
+                    self.names.remove(&id);
+                    result
+                }
+                Err(join_error) => {
+                    let name = self.names.remove(&join_error.id()).unwrap_or("task");
+                    (name, Err(format!("panicked: {join_error}")))
+                }
             };
             tracing::debug!(task = name, remaining = self.tasks.len(), "node task ended");
             let error = match outcome {
@@ -175,6 +216,14 @@ impl Supervisor {
             return Err(first_error.unwrap_or_else(|| "crashed".to_string()));
         }
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// Sleep until `deadline`, or for ever without one.
+async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -341,7 +390,7 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
         },
     );
 
-    let mut supervisor = Supervisor::new(shutdown.clone());
+    let mut supervisor = Supervisor::new(shutdown.clone(), config.process.drain_timeout.0);
     {
         let config = config.clone();
         let shutdown = shutdown.clone();
@@ -375,14 +424,71 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
     supervisor.spawn("readiness", report_readiness(readiness, health, shutdown.clone()));
     supervisor.spawn(
         "grpc server",
-        crate::grpc::serve(listener, routes, tls, shutdown.clone()),
+        crate::grpc::serve(
+            listener,
+            routes,
+            tls,
+            crate::grpc::ServerLimits::of(&config.process),
+            shutdown.clone(),
+        ),
     );
     tracing::info!(service = spec.service, %endpoint, "service started");
     let outcome = supervisor.wait().await;
-    publisher.flush(std::time::Duration::from_secs(5));
+    publisher.flush(std::time::Duration::from_secs(5)).await;
     pool.close().await;
     outcome.map_err(|reason| ServiceError::Stopped {
         service: spec.service,
         reason,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_drain_that_cannot_finish_ends_at_the_deadline_naming_the_tasks_left() {
+        let shutdown = Shutdown::new();
+        let mut supervisor = Supervisor::new(shutdown.clone(), Duration::from_millis(200));
+        let stopping = shutdown.clone();
+        supervisor.spawn("drains", async move {
+            stopping.cancelled().await;
+            Ok::<(), String>(())
+        });
+        // Ignores the stop, as a call to a broker that never answers would.
+        supervisor.spawn("stuck flush", std::future::pending::<Result<(), String>>());
+        shutdown.trigger();
+        let waited = tokio::time::timeout(Duration::from_secs(30), supervisor.wait())
+            .await
+            .expect("the drain is bounded");
+        let error = waited.unwrap_err();
+        assert!(error.contains("did not finish within 200ms"), "{error}");
+        assert!(error.contains("still running: stuck flush"), "{error}");
+        assert!(!error.contains("drains"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_drain_that_finishes_is_a_clean_stop_and_a_failure_stops_the_others() {
+        let shutdown = Shutdown::new();
+        let mut supervisor = Supervisor::new(shutdown.clone(), Duration::from_secs(60));
+        let stopping = shutdown.clone();
+        supervisor.spawn("server", async move {
+            stopping.cancelled().await;
+            Ok::<(), String>(())
+        });
+        shutdown.trigger();
+        assert_eq!(supervisor.wait().await, Ok(()));
+
+        let shutdown = Shutdown::new();
+        let mut supervisor = Supervisor::new(shutdown.clone(), Duration::from_secs(60));
+        let stopping = shutdown.clone();
+        supervisor.spawn("server", async move {
+            stopping.cancelled().await;
+            Ok::<(), String>(())
+        });
+        supervisor.spawn("consumer", async { Err::<(), String>("broker gone".to_string()) });
+        assert_eq!(supervisor.wait().await, Err("consumer: broker gone".to_string()));
+    }
 }

@@ -30,27 +30,6 @@ pub enum StorageError {
     Sql(#[from] sqlx::Error),
 }
 
-impl StorageError {
-    /// Whether retrying the same operation later can succeed.
-    pub fn is_transient(&self) -> bool {
-        match self {
-            StorageError::Url(_) | StorageError::Migrate { .. } => false,
-            StorageError::Connect { .. } => true,
-            StorageError::Sql(error) => is_transient_sql(error),
-        }
-    }
-}
-
-pub fn is_transient_sql(error: &sqlx::Error) -> bool {
-    matches!(
-        error,
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed | sqlx::Error::WorkerCrashed
-    ) || matches!(error, sqlx::Error::Database(db) if db.code().is_some_and(|code| {
-        // serialization failure, deadlock, admin shutdown, connection failures
-        code == "40001" || code == "40P01" || code.starts_with("57") || code.starts_with("08")
-    }))
-}
-
 /// A pool whose connections see `schema` first. Creates the schema if needed.
 pub async fn connect(config: &PostgresConfig, schema: &str) -> Result<PgPool, StorageError> {
     let base = PgConnectOptions::from_str(config.url.expose()).map_err(StorageError::Url)?;

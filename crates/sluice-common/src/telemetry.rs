@@ -469,14 +469,6 @@ pub fn current_trace_context() -> TraceContext {
     trace_context_of(&tracing::Span::current())
 }
 
-/// Make `span` a child of the remote context, when there is one.
-pub fn set_remote_parent(span: &tracing::Span, remote: &TraceContext) {
-    if remote.traceparent.is_empty() {
-        return;
-    }
-    let _ = span.set_parent(extract(remote));
-}
-
 /// The longest `tracestate` kept (W3C: at most 512 characters).
 pub const MAX_TRACESTATE_BYTES: usize = 512;
 

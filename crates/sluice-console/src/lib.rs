@@ -263,6 +263,7 @@ pub async fn run(config: Arc<SluiceConfig>, listener: TcpListener, shutdown: Shu
         tracing::info!(listen = %config.console.listen, "console pages need an admin's bearer token (auth.enabled)");
     }
     let reflection = config.process.grpc_reflection;
+    let drain_timeout = config.process.drain_timeout.0;
     let console = Arc::new(Console::new(config)?);
     let (routes, health) = sluice_common::grpc::base_routes(vec![], reflection)?;
     health.set_serving(true).await;
@@ -270,7 +271,7 @@ pub async fn run(config: Arc<SluiceConfig>, listener: TcpListener, shutdown: Shu
     if let Ok(address) = listener.local_addr() {
         tracing::info!(%address, "console listening");
     }
-    let mut supervisor = Supervisor::new(shutdown.clone());
+    let mut supervisor = Supervisor::new(shutdown.clone(), drain_timeout);
     supervisor.spawn(
         "console-grants",
         feeds::watch_all_grants(console.clone(), shutdown.clone()),

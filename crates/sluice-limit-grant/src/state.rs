@@ -662,7 +662,7 @@ impl LimitPartition {
                         writes.keys.insert(key_id.clone(), Some(state.record.clone()));
                     }
                 }
-                self.pump(now_ms, &key_id, writes, outbox, counts);
+                self.grant_waiters_that_fit(now_ms, &key_id, writes, outbox, counts);
                 Ok(())
             }
         }
@@ -861,7 +861,7 @@ impl LimitPartition {
             confirmed_at_ms: now_ms,
         });
         self.ticket_keys.insert(ticket, place);
-        self.pump(now_ms, &key_id, writes, outbox, counts);
+        self.grant_waiters_that_fit(now_ms, &key_id, writes, outbox, counts);
         self.refresh_if_due(now_ms, &key_id, &trace_for_refresh, writes, outbox);
         Ok(())
     }
@@ -900,7 +900,7 @@ impl LimitPartition {
         }
         self.ticket_keys.remove(ticket);
         writes.delete(ticket);
-        self.pump(now_ms, key_id, writes, outbox, counts);
+        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
         self.refresh_if_due(now_ms, key_id, &pb::TraceContext::default(), writes, outbox);
     }
 
@@ -986,7 +986,7 @@ impl LimitPartition {
         let state = self.key_state(key_id);
         state.record.override_max = max;
         writes.save_key(key_id, &state.record);
-        self.pump(now_ms, key_id, writes, outbox, counts);
+        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
     }
 
     /// Store a flow's weight (`None`, or the default: forget it). It counts
@@ -1008,7 +1008,7 @@ impl LimitPartition {
         }
     }
 
-    /// Store the key's mode. It applies at once: to shadow, the pump grants
+    /// Store the key's mode. It applies at once: to shadow, the grant decision grants
     /// every waiter; to enforce, the next grants wait for room (holders
     /// granted in shadow mode keep their slots, as after a lowered max) and
     /// the simulation stops (its totals stay).
@@ -1029,7 +1029,7 @@ impl LimitPartition {
             }
         }
         writes.save_key(key_id, &state.record);
-        self.pump(now_ms, key_id, writes, outbox, counts);
+        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1056,12 +1056,13 @@ impl LimitPartition {
         floating.last_set_ms = Some(now_ms);
         floating.last_task_id = Some(task_id.to_string());
         writes.keys.insert(key_id.clone(), Some(state.record.clone()));
-        self.pump(now_ms, key_id, writes, outbox, counts);
+        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
     }
 
-    /// Grant from the head of the queue while the head fits. The head is
-    /// never overtaken: if it does not fit, nobody behind it is granted.
-    fn pump(
+    /// The grant decision: grant the next waiter (by flow, then queue
+    /// order) while it fits under the max. A flow's head is never overtaken:
+    /// if it does not fit, nobody is granted.
+    fn grant_waiters_that_fit(
         &mut self,
         now_ms: i64,
         key_id: &KeyId,

@@ -4,9 +4,8 @@
 //! completion), rises from 1, shrinks when the mean run passes the target,
 //! and ends near the downstream's capacity.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_e2e::*;
@@ -75,53 +74,18 @@ async fn an_adaptive_key_finds_the_downstreams_capacity() -> anyhow::Result<()> 
     for id in &ids {
         enqueue_with_id(&admission, id, adaptive_job(key, id)).await?;
     }
-    // Every change the key reports while the jobs run (DescribeKey shows the last).
-    let reasons = Arc::new(Mutex::new(BTreeSet::new()));
-    let watching = {
-        let reasons = reasons.clone();
-        let stack_limits = stack.limits_client().await?;
-        let key = key.to_string();
-        tokio::spawn(async move {
-            let mut limits = stack_limits;
-            loop {
-                let described = limits
-                    .describe_key(pb::DescribeKeyRequest {
-                        key: Some(pb::KeyRef {
-                            tenant: "acme".to_string(),
-                            key: key.clone(),
-                        }),
-                        ..Default::default()
-                    })
-                    .await;
-                if let Ok(response) = described {
-                    let change = response
-                        .into_inner()
-                        .state
-                        .and_then(|state| state.adaptive)
-                        .and_then(|adaptive| adaptive.last_change);
-                    if let Some(change) = change {
-                        let word = change.reason.split(':').next().unwrap_or_default().to_string();
-                        reasons.lock().unwrap().insert(word);
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-    };
     for id in &ids {
         wait_status(&admission, id, pb::JobStatus::Succeeded, Duration::from_secs(120)).await?;
     }
-    watching.abort();
     token.cancel();
 
     let state = key_state(&stack, "acme", key).await?;
     assert_eq!(state.kind, pb::LimitKind::Adaptive as i32);
     let adaptive = state.adaptive.expect("an adaptive key describes its max");
-    let seen = reasons.lock().unwrap().clone();
-    assert!(
-        seen.contains("grow (slow start)") && seen.contains("latency"),
-        "it grew from 1 and shrank on latency: {seen:?} {adaptive:?}"
-    );
+    // Every job succeeded, so only a window over the latency target can
+    // have shrunk the max, and only a shrink ends slow start.
+    assert!(!adaptive.slow_start, "it shrank on latency: {adaptive:?}");
+    assert!(adaptive.changes >= 4, "it grew from 1 and shrank: {adaptive:?}");
     // Measured claim to completion: at least the downstream's base time.
     assert!(
         adaptive.window_mean_run_ms.unwrap_or_default() >= BASE_MS as f64,
