@@ -92,6 +92,38 @@ pub struct Outbox {
     /// Only the partition's current owner may send these entries, even
     /// when the batch writes nothing (`fence_before_sending`).
     fence: bool,
+    observations: Observations,
+}
+
+/// What a batch decided, as metrics, spans and logs, recorded only once the
+/// batch is committed (`Outbox::observe`): a batch that does not commit is
+/// decided again from the saved state and observed then, and a re-send of
+/// what was decided before (after a takeover, for a duplicate) is never
+/// observed. So counters count each decision once.
+#[derive(Default)]
+pub struct Observations(Vec<Box<dyn FnOnce() + Send>>);
+
+impl Observations {
+    /// Record them (the batch is committed).
+    pub fn record(self) {
+        for observation in self.0 {
+            observation();
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Observations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Observations({})", self.0.len())
+    }
 }
 
 impl Outbox {
@@ -106,6 +138,17 @@ impl Outbox {
     /// A stale owner is fenced and gives the partition up instead.
     pub fn fence_before_sending(&mut self) {
         self.fence = true;
+    }
+
+    /// Record `observation` (metrics, spans, logs of a decision) once the
+    /// batch is committed; see `Observations`.
+    pub fn observe(&mut self, observation: impl FnOnce() + Send + 'static) {
+        self.observations.0.push(Box::new(observation));
+    }
+
+    /// The batch's observations, to record after its commit.
+    pub fn take_observations(&mut self) -> Observations {
+        std::mem::take(&mut self.observations)
     }
 
     /// Whether `fence_before_sending` was asked for.

@@ -1267,6 +1267,8 @@ impl<S: OwnedStore> PartitionTask<S> {
                     return Err(PartitionTaskError::Crashed);
                 }
             }
+            // Committed (or nothing to commit): what it decided counts now.
+            outbox.take_observations().record();
             let published_from = std::time::Instant::now();
             match self.publish_until_done(outbox, input).await {
                 Step::Done(()) => {}

@@ -892,7 +892,8 @@ impl LimitPartition {
         if let (true, Some((run_ms, outcome)), Some(adaptive)) = (was_held, observed, state.record.adaptive.as_mut()) {
             if let Some(change) = adaptive.observe(now_ms, ticket, run_ms, outcome) {
                 writes.save_key(key_id, &state.record);
-                record_adaptive_change(self.settings.partition, key_id, &change);
+                let (partition, key_id) = (self.settings.partition, key_id.clone());
+                outbox.observe(move || record_adaptive_change(partition, &key_id, &change));
             }
         }
         if let Some(shadow) = state.shadow.as_mut() {
@@ -1108,7 +1109,8 @@ impl LimitPartition {
                     .get_or_insert_with(ShadowSim::default)
                     .real_grant(state.holders.len(), max);
                 if exceeded {
-                    sluice_common::metrics::metrics().record_shadow_exceeded(&key_id.0, &key_id.1);
+                    let (tenant, key) = key_id.clone();
+                    outbox.observe(move || sluice_common::metrics::metrics().record_shadow_exceeded(&tenant, &key));
                 }
             }
             if let Some(adaptive) = state.record.adaptive.as_mut() {
@@ -1131,39 +1133,95 @@ impl LimitPartition {
         let idle = state.is_idle();
         for (record, kind, holders, max) in granted {
             counts.grants += 1;
+            self.observe_grant(&record, kind, holders, max, outbox);
             self.emit_grant(&record, kind, holders, max, outbox);
         }
         for simulated in would_have_waited {
-            self.record_shadow_wait(key_id, &simulated);
+            self.observe_shadow_wait(key_id, simulated, outbox);
         }
         if idle {
             self.keys.remove(key_id);
         }
     }
 
-    /// A shadow-mode key's simulated grant: the would-have-waited metric,
-    /// and a span on the job's trace with `sluice.shadow_wait` (ms).
-    fn record_shadow_wait(&self, key_id: &KeyId, simulated: &crate::shadow::WouldHaveWaited) {
-        sluice_common::metrics::metrics().record_shadow_wait(&key_id.0, &key_id.1, simulated.waited_ms);
-        let at = sluice_common::clock::system_time_at_ms;
-        sluice_common::telemetry::record_span(
-            "sluice-limit-grant",
-            "limit-grant.shadow",
-            &simulated.trace.to_context(),
-            at(simulated.granted_at_ms - simulated.waited_ms),
-            at(simulated.granted_at_ms),
-            || {
-                vec![
-                    opentelemetry::KeyValue::new("sluice.job_id", simulated.ticket.job_id.to_string()),
-                    opentelemetry::KeyValue::new("sluice.tenant", key_id.0.clone()),
-                    opentelemetry::KeyValue::new("sluice.key", key_id.1.clone()),
-                    opentelemetry::KeyValue::new("sluice.shadow_wait", simulated.waited_ms),
-                    opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
-                ]
-            },
-        );
+    /// A shadow-mode key's simulated grant, once committed: the
+    /// would-have-waited metric, and a span on the job's trace with
+    /// `sluice.shadow_wait` (ms).
+    fn observe_shadow_wait(&self, key_id: &KeyId, simulated: crate::shadow::WouldHaveWaited, outbox: &mut Outbox) {
+        let (tenant, key) = key_id.clone();
+        let partition = self.settings.partition;
+        outbox.observe(move || {
+            sluice_common::metrics::metrics().record_shadow_wait(&tenant, &key, simulated.waited_ms);
+            let at = sluice_common::clock::system_time_at_ms;
+            sluice_common::telemetry::record_span(
+                "sluice-limit-grant",
+                "limit-grant.shadow",
+                &simulated.trace.to_context(),
+                at(simulated.granted_at_ms - simulated.waited_ms),
+                at(simulated.granted_at_ms),
+                || {
+                    vec![
+                        opentelemetry::KeyValue::new("sluice.job_id", simulated.ticket.job_id.to_string()),
+                        opentelemetry::KeyValue::new("sluice.tenant", tenant.clone()),
+                        opentelemetry::KeyValue::new("sluice.key", key.clone()),
+                        opentelemetry::KeyValue::new("sluice.shadow_wait", simulated.waited_ms),
+                        opentelemetry::KeyValue::new("sluice.partition", i64::from(partition)),
+                    ]
+                },
+            );
+        });
     }
 
+    /// A new grant, once committed: the grant counter, the wait histogram
+    /// and the `limit-grant.grant` span. Not for re-sends (`emit_grant`
+    /// alone), so each grant counts once whatever is sent again.
+    fn observe_grant(
+        &self,
+        record: &TicketRecord,
+        limit_kind: pb::LimitKind,
+        holders: usize,
+        max: i64,
+        outbox: &mut Outbox,
+    ) {
+        let record = record.clone();
+        let partition = self.settings.partition;
+        outbox.observe(move || {
+            let kind = match limit_kind {
+                pb::LimitKind::Floating => "floating",
+                pb::LimitKind::Adaptive => "adaptive",
+                _ => "concurrency",
+            };
+            let granted_at_ms = record.granted_at_ms.unwrap_or_default();
+            sluice_common::metrics::metrics().record_grant(
+                "limit-grant",
+                kind,
+                record.tenant(),
+                record.key(),
+                granted_at_ms - record.waiting_since_ms,
+            );
+            let at = sluice_common::clock::system_time_at_ms;
+            sluice_common::telemetry::record_span(
+                "sluice-limit-grant",
+                "limit-grant.grant",
+                &record.trace.to_context(),
+                at(granted_at_ms),
+                at(granted_at_ms),
+                || {
+                    vec![
+                        opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
+                        opentelemetry::KeyValue::new("sluice.tenant", record.tenant().to_string()),
+                        opentelemetry::KeyValue::new("sluice.key", record.key().to_string()),
+                        opentelemetry::KeyValue::new("sluice.limit_kind", kind),
+                        opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
+                        opentelemetry::KeyValue::new("sluice.max", max),
+                        opentelemetry::KeyValue::new("sluice.partition", i64::from(partition)),
+                    ]
+                },
+            );
+        });
+    }
+
+    /// The grant event to admission (a new grant, or one sent again).
     fn emit_grant(
         &self,
         record: &TicketRecord,
@@ -1172,38 +1230,6 @@ impl LimitPartition {
         max: i64,
         outbox: &mut Outbox,
     ) {
-        let kind = match limit_kind {
-            pb::LimitKind::Floating => "floating",
-            pb::LimitKind::Adaptive => "adaptive",
-            _ => "concurrency",
-        };
-        let granted_at_ms = record.granted_at_ms.unwrap_or_default();
-        sluice_common::metrics::metrics().record_grant(
-            "limit-grant",
-            kind,
-            record.tenant(),
-            record.key(),
-            granted_at_ms - record.waiting_since_ms,
-        );
-        let at = sluice_common::clock::system_time_at_ms;
-        sluice_common::telemetry::record_span(
-            "sluice-limit-grant",
-            "limit-grant.grant",
-            &record.trace.to_context(),
-            at(granted_at_ms),
-            at(granted_at_ms),
-            || {
-                vec![
-                    opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
-                    opentelemetry::KeyValue::new("sluice.tenant", record.tenant().to_string()),
-                    opentelemetry::KeyValue::new("sluice.key", record.key().to_string()),
-                    opentelemetry::KeyValue::new("sluice.limit_kind", kind),
-                    opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
-                    opentelemetry::KeyValue::new("sluice.max", max),
-                    opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
-                ]
-            },
-        );
         let event = pb::GrantEvent {
             trace: Some(record.trace.to_context()),
             ticket: Some(record.ticket.to_proto()),
@@ -2357,6 +2383,53 @@ mod tests {
         // An override beats the computed max.
         run(&mut state, vec![set_override("api", Some(3))]);
         assert_eq!(state.describe("t", "api", 0).effective_max, Some(3));
+    }
+
+    /// What one command sent and observed: grant events, and observations
+    /// (counted once the batch commits).
+    fn sent_and_observed(state: &mut LimitPartition, command: pb::LimitCommand) -> (usize, usize) {
+        let mut writes = LimitWrites::default();
+        let mut outbox = Outbox::new();
+        let mut counts = BatchCounts::default();
+        state
+            .apply_command(1_000, command, &mut writes, &mut outbox, &mut counts)
+            .unwrap();
+        let observed = outbox.take_observations().len();
+        (grants(&mut outbox).len(), observed)
+    }
+
+    #[test]
+    fn each_grant_is_observed_once_whatever_is_sent_again_after_a_failover() {
+        let mut first = partition();
+        let (mut sent, mut observed) = (0, 0);
+        for job in ["a", "b", "c", "d"] {
+            let (s, o) = sent_and_observed(&mut first, acquire(job, "k", 10, 1, 2));
+            sent += s;
+            observed += o;
+        }
+        // A duplicate acquire of a holder: its grant is sent again, not observed again.
+        let (s, o) = sent_and_observed(&mut first, acquire("a", "k", 10, 1, 2));
+        assert_eq!((s, o), (1, 0));
+        sent += s;
+        observed += o;
+        let (s, o) = sent_and_observed(&mut first, release("a", "k"));
+        sent += s;
+        observed += o;
+        assert_eq!((sent, observed), (4, 3), "grants a, b, then c; a sent twice");
+
+        // The owner fails over: a new one loads the saved tickets and sends
+        // every held grant again, observing none of them.
+        let saved: Vec<TicketRecord> = first.tickets().cloned().collect();
+        let mut second = partition();
+        second.restore(2_000, Vec::new(), saved);
+        let mut outbox = Outbox::new();
+        second.resend_all(2_000, &mut outbox);
+        assert_eq!(outbox.take_observations().len(), 0);
+        assert_eq!(grants(&mut outbox).len(), 2, "b and c sent again");
+        let (s, o) = sent_and_observed(&mut second, release("b", "k"));
+        assert_eq!((s, o), (1, 1), "d is a new grant");
+        // Distinct grants a, b, c, d: observed four times in all.
+        assert_eq!(observed + o, 4);
     }
 
     mod properties {

@@ -424,38 +424,51 @@ impl RatePartition {
         }
     }
 
+    /// A new grant, sent and (once the batch is committed) counted, with
+    /// its `rate-window.grant` span. Re-sends use `emit_grant` alone, so
+    /// each grant counts once.
+    fn grant_out(&self, record: &TicketRecord, key: &pb::RateKeyRef, limit: i64, outbox: &mut Outbox) {
+        let (record_seen, key_seen) = (record.clone(), key.clone());
+        let partition = self.settings.partition;
+        outbox.observe(move || {
+            let (record, key) = (record_seen, key_seen);
+            let granted_at_ms = record.granted_at_ms.unwrap_or_default();
+            let display = display_key(&key);
+            sluice_common::metrics::metrics().record_grant(
+                "rate-window",
+                "rate",
+                &key.tenant,
+                &display,
+                granted_at_ms - record.waiting_since_ms,
+            );
+            let at = sluice_common::clock::system_time_at_ms;
+            sluice_common::telemetry::record_span(
+                "sluice-rate-window",
+                "rate-window.grant",
+                &pb::TraceContext {
+                    traceparent: record.traceparent.clone(),
+                    tracestate: record.tracestate.clone(),
+                },
+                at(granted_at_ms),
+                at(granted_at_ms),
+                || {
+                    vec![
+                        opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
+                        opentelemetry::KeyValue::new("sluice.tenant", key.tenant.clone()),
+                        opentelemetry::KeyValue::new("sluice.key", display.clone()),
+                        opentelemetry::KeyValue::new("sluice.limit", limit),
+                        opentelemetry::KeyValue::new("sluice.cost", i64::try_from(record.cost).unwrap_or(i64::MAX)),
+                        opentelemetry::KeyValue::new("sluice.unthrottled", record.unthrottled),
+                        opentelemetry::KeyValue::new("sluice.partition", i64::from(partition)),
+                    ]
+                },
+            );
+        });
+        self.emit_grant(record, key, limit, outbox);
+    }
+
+    /// The grant event to admission (a new grant, or one sent again).
     fn emit_grant(&self, record: &TicketRecord, key: &pb::RateKeyRef, limit: i64, outbox: &mut Outbox) {
-        let granted_at_ms = record.granted_at_ms.unwrap_or_default();
-        let display = display_key(key);
-        sluice_common::metrics::metrics().record_grant(
-            "rate-window",
-            "rate",
-            &key.tenant,
-            &display,
-            granted_at_ms - record.waiting_since_ms,
-        );
-        let at = sluice_common::clock::system_time_at_ms;
-        sluice_common::telemetry::record_span(
-            "sluice-rate-window",
-            "rate-window.grant",
-            &pb::TraceContext {
-                traceparent: record.traceparent.clone(),
-                tracestate: record.tracestate.clone(),
-            },
-            at(granted_at_ms),
-            at(granted_at_ms),
-            || {
-                vec![
-                    opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
-                    opentelemetry::KeyValue::new("sluice.tenant", key.tenant.clone()),
-                    opentelemetry::KeyValue::new("sluice.key", display.clone()),
-                    opentelemetry::KeyValue::new("sluice.limit", limit),
-                    opentelemetry::KeyValue::new("sluice.cost", i64::try_from(record.cost).unwrap_or(i64::MAX)),
-                    opentelemetry::KeyValue::new("sluice.unthrottled", record.unthrottled),
-                    opentelemetry::KeyValue::new("sluice.partition", i64::from(self.settings.partition)),
-                ]
-            },
-        );
         let event = pb::GrantEvent {
             trace: Some(pb::TraceContext {
                 traceparent: record.traceparent.clone(),
@@ -533,7 +546,7 @@ impl RatePartition {
             record.granted = true;
             record.granted_at_ms = Some(now_ms);
             record.unthrottled = true;
-            self.emit_grant(&record, &key, 0, outbox);
+            self.grant_out(&record, &key, 0, outbox);
             self.remember_grant(record, writes);
             return Ok(());
         };
@@ -616,7 +629,7 @@ impl RatePartition {
         }
         for record in records {
             self.waiting_in.remove(&record.ticket);
-            self.emit_grant(&record, &key, limit, outbox);
+            self.grant_out(&record, &key, limit, outbox);
             self.remember_grant(record, writes);
         }
         self.reschedule(stored, now_ms);
@@ -805,7 +818,7 @@ impl RatePartition {
                 released += 1;
             }
             for record in waiters {
-                self.emit_grant(&record, &key_ref, 0, outbox);
+                self.grant_out(&record, &key_ref, 0, outbox);
                 self.remember_grant(record, writes);
             }
         }
