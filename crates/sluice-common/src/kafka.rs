@@ -1190,6 +1190,10 @@ async fn consume_as_member(
         first_offset: Option<i64>,
         stored: Arc<std::sync::atomic::AtomicI64>,
         started_at: tokio::time::Instant,
+        /// Set while the task is behind: the partition is paused in the
+        /// consumer and its messages queue here, in order, for a forwarder
+        /// that waits for room (`park`).
+        parked: Option<Parked>,
     }
     impl Running {
         /// Where a successor must resume: the last stored offset, else the
@@ -1207,6 +1211,10 @@ async fn consume_as_member(
     let mut restarts: HashMap<i32, Restart> = HashMap::new();
     let mut fence_retakes = FenceRetakes::default();
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<(i32, Result<(), PartitionTaskError>)>();
+    // (partition, park session, messages forwarded): a parked partition's
+    // forwarder has handed over everything it was given.
+    let (caught_up_sender, mut caught_up) = mpsc::unbounded_channel::<(i32, u64, u64)>();
+    let mut park_sessions = 0u64;
 
     let start_task = |partition: i32, running: &mut HashMap<i32, Running>| {
         let (sender, receiver) = mpsc::channel(options.channel_capacity.max(1));
@@ -1231,6 +1239,8 @@ async fn consume_as_member(
             max_batch_bytes: buffer_bytes,
         };
         let task = factory.start(input);
+        // A partition paused for an earlier task that fell behind.
+        pause_or_resume(&consumer, &topic, partition, false);
         let finished_sender = finished_sender.clone();
         tokio::spawn(async move {
             let outcome = match std::panic::AssertUnwindSafe(task).catch_unwind().await {
@@ -1252,6 +1262,7 @@ async fn consume_as_member(
                 first_offset: None,
                 stored,
                 started_at: tokio::time::Instant::now(),
+                parked: None,
             },
         );
     };
@@ -1316,6 +1327,21 @@ async fn consume_as_member(
                                 });
                             }
                         }
+                    }
+                }
+            }
+            Some((partition, session, forwarded)) = caught_up.recv() => {
+                if let Some(entry) = running.get_mut(&partition) {
+                    let done = entry
+                        .parked
+                        .as_ref()
+                        .is_some_and(|parked| parked.session == session && parked.pushed == forwarded);
+                    if done {
+                        // Everything queued was handed over: the task has
+                        // room again, and messages go straight to it.
+                        entry.parked = None;
+                        pause_or_resume(&consumer, &topic, partition, false);
+                        tracing::debug!(topic = %topic, partition, "partition caught up; resumed");
                     }
                 }
             }
@@ -1408,20 +1434,42 @@ async fn consume_as_member(
                                 entry.first_offset = Some(detached.offset);
                                 tracing::info!(topic = %topic, partition, offset = detached.offset, "partition resumed");
                             }
-                            let cost = u32::try_from(detached.size().clamp(1, buffer_bytes)).unwrap_or(u32::MAX);
-                            let permit = tokio::select! {
-                                _ = shutdown.cancelled() => break MemberEnd::Stopped,
-                                permit = entry.budget.clone().acquire_many_owned(cost) => permit,
-                            };
-                            let Ok(permit) = permit else {
+                            if let Some(parked) = entry.parked.as_mut() {
+                                parked.pushed += 1;
+                                let _ = parked.overflow.send(detached);
                                 continue;
+                            }
+                            // Straight to the task when it has room; else the
+                            // partition is parked, and only it waits.
+                            let cost = message_cost(&detached, buffer_bytes);
+                            let refused = match entry.budget.clone().try_acquire_many_owned(cost) {
+                                Ok(permit) => match entry.sender.try_send((detached, permit)) {
+                                    Ok(()) => None,
+                                    Err(mpsc::error::TrySendError::Full((detached, _permit))) => Some(detached),
+                                    Err(mpsc::error::TrySendError::Closed(_)) => {
+                                        tracing::debug!(topic = %topic, partition, "partition task gone; message left for the next owner");
+                                        None
+                                    }
+                                },
+                                Err(tokio::sync::TryAcquireError::NoPermits) => Some(detached),
+                                Err(tokio::sync::TryAcquireError::Closed) => None,
                             };
-                            let sent = tokio::select! {
-                                _ = shutdown.cancelled() => break MemberEnd::Stopped,
-                                sent = entry.sender.send((detached, permit)) => sent,
-                            };
-                            if sent.is_err() {
-                                tracing::debug!(topic = %topic, partition, "partition task gone; message left for the next owner");
+                            if let Some(detached) = refused {
+                                park_sessions += 1;
+                                entry.parked = Some(park(
+                                    ParkedTask {
+                                        partition,
+                                        session: park_sessions,
+                                        sender: entry.sender.clone(),
+                                        budget: entry.budget.clone(),
+                                        stop: entry.stop.clone(),
+                                        buffer_bytes,
+                                        caught_up: caught_up_sender.clone(),
+                                    },
+                                    detached,
+                                ));
+                                pause_or_resume(&consumer, &topic, partition, true);
+                                tracing::debug!(topic = %topic, partition, "partition task behind; paused the partition");
                             }
                         }
                     }
@@ -1501,6 +1549,94 @@ const TASKS_END_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Point the consumer's position for `partition` at `offset` (a restarted
 /// task re-reads what its failed predecessor had not stored).
+/// A parked partition, as the dispatch loop sees it (`park`).
+struct Parked {
+    session: u64,
+    /// Messages for the forwarder, in order.
+    overflow: mpsc::UnboundedSender<InMsg>,
+    /// How many it was given (the forwarder reports how many it handed on).
+    pushed: u64,
+}
+
+/// What a parked partition's forwarder needs.
+struct ParkedTask {
+    partition: i32,
+    session: u64,
+    sender: mpsc::Sender<(InMsg, tokio::sync::OwnedSemaphorePermit)>,
+    budget: Arc<tokio::sync::Semaphore>,
+    stop: CancellationToken,
+    buffer_bytes: usize,
+    caught_up: mpsc::UnboundedSender<(i32, u64, u64)>,
+}
+
+/// A message's share of its partition's byte budget.
+fn message_cost(message: &InMsg, buffer_bytes: usize) -> u32 {
+    u32::try_from(message.size().clamp(1, buffer_bytes)).unwrap_or(u32::MAX)
+}
+
+/// Park a partition whose task is behind: a forwarder of its own hands
+/// `first`, then whatever the dispatch loop queues after it, to the task in
+/// order as room frees (waiting on the budget and the channel, which the
+/// dispatch loop never does), and reports each time it has handed over
+/// everything it was given. The caller pauses the partition in the
+/// consumer, so what queues here is at most what was already fetched.
+fn park(task: ParkedTask, first: InMsg) -> Parked {
+    let (overflow, mut queued) = mpsc::unbounded_channel::<InMsg>();
+    let _ = overflow.send(first);
+    let session = task.session;
+    tokio::spawn(async move {
+        let mut forwarded = 0u64;
+        loop {
+            let message = tokio::select! {
+                _ = task.stop.cancelled() => return,
+                message = queued.recv() => match message {
+                    Some(message) => message,
+                    None => return,
+                },
+            };
+            let cost = message_cost(&message, task.buffer_bytes);
+            let permit = tokio::select! {
+                _ = task.stop.cancelled() => return,
+                permit = task.budget.clone().acquire_many_owned(cost) => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => return,
+                },
+            };
+            let sent = tokio::select! {
+                _ = task.stop.cancelled() => return,
+                sent = task.sender.send((message, permit)) => sent,
+            };
+            if sent.is_err() {
+                return;
+            }
+            forwarded += 1;
+            if queued.is_empty() && task.caught_up.send((task.partition, task.session, forwarded)).is_err() {
+                return;
+            }
+        }
+    });
+    Parked {
+        session,
+        overflow,
+        pushed: 1,
+    }
+}
+
+/// Pause (or resume) fetching `partition`; local to the client, it does
+/// not wait for the broker.
+fn pause_or_resume(consumer: &StreamConsumer<RebalanceContext>, topic: &str, partition: i32, pause: bool) {
+    let mut partitions = TopicPartitionList::new();
+    partitions.add_partition(topic, partition);
+    let done = if pause {
+        consumer.pause(&partitions)
+    } else {
+        consumer.resume(&partitions)
+    };
+    if let Err(error) = done {
+        tracing::debug!(%topic, partition, pause, %error, "could not pause or resume the partition");
+    }
+}
+
 async fn seek(consumer: &Arc<StreamConsumer<RebalanceContext>>, topic: &Arc<str>, partition: i32, offset: i64) {
     let consumer = consumer.clone();
     let name = topic.clone();

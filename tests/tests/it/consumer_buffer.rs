@@ -155,3 +155,141 @@ async fn a_task_that_falls_behind_holds_at_most_the_buffer_bytes() -> anyhow::Re
     let _ = tokio::time::timeout(Duration::from_secs(30), consumer).await;
     Ok(())
 }
+
+/// Partition 0's task reads nothing until released; partition 1's counts
+/// what it reads at once.
+struct OneStalled {
+    release: Arc<tokio::sync::Notify>,
+    seen: [Arc<AtomicUsize>; 2],
+}
+
+impl PartitionTaskFactory for OneStalled {
+    fn start(&self, mut input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
+        let release = self.release.clone();
+        let Some(seen) = usize::try_from(input.partition)
+            .ok()
+            .and_then(|index| self.seen.get(index))
+            .cloned()
+        else {
+            return async { Ok(()) }.boxed();
+        };
+        let stalled = input.partition == 0;
+        async move {
+            if stalled {
+                tokio::select! {
+                    _ = release.notified() => {}
+                    _ = input.stop.cancelled() => return Ok(()),
+                }
+            }
+            loop {
+                let message = tokio::select! {
+                    _ = input.stop.cancelled() => return Ok(()),
+                    received = input.messages.recv() => match received {
+                        Some(message) => message,
+                        None => return Ok(()),
+                    },
+                };
+                seen.fetch_add(1, Ordering::Relaxed);
+                input.offsets.store(message.offset + 1);
+            }
+        }
+        .boxed()
+    }
+}
+
+/// One partition whose task is blocked (its buffer full, its messages
+/// piling up in the topic) does not hold up another partition of the same
+/// consumer: partition 1's messages reach its task while partition 0's task
+/// reads nothing. Once released, partition 0 gets every message, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_partition_does_not_delay_the_others() -> anyhow::Result<()> {
+    init_logging();
+    let config = test_config(
+        "onestalled",
+        &[
+            ("kafka.max_message_bytes", "200000"),
+            ("admission.max_payload_bytes", "100000"),
+            ("kafka.consumer_buffer_bytes", "1000000"),
+        ],
+    )?;
+    let topic = config.topic("stalled-input");
+    ensure_topics(
+        &config.kafka,
+        &[TopicSpec {
+            name: topic.clone(),
+            partitions: 2,
+            internal: false,
+        }],
+        true,
+    )
+    .await?;
+    let task = OneStalled {
+        release: Arc::new(tokio::sync::Notify::new()),
+        seen: [Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0))],
+    };
+    let (release, seen) = (task.release.clone(), task.seen.clone());
+    let shutdown = Shutdown::new();
+    let consumer = tokio::spawn({
+        let kafka = config.kafka.clone();
+        let group = config.group("stalled-group");
+        let shutdown = shutdown.clone();
+        let topic = topic.clone();
+        async move {
+            run_partitioned_consumer(
+                &kafka,
+                ConsumerOptions {
+                    group,
+                    topic,
+                    channel_capacity: 10_000,
+                    track_end: false,
+                    readiness: sluice_common::readiness::Readiness::new(),
+                },
+                Arc::new(task),
+                Arc::new(ConsumerProgress::default()),
+                shutdown,
+            )
+            .await
+        }
+    });
+    let topic_name: Arc<str> = Arc::from(topic.as_str());
+    let to = |partition: i32, count: usize, size: usize| -> Vec<OutMsg> {
+        (0..count)
+            .map(|index| OutMsg {
+                topic: topic_name.clone(),
+                partition: Some(partition),
+                key: None,
+                payload: vec![u8::try_from(index % 256).unwrap(); size],
+                headers: Vec::new(),
+            })
+            .collect()
+    };
+    let publisher = Publisher::new(&config.kafka)?;
+    // 4 MB for partition 0, four times what its task may hold.
+    publisher.send_all(to(0, MESSAGES, MESSAGE)).await?;
+    publisher.send_all(to(1, 1, 10)).await?;
+    eventually(Duration::from_secs(60), "partition 1's first message", || async {
+        Ok(seen[1].load(Ordering::Relaxed) == 1)
+    })
+    .await?;
+    // Partition 0 is full and still blocked; partition 1 keeps flowing.
+    publisher.send_all(to(1, 20, 10)).await?;
+    eventually(
+        Duration::from_secs(60),
+        "partition 1's messages while partition 0 is blocked",
+        || async { Ok(seen[1].load(Ordering::Relaxed) == 21) },
+    )
+    .await?;
+    assert_eq!(
+        seen[0].load(Ordering::Relaxed),
+        0,
+        "partition 0's task is still blocked"
+    );
+    release.notify_one();
+    eventually(Duration::from_secs(60), "every message of partition 0", || async {
+        Ok(seen[0].load(Ordering::Relaxed) == MESSAGES)
+    })
+    .await?;
+    shutdown.trigger();
+    let _ = tokio::time::timeout(Duration::from_secs(30), consumer).await;
+    Ok(())
+}
