@@ -19,7 +19,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
@@ -41,22 +40,7 @@ use crate::effects::{count_dead_letters, DeadLetterClass, Routes};
 use crate::json_request::decode_json_request;
 use crate::partition::{HandOver, Incoming, Local};
 
-const RETRY_FIRST: Duration = Duration::from_millis(100);
-const RETRY_MAX: Duration = Duration::from_secs(5);
-
-/// A backoff that doubles from 100 ms to 5 s.
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Self {
-        Backoff(RETRY_FIRST)
-    }
-
-    async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
-        self.0 = (self.0 * 2).min(RETRY_MAX);
-    }
-}
+use sluice_common::retry::Backoff;
 
 /// A deterministic job id for a request without one: a redelivered message
 /// (same topic, partition, offset and timestamp) gets the same id, so it never
@@ -379,7 +363,7 @@ impl RequestContext {
                     return Step::Done(false);
                 }
                 Err(error) => {
-                    tracing::warn!(topic = %self.topic, %error, "handing requests over failed, retrying");
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), topic = %self.topic, %error, "handing requests over failed, retrying");
                     self.readiness.set(condition, format!("handing requests over: {error}"));
                     sluice_common::metrics::metrics()
                         .transient_faults
@@ -432,7 +416,7 @@ async fn deliver_dead_letters(
         }
         pending = retry;
         if let Some(error) = last_error {
-            tracing::warn!(topic, %error, dead_letters = pending.len(), "publishing dead letters failed, retrying");
+            tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), topic, %error, dead_letters = pending.len(), "publishing dead letters failed, retrying");
             context
                 .readiness
                 .set(condition, format!("publishing dead letters: {error}"));
@@ -547,7 +531,13 @@ async fn set_aside_grants(pool: &sqlx::PgPool, rejected: &[Rejected], shutdown: 
                 return;
             }
             Err(error) => {
-                tracing::warn!(%error, "setting grant events aside failed, retrying");
+                // Never dropped: a permanent refusal is said loudly and
+                // retried all the same (an operator can fix the table).
+                if sluice_common::fault::classify_sql(&error).is_transient() {
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), %error, "setting grant events aside failed, retrying");
+                } else {
+                    tracing::error!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), %error, "PostgreSQL refuses to set grant events aside; retrying until it takes them");
+                }
                 if shutdown.is_triggered() {
                     return;
                 }

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod owner;
 pub mod partition;
 pub mod readiness;
+pub mod retry;
 pub mod service;
 pub mod shutdown;
 pub mod storage;

@@ -45,6 +45,7 @@ use crate::kafka::{
 };
 use crate::link::LinkSink;
 use crate::readiness::Readiness;
+use crate::retry::Backoff;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -687,7 +688,6 @@ struct PartitionTask<S: OwnedStore> {
     faults: Faults,
 }
 
-const RETRY_FIRST: Duration = Duration::from_millis(100);
 /// How often an owned partition checks that no newer owner took it over.
 /// A commit finds out anyway; a partition with no input commits nothing,
 /// and while it believes it owns the partition (its consumer still assigned
@@ -696,7 +696,6 @@ const RETRY_FIRST: Duration = Duration::from_millis(100);
 const FENCE_CHECK_EVERY: Duration = Duration::from_secs(2);
 /// How often an owned partition publishes its keys for per-key metrics.
 const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(5);
 /// How long reading a partition's watermarks may take.
 const WATERMARKS_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -713,20 +712,6 @@ enum BatchEnd {
     /// It fails every time: its decision panicked, or PostgreSQL refuses its
     /// commit for what it holds. The state was reloaded; nothing of it is saved.
     Permanent(String),
-}
-
-/// A backoff that doubles from `RETRY_FIRST` to `RETRY_MAX`.
-struct Backoff(Duration);
-
-impl Backoff {
-    fn new() -> Self {
-        Backoff(RETRY_FIRST)
-    }
-
-    async fn wait(&mut self) {
-        tokio::time::sleep(self.0).await;
-        self.0 = (self.0 * 2).min(RETRY_MAX);
-    }
 }
 
 impl<S: OwnedStore> PartitionTask<S> {
@@ -910,7 +895,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 }
                 Err(error) => {
                     if classify_sql(&error).is_transient() {
-                        tracing::warn!(service = self.settings.service, partition, %error, "takeover failed, retrying");
+                        tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "takeover failed, retrying");
                     } else {
                         tracing::error!(service = self.settings.service, partition, %error, "takeover failed and will fail again until the cause is fixed; retrying");
                     }
@@ -1000,7 +985,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 Ok(result) if result.rows_affected() == 1 => break,
                 Ok(_) => return Step::Stop,
                 Err(error) => {
-                    tracing::warn!(service = self.settings.service, partition = context.partition, %error, "saving the adopted log's offset failed, retrying");
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition = context.partition, %error, "saving the adopted log's offset failed, retrying");
                     backoff.wait().await;
                 }
             }
@@ -1150,7 +1135,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             let prepared = match self.store.prepare(&self.pool, state, messages, &batch_locals).await {
                 Ok(prepared) => prepared,
                 Err(error) if classify_sql(&error).is_transient() => {
-                    tracing::warn!(service = self.settings.service, partition, %error, "reading for a batch failed; retrying");
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "reading for a batch failed; retrying");
                     self.note_transient(partition, format!("database: {error}"));
                     locals = Some(batch_locals);
                     if input.stop.is_cancelled() {
@@ -1222,7 +1207,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                         drop(replies);
                         let transient = classify_sql(&error).is_transient();
                         if transient {
-                            tracing::warn!(service = self.settings.service, partition, %error, "batch commit failed; retrying");
+                            tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "batch commit failed; retrying");
                             self.note_transient(partition, format!("database: {error}"));
                             backoff.wait().await;
                         } else {
@@ -1353,7 +1338,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 }
                 Err(CommitError::Fenced { .. }) => return Step::Stop,
                 Err(CommitError::Sql(error)) => {
-                    tracing::warn!(service = self.settings.service, partition = context.partition, %error, "setting input aside failed; retrying");
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition = context.partition, %error, "setting input aside failed; retrying");
                     self.note_transient(context.partition, format!("database: {error}"));
                     backoff.wait().await;
                 }
@@ -1408,7 +1393,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 }
                 Ok(None) => return Step::Stop,
                 Err(error) => {
-                    tracing::warn!(service = self.settings.service, partition = context.partition, %error, "reload failed; retrying");
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition = context.partition, %error, "reload failed; retrying");
                     self.note_transient(context.partition, format!("reloading: {error}"));
                     backoff.wait().await;
                 }
@@ -1486,7 +1471,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 return Step::Done(());
             }
             let error = last_error.unwrap_or_default();
-            tracing::warn!(service = self.settings.service, partition = input.partition, %error, messages = failed.len(), "publish failed, retrying");
+            tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition = input.partition, %error, messages = failed.len(), "publish failed, retrying");
             self.registry
                 .readiness()
                 .set(condition.clone(), format!("publishing failed: {error}"));
@@ -1536,7 +1521,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                         break;
                     }
                     Err(error) => {
-                        tracing::warn!(service = self.settings.service, %error, "setting a refused message aside failed; retrying");
+                        tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, %error, "setting a refused message aside failed; retrying");
                         backoff.wait().await;
                     }
                 }
