@@ -6,7 +6,6 @@
 //! on the stream by id.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use sluice_common::auth::{Action, Principal};
 use sluice_common::validate::{check_name, FieldError, MAX_ID_BYTES};
@@ -271,7 +270,7 @@ async fn tell_stream_ended(api: AdmissionApi, worker_id: String, attempts: Vec<(
     };
     let give_up = tokio::time::Instant::now() + grace;
     let system = Principal::system();
-    let mut delay = Duration::from_millis(100);
+    let mut backoff = sluice_common::retry::Backoff::new();
     loop {
         let told = api
             .heartbeat_attempts(&system, false, &worker_id, attempts.clone(), Some(ended))
@@ -279,13 +278,17 @@ async fn tell_stream_ended(api: AdmissionApi, worker_id: String, attempts: Vec<(
         let Err(status) = told else {
             return;
         };
-        if tokio::time::Instant::now() + delay >= give_up {
-            tracing::warn!(%worker_id, attempts = attempts.len(), %status, "could not tell owners a Work stream ended: its attempts keep their whole leases");
+        let transient = sluice_common::fault::classify_status(&status).is_transient();
+        if !transient || tokio::time::Instant::now() >= give_up {
+            tracing::warn!(%worker_id, attempts = attempts.len(), %status, retrying_for = ?backoff.retrying_for(), "could not tell owners a Work stream ended: its attempts keep their whole leases");
             return;
         }
-        tracing::debug!(%worker_id, attempts = attempts.len(), %status, "telling owners a Work stream ended failed; trying again");
-        tokio::time::sleep(delay).await;
-        delay *= 2;
+        tracing::debug!(%worker_id, attempts = attempts.len(), %status, retrying_for = ?backoff.retrying_for(), "telling owners a Work stream ended failed; trying again");
+        // One last try at the end of the grace, never after it.
+        tokio::select! {
+            () = backoff.wait() => {}
+            () = tokio::time::sleep_until(give_up) => {}
+        }
     }
 }
 
@@ -317,8 +320,9 @@ pub async fn hand_back_undelivered(
                 })),
             })
             .collect();
-        let mut delay = Duration::from_millis(100);
+        let mut backoff = sluice_common::retry::Backoff::new();
         let system = Principal::system();
+        // At most five tries: what is not handed back is left to its lease.
         for _ in 0..5 {
             match api
                 .complete_attempts(
@@ -332,10 +336,13 @@ pub async fn hand_back_undelivered(
                 .await
             {
                 Ok(_) => break,
+                Err(status) if !sluice_common::fault::classify_status(&status).is_transient() => {
+                    tracing::warn!(worker_id = %push.worker_id, attempts = push.attempts.len(), %status, "handing back undelivered pushes refused; left to their leases");
+                    break;
+                }
                 Err(status) => {
-                    tracing::warn!(worker_id = %push.worker_id, attempts = push.attempts.len(), %status, "handing back undelivered pushes failed; trying again");
-                    tokio::time::sleep(delay).await;
-                    delay *= 2;
+                    tracing::warn!(worker_id = %push.worker_id, attempts = push.attempts.len(), %status, retrying_for = ?backoff.retrying_for(), "handing back undelivered pushes failed; trying again");
+                    backoff.wait().await;
                 }
             }
         }

@@ -55,6 +55,25 @@ pub fn classify_sql(error: &sqlx::Error) -> Fault {
     }
 }
 
+/// A gRPC call's failure between Sluice's own services (a forwarded call,
+/// an owner's answer): unreachable, overloaded, timed out, moving owners or
+/// an internal fault pass; a refusal of the request itself (invalid, not
+/// found, not allowed, unimplemented) comes back every time.
+pub fn classify_status(status: &tonic::Status) -> Fault {
+    use tonic::Code;
+    match status.code() {
+        Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::PermissionDenied
+        | Code::Unauthenticated
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unimplemented => Fault::Permanent,
+        _ => Fault::Transient,
+    }
+}
+
 /// A SQLSTATE code (five characters) as a fault.
 pub fn classify_sqlstate(code: &str) -> Fault {
     let class = code.get(..2).unwrap_or_default();
@@ -124,6 +143,33 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_refusals_are_permanent_and_unreachable_owners_pass() {
+        for code in [
+            tonic::Code::Unavailable,
+            tonic::Code::DeadlineExceeded,
+            tonic::Code::Aborted,
+            tonic::Code::Internal,
+        ] {
+            assert_eq!(
+                classify_status(&tonic::Status::new(code, "x")),
+                Fault::Transient,
+                "{code:?}"
+            );
+        }
+        for code in [
+            tonic::Code::InvalidArgument,
+            tonic::Code::PermissionDenied,
+            tonic::Code::NotFound,
+        ] {
+            assert_eq!(
+                classify_status(&tonic::Status::new(code, "x")),
+                Fault::Permanent,
+                "{code:?}"
+            );
+        }
+    }
 
     #[test]
     fn sqlstates_split_into_transient_and_permanent() {
