@@ -63,6 +63,36 @@ impl PartitionTaskFactory for Stalled {
     }
 }
 
+/// The partitioned consumer of `topic` in group `group`, running `task`
+/// until `shutdown`.
+fn spawn_consumer(
+    config: &sluice_common::SluiceConfig,
+    topic: &str,
+    group: &str,
+    task: impl PartitionTaskFactory + 'static,
+    shutdown: &Shutdown,
+) -> tokio::task::JoinHandle<Result<(), sluice_common::kafka::KafkaPlumbingError>> {
+    let kafka = config.kafka.clone();
+    let options = ConsumerOptions {
+        group: config.group(group),
+        topic: topic.to_string(),
+        channel_capacity: 10_000,
+        track_end: false,
+        readiness: sluice_common::readiness::Readiness::new(),
+    };
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        run_partitioned_consumer(
+            &kafka,
+            options,
+            Arc::new(task),
+            Arc::new(ConsumerProgress::default()),
+            shutdown,
+        )
+        .await
+    })
+}
+
 const BUDGET: usize = 1_000_000;
 const MESSAGE: usize = 100_000;
 const MESSAGES: usize = 40;
@@ -102,28 +132,7 @@ async fn a_task_that_falls_behind_holds_at_most_the_buffer_bytes() -> anyhow::Re
         task.seen.clone(),
     );
     let shutdown = Shutdown::new();
-    let consumer = tokio::spawn({
-        let kafka = config.kafka.clone();
-        let group = config.group("buffer-group");
-        let shutdown = shutdown.clone();
-        let topic = topic.clone();
-        async move {
-            run_partitioned_consumer(
-                &kafka,
-                ConsumerOptions {
-                    group,
-                    topic,
-                    channel_capacity: 10_000,
-                    track_end: false,
-                    readiness: sluice_common::readiness::Readiness::new(),
-                },
-                Arc::new(task),
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        }
-    });
+    let consumer = spawn_consumer(&config, &topic, "buffer-group", task, &shutdown);
     let topic_name: Arc<str> = Arc::from(topic.as_str());
     let messages = (0..MESSAGES)
         .map(|index| OutMsg {
@@ -236,28 +245,7 @@ async fn a_blocked_partition_does_not_delay_the_others() -> anyhow::Result<()> {
     };
     let (release, seen, offsets) = (task.release.clone(), task.seen.clone(), task.offsets.clone());
     let shutdown = Shutdown::new();
-    let consumer = tokio::spawn({
-        let kafka = config.kafka.clone();
-        let group = config.group("stalled-group");
-        let shutdown = shutdown.clone();
-        let topic = topic.clone();
-        async move {
-            run_partitioned_consumer(
-                &kafka,
-                ConsumerOptions {
-                    group,
-                    topic,
-                    channel_capacity: 10_000,
-                    track_end: false,
-                    readiness: sluice_common::readiness::Readiness::new(),
-                },
-                Arc::new(task),
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        }
-    });
+    let consumer = spawn_consumer(&config, &topic, "stalled-group", task, &shutdown);
     let topic_name: Arc<str> = Arc::from(topic.as_str());
     let to = |partition: i32, count: usize, size: usize| -> Vec<OutMsg> {
         (0..count)
