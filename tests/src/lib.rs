@@ -432,7 +432,8 @@ pub struct Stack {
 
 impl Stack {
     /// Start `limit_grants` limit-grant instances, then one admission pointed
-    /// at the first of them. Waits until every partition has an owner.
+    /// at the first of them. Waits until every partition has an owner and
+    /// every node serves.
     pub async fn start(mut config: SluiceConfig, limit_grants: usize) -> anyhow::Result<Stack> {
         init_logging();
         let pool = admin_pool(&config).await?;
@@ -466,6 +467,18 @@ impl Stack {
         };
         stack.add_admission(Faults::none()).await?;
         stack.wait_owned(Duration::from_secs(60)).await?;
+        // An owner row is written when a takeover starts, before the
+        // partition is loaded (readiness says NOT_SERVING meanwhile): wait
+        // until every node serves, as a readiness probe would.
+        let nodes = stack
+            .admissions
+            .iter()
+            .chain(&stack.limit_grants)
+            .chain(&stack.rate_windows)
+            .chain(&stack.refresh_dispatchers);
+        for node in nodes {
+            wait_serving(&node.endpoint, Duration::from_secs(60)).await?;
+        }
         Ok(stack)
     }
 
