@@ -466,26 +466,50 @@ impl Stack {
             rate_window_service,
         };
         stack.add_admission(Faults::none()).await?;
-        stack.wait_owned(Duration::from_secs(60)).await?;
-        // An owner row is written when a takeover starts, before the
-        // partition is loaded (readiness says NOT_SERVING meanwhile): wait
-        // until every node serves, as a readiness probe would.
-        let nodes = stack
-            .admissions
-            .iter()
-            .chain(&stack.limit_grants)
-            .chain(&stack.rate_windows)
-            .chain(&stack.refresh_dispatchers);
-        for node in nodes {
-            wait_serving(&node.endpoint, Duration::from_secs(60)).await?;
-        }
         Ok(stack)
     }
 
+    /// Start one more admission instance and wait until the job partitions
+    /// are spread over the instances and every node serves again.
     pub async fn add_admission(&mut self, faults: Faults) -> anyhow::Result<()> {
         let node = start_admission(&self.config, faults).await?;
-        wait_serving(&node.endpoint, Duration::from_secs(60)).await?;
         self.admissions.push(node);
+        self.wait_settled(Duration::from_secs(60)).await
+    }
+
+    /// Wait until every partition of every service has an owner, each
+    /// admission instance owns job partitions (as many as there are to
+    /// share), and every node serves. An owner row is written when a
+    /// takeover starts, before the partition is loaded (readiness says
+    /// NOT_SERVING meanwhile), so the last wait is on the nodes' health, as a
+    /// readiness probe would.
+    pub async fn wait_settled(&self, timeout: Duration) -> anyhow::Result<()> {
+        self.wait_owned(timeout).await?;
+        let owning = i64::from(self.config.kafka.partitions.jobs).min(i64::try_from(self.admissions.len())?);
+        let query = format!(
+            "SELECT count(DISTINCT endpoint) FROM \"{}\".owners",
+            self.config.schema("admission")
+        );
+        eventually(
+            timeout,
+            "job partitions spread over the admission instances",
+            || async {
+                let endpoints: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(query.clone()))
+                    .fetch_one(&self.pool)
+                    .await?;
+                Ok(endpoints >= owning)
+            },
+        )
+        .await?;
+        let nodes = self
+            .admissions
+            .iter()
+            .chain(&self.limit_grants)
+            .chain(&self.rate_windows)
+            .chain(&self.refresh_dispatchers);
+        for node in nodes {
+            wait_serving(&node.endpoint, timeout).await?;
+        }
         Ok(())
     }
 
@@ -522,6 +546,7 @@ impl Stack {
     /// Wait until every limit-command and rate-command partition has an owner row.
     pub async fn wait_owned(&self, timeout: Duration) -> anyhow::Result<()> {
         let checks = [
+            ("admission", self.config.kafka.partitions.jobs),
             ("limit_grant", self.config.kafka.partitions.limit_commands),
             ("rate_window", self.config.kafka.partitions.rate_commands),
             ("refresh_dispatcher", self.config.kafka.partitions.refresh_due),

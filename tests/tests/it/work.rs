@@ -69,25 +69,6 @@ fn start_stream_workers(
     statuses
 }
 
-/// Each of the two admission instances owns a job partition.
-async fn wait_both_admissions_own_job_partitions(stack: &Stack) -> anyhow::Result<()> {
-    let owners = format!(
-        "SELECT count(DISTINCT endpoint) FROM \"{}\".owners",
-        stack.config.schema("admission")
-    );
-    eventually(
-        Duration::from_secs(60),
-        "each admission owns a job partition",
-        || async {
-            let instances: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(owners.clone()))
-                .fetch_one(&stack.pool)
-                .await?;
-            Ok(instances == 2)
-        },
-    )
-    .await
-}
-
 /// Every worker has a confirmed stream to each of `instances` admissions.
 async fn wait_streams(statuses: &[sluice_client::WorkerStatus], instances: usize) -> anyhow::Result<()> {
     eventually(Duration::from_secs(30), "every worker's streams open", || async {
@@ -164,11 +145,9 @@ async fn admission_killed_between_its_commit_and_the_push_loses_no_job() -> anyh
         1,
     )
     .await?;
-    stack.add_admission(Faults::none()).await?;
-    stack.wait_owned(Duration::from_secs(60)).await?;
     // Both instances own a job partition (the second one's join has moved
-    // one over) before the first is armed.
-    wait_both_admissions_own_job_partitions(&stack).await?;
+    // one over: add_admission waits for it) before the first is armed.
+    stack.add_admission(Faults::none()).await?;
     stack.admissions[0]
         .faults
         .arm(FaultPoint::AdmissionAfterCommitBeforePush, 3, 1);
@@ -219,8 +198,6 @@ async fn credits_parked_on_an_idle_stream_move_to_the_instance_that_has_the_jobs
     let workers = start_stream_workers(&stack.admissions[0].endpoint, &recorder, &stop, 1);
     wait_streams(&workers, 1).await?;
     stack.add_admission(Faults::none()).await?;
-    stack.wait_owned(Duration::from_secs(60)).await?;
-    wait_both_admissions_own_job_partitions(&stack).await?;
     wait_streams(&workers, 2).await?;
     let mut admission = stack.admission_client().await?;
     for index in 0..40 {
