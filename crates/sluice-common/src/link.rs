@@ -13,7 +13,7 @@
 //!   harmless; none is ever dropped.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,16 +44,18 @@ pub type LinkEntries = BTreeMap<(Link, i32), Vec<Vec<u8>>>;
 
 /// Where a committed batch's link entries go.
 pub trait LinkSink: Send + Sync + 'static {
-    /// Hand `entries` to their streams. Waits while a stream's buffer is
-    /// full (for at most a few seconds, then drops what it could not hand
-    /// over: every link entry can be rebuilt from state).
+    /// Hand `entries` to their streams. Never waits on one stream: each
+    /// stream queues what it has not written yet (up to a bound, beyond
+    /// which it drops: every link entry can be rebuilt from state), so a
+    /// slow admission instance never holds up the grants of another.
     fn deliver(&self, entries: LinkEntries) -> BoxFuture<'_, ()>;
 }
 
-/// How long `deliver` waits for a full stream before dropping an entry.
-const DELIVER_TIMEOUT: Duration = Duration::from_secs(2);
 /// Messages buffered per stream, each way.
 const STREAM_BUFFER: usize = 4096;
+/// Grant bytes one stream may queue beyond its buffer before grants for it
+/// are dropped (admission re-sends the acquires; the grants follow).
+const MAX_QUEUED_GRANT_BYTES: usize = 64 << 20;
 /// The most command bytes in one stream message.
 const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
@@ -62,10 +64,77 @@ const MAX_MESSAGE_BYTES: usize = 1 << 20;
 
 type DownSender = mpsc::Sender<Result<pb::LinkDown, Status>>;
 
+/// The grants waiting for one stream. `deliver` only queues (never
+/// waits); the stream's own forwarder task writes them to the stream in
+/// order, at the pace its reader takes them.
+#[derive(Clone)]
+struct StreamGrants {
+    queue: mpsc::UnboundedSender<(pb::LinkDown, usize)>,
+    queued_bytes: Arc<AtomicUsize>,
+    /// The stream itself, to end it (fault hook).
+    down: DownSender,
+}
+
+impl StreamGrants {
+    /// Queue `events` for the stream, or say they were dropped: the stream
+    /// is closed, or so far behind that it holds `MAX_QUEUED_GRANT_BYTES`.
+    fn push(&self, events: Vec<Vec<u8>>) -> Result<(), GrantsDropped> {
+        let bytes = events.iter().map(|event| event.len() + 8).sum::<usize>();
+        let queued = self.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+        if queued + bytes > MAX_QUEUED_GRANT_BYTES {
+            self.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            return Err(GrantsDropped::Behind { queued });
+        }
+        let message = pb::LinkDown {
+            message: Some(pb::link_down::Message::Grants(pb::LinkGrants { events })),
+        };
+        self.queue.send((message, bytes)).map_err(|_closed| {
+            self.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            GrantsDropped::Closed
+        })
+    }
+}
+
+impl StreamGrants {
+    /// Queue a message that is not grants (`LinkApplied`, `LinkRefused`)
+    /// behind the grants queued before it. Small and never dropped while
+    /// the stream is open.
+    fn send_control(&self, message: pb::link_down::Message) {
+        let _ = self.queue.send((pb::LinkDown { message: Some(message) }, 0));
+    }
+}
+
+enum GrantsDropped {
+    Closed,
+    Behind { queued: usize },
+}
+
+/// Open the grant queue of a stream writing to `down`: a forwarder task
+/// moves queued grants to the stream until either end closes.
+fn open_grants(down: DownSender) -> StreamGrants {
+    let (queue, mut queued) = mpsc::unbounded_channel::<(pb::LinkDown, usize)>();
+    let queued_bytes = Arc::new(AtomicUsize::new(0));
+    let grants = StreamGrants {
+        queue,
+        queued_bytes: queued_bytes.clone(),
+        down: down.clone(),
+    };
+    tokio::spawn(async move {
+        while let Some((message, bytes)) = queued.recv().await {
+            let sent = down.send(Ok(message)).await;
+            queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            if sent.is_err() {
+                break;
+            }
+        }
+    });
+    grants
+}
+
 struct Route {
     epoch: i64,
     stream: u64,
-    sender: DownSender,
+    grants: StreamGrants,
 }
 
 /// Which stream takes the grants of each job partition; and the watchers
@@ -99,7 +168,7 @@ impl GrantRouter {
     /// epochs the later claim) and no longer those it stopped claiming.
     /// Returns the job partitions whose grants now go to `stream` and did
     /// not before.
-    fn claim(&self, stream: u64, sender: &DownSender, claims: &[pb::JobPartitionClaim]) -> Vec<i32> {
+    fn claim(&self, stream: u64, grants: &StreamGrants, claims: &[pb::JobPartitionClaim]) -> Vec<i32> {
         let mut newly_routed = Vec::new();
         let mut routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let claimed: std::collections::HashSet<i32> = claims
@@ -121,7 +190,7 @@ impl GrantRouter {
                     Route {
                         epoch: claim.epoch,
                         stream,
-                        sender: sender.clone(),
+                        grants: grants.clone(),
                     },
                 );
             }
@@ -140,22 +209,24 @@ impl GrantRouter {
     fn break_stream_of(&self, partition: i32) {
         let broken = {
             let routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            routes.get(&partition).map(|route| (route.stream, route.sender.clone()))
+            routes
+                .get(&partition)
+                .map(|route| (route.stream, route.grants.down.clone()))
         };
-        if let Some((stream, sender)) = broken {
+        if let Some((stream, down)) = broken {
             self.forget(stream);
-            let _ = sender.try_send(Err(Status::unavailable("fault hook: the link broke")));
+            let _ = down.try_send(Err(Status::unavailable("fault hook: the link broke")));
         }
     }
 
-    fn sender_for(&self, partition: i32) -> Option<DownSender> {
+    fn grants_for(&self, partition: i32) -> Option<StreamGrants> {
         let routes = self.routes.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        routes.get(&partition).map(|route| route.sender.clone())
+        routes.get(&partition).map(|route| route.grants.clone())
     }
 
     /// Whether some stream takes the grants of `partition` (tests, readiness).
     pub fn is_routed(&self, partition: i32) -> bool {
-        self.sender_for(partition).is_some()
+        self.grants_for(partition).is_some()
     }
 }
 
@@ -175,7 +246,7 @@ impl LinkSink for GrantRouter {
                     self.break_stream_of(partition);
                     continue;
                 }
-                let Some(sender) = self.sender_for(partition) else {
+                let Some(grants) = self.grants_for(partition) else {
                     // Admission re-sends the acquire when it connects and
                     // after a wait; the grant is sent again then.
                     tracing::debug!(partition, grants = events.len(), "no stream takes this job partition's grants yet");
@@ -186,21 +257,23 @@ impl LinkSink for GrantRouter {
                     continue;
                 };
                 for events in chunked(events) {
-                    let message = pb::LinkDown {
-                        message: Some(pb::link_down::Message::Grants(pb::LinkGrants { events })),
-                    };
-                    match tokio::time::timeout(DELIVER_TIMEOUT, sender.send(Ok(message))).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(_closed)) => {
+                    let count = events.len();
+                    match grants.push(events) {
+                        Ok(()) => {}
+                        Err(GrantsDropped::Closed) => {
                             tracing::debug!(partition, "the stream of this job partition closed; grants dropped");
                             break;
                         }
-                        Err(_elapsed) => {
+                        Err(GrantsDropped::Behind { queued }) => {
                             tracing::warn!(
                                 partition,
-                                "the stream of this job partition is full for {DELIVER_TIMEOUT:?}; grants dropped (admission re-sends its acquires)"
+                                grants = count,
+                                queued_bytes = queued,
+                                "the stream of this job partition is too far behind; grants dropped (admission re-sends its acquires)"
                             );
-                            break;
+                            crate::metrics::metrics()
+                                .link_grants_unrouted
+                                .add(u64::try_from(count).unwrap_or(u64::MAX), &[]);
                         }
                     }
                 }
@@ -281,6 +354,7 @@ impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
         let mut inbound = request.into_inner();
         let (down, down_receiver) = mpsc::channel(STREAM_BUFFER);
         let stream = self.router.new_stream_id();
+        let grants = open_grants(down);
         let reader = LinkReader {
             service: self.service,
             registry: self.registry.clone(),
@@ -288,7 +362,7 @@ impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
             pool: self.pool.clone(),
             make_local: self.make_local,
             stream,
-            down,
+            grants,
             client: Arc::from("unknown"),
         };
         let shutdown = self.shutdown.clone();
@@ -373,7 +447,8 @@ struct LinkReader<L> {
     pool: sqlx::PgPool,
     make_local: fn(LinkInput) -> L,
     stream: u64,
-    down: DownSender,
+    /// Everything written down the stream goes through its queue, in order.
+    grants: StreamGrants,
     client: Arc<str>,
 }
 
@@ -382,7 +457,7 @@ impl<L: Send + 'static> LinkReader<L> {
         match message.message {
             Some(pb::link_up::Message::Hello(hello)) => {
                 self.client = Arc::from(crate::fault::clean_text(&hello.client_id, 200).as_str());
-                let newly_routed = self.router.claim(self.stream, &self.down, &hello.job_partitions);
+                let newly_routed = self.router.claim(self.stream, &self.grants, &hello.job_partitions);
                 tracing::debug!(service = self.service, client = %self.client, partitions = hello.job_partitions.len(), newly_routed = newly_routed.len(), "link claims job partitions");
                 if !newly_routed.is_empty() {
                     for partition in self.registry.owned() {
@@ -434,7 +509,7 @@ impl<L: Send + 'static> LinkReader<L> {
         };
         match submitted {
             Ok(()) => {
-                let down = self.down.clone();
+                let grants = self.grants.clone();
                 tokio::spawn(async move {
                     let message = if applied_receiver.await.is_ok() {
                         pb::link_down::Message::Applied(pb::LinkApplied { seqs: vec![seq] })
@@ -451,7 +526,7 @@ impl<L: Send + 'static> LinkReader<L> {
                             reason: "the partition stopped before the commands were committed".to_string(),
                         })
                     };
-                    let _ = down.send(Ok(pb::LinkDown { message: Some(message) })).await;
+                    grants.send_control(message);
                 });
             }
             Err(_not_owner) => {
@@ -472,15 +547,13 @@ impl<L: Send + 'static> LinkReader<L> {
             Err(_) => String::new(),
         };
         tracing::debug!(service = self.service, partition, %owner, %reason, "refusing link commands");
-        let message = pb::LinkDown {
-            message: Some(pb::link_down::Message::Refused(pb::LinkRefused {
+        self.grants
+            .send_control(pb::link_down::Message::Refused(pb::LinkRefused {
                 seq,
                 partition,
                 owner_endpoint: owner,
                 reason,
-            })),
-        };
-        let _ = self.down.send(Ok(message)).await;
+            }));
     }
 }
 
@@ -1015,4 +1088,94 @@ async fn open_and_read(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claims(partition: u32) -> Vec<pb::JobPartitionClaim> {
+        vec![pb::JobPartitionClaim { partition, epoch: 1 }]
+    }
+
+    fn grants_of(message: Option<Result<pb::LinkDown, Status>>) -> Vec<Vec<u8>> {
+        match message {
+            Some(Ok(pb::LinkDown {
+                message: Some(pb::link_down::Message::Grants(grants)),
+            })) => grants.events,
+            other => panic!("expected grants, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_that_is_behind_never_holds_up_the_grants_of_another() {
+        let router = GrantRouter::new(crate::faults::Faults::none());
+        // Job partition 0's stream is read by no one: its buffer of one
+        // message is full after the first batch.
+        let (slow_down, mut slow_reader) = mpsc::channel(1);
+        let slow = open_grants(slow_down);
+        router.claim(router.new_stream_id(), &slow, &claims(0));
+        let (fast_down, mut fast_reader) = mpsc::channel(STREAM_BUFFER);
+        let fast = open_grants(fast_down);
+        router.claim(router.new_stream_id(), &fast, &claims(1));
+
+        for batch in 0..10 {
+            let mut entries = LinkEntries::new();
+            entries.insert((Link::Admission, 0), vec![format!("slow-{batch}").into_bytes()]);
+            entries.insert((Link::Admission, 1), vec![format!("fast-{batch}").into_bytes()]);
+            assert!(
+                router.deliver(entries).now_or_never().is_some(),
+                "batch {batch}: deliver waited for a stream that is behind"
+            );
+        }
+        for batch in 0..10 {
+            assert_eq!(
+                grants_of(fast_reader.recv().await),
+                vec![format!("fast-{batch}").into_bytes()]
+            );
+        }
+        // The slow stream loses nothing: once read, every batch follows in order.
+        for batch in 0..10 {
+            assert_eq!(
+                grants_of(slow_reader.recv().await),
+                vec![format!("slow-{batch}").into_bytes()]
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_too_far_behind_drops_grants_and_takes_them_again_once_it_catches_up() {
+        let (down, mut reader) = mpsc::channel(1);
+        down.try_send(Ok(pb::LinkDown { message: None })).unwrap();
+        let grants = open_grants(down);
+        let half = MAX_QUEUED_GRANT_BYTES / 2;
+        // The first half waits in the queue (the stream's buffer is full);
+        // a second half would pass the bound.
+        assert!(grants.push(vec![vec![1; half]]).is_ok());
+        assert!(matches!(
+            grants.push(vec![vec![2; half]]),
+            Err(GrantsDropped::Behind { .. })
+        ));
+        // Control messages are never dropped and keep their place.
+        grants.send_control(pb::link_down::Message::Applied(pb::LinkApplied { seqs: vec![7] }));
+        assert!(reader
+            .recv()
+            .await
+            .is_some_and(|first| first.is_ok_and(|first| first.message.is_none())));
+        assert_eq!(grants_of(reader.recv().await), vec![vec![1; half]]);
+        assert!(matches!(
+            reader.recv().await,
+            Some(Ok(pb::LinkDown {
+                message: Some(pb::link_down::Message::Applied(_))
+            }))
+        ));
+        // Caught up: grants are taken again.
+        assert!(grants.push(vec![vec![3; half]]).is_ok());
+        assert_eq!(grants_of(reader.recv().await), vec![vec![3; half]]);
+        drop(reader);
+        // A closed stream says so (once its forwarder has seen it close).
+        while !matches!(grants.push(vec![vec![4]]), Err(GrantsDropped::Closed)) {
+            tokio::task::yield_now().await;
+        }
+    }
 }

@@ -197,7 +197,7 @@ impl SluiceMetrics {
             link_grants_unrouted: meter
                 .u64_counter("sluice_link_grants_unrouted")
                 .with_description(
-                    "Committed grants no admission stream took (admission re-sends its acquire; the grant follows)",
+                    "Committed grants no admission stream took, or whose stream was too far behind to queue them (admission re-sends its acquire; the grant follows)",
                 )
                 .build(),
             transient_faults: meter
