@@ -1131,26 +1131,20 @@ impl<S: OwnedStore> PartitionTask<S> {
             let mut outbox = Outbox::new();
             let mut replies: Vec<Reply> = Vec::new();
             let mut rejected: Vec<Rejected> = Vec::new();
-            let batch_locals = locals.take().unwrap_or_default();
-            let prepared = match self.store.prepare(&self.pool, state, messages, &batch_locals).await {
-                Ok(prepared) => prepared,
-                Err(error) if classify_sql(&error).is_transient() => {
-                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "reading for a batch failed; retrying");
-                    self.note_transient(partition, format!("database: {error}"));
-                    locals = Some(batch_locals);
-                    if input.stop.is_cancelled() {
-                        return Ok(BatchEnd::Stop);
-                    }
-                    backoff.wait().await;
-                    continue;
-                }
-                Err(error) => {
-                    return Ok(BatchEnd::Permanent(format!(
-                        "PostgreSQL refuses the reads this batch needs: {error}"
-                    )));
-                }
+            let batch_locals = match self
+                .prepare_until_done(
+                    partition,
+                    state,
+                    messages,
+                    locals.take().unwrap_or_default(),
+                    input,
+                    &mut backoff,
+                )
+                .await
+            {
+                Ok(batch_locals) => batch_locals,
+                Err(end) => return Ok(end),
             };
-            state.prepared(prepared);
             let now_ms = context.clock.now_ms();
             let decided = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 state.apply(
@@ -1200,77 +1194,147 @@ impl<S: OwnedStore> PartitionTask<S> {
                         return Ok(BatchEnd::Stop);
                     }
                     Err(CommitError::Sql(error)) => {
-                        // The in-memory state holds this batch's uncommitted
-                        // decisions: rebuild it from PostgreSQL, then decide
-                        // again (a fault that passes) or in parts (one that
-                        // does not). Local requests of the batch get an error.
+                        // Local requests of the batch get an error.
                         drop(replies);
-                        let transient = classify_sql(&error).is_transient();
-                        if transient {
-                            tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "batch commit failed; retrying");
-                            self.note_transient(partition, format!("database: {error}"));
-                            backoff.wait().await;
-                        } else {
-                            tracing::error!(service = self.settings.service, partition, %error, "PostgreSQL refuses the batch's commit");
+                        match self
+                            .recover_from_failed_commit(
+                                context,
+                                state,
+                                applied_offset,
+                                new_offset,
+                                input,
+                                error,
+                                &mut backoff,
+                            )
+                            .await
+                        {
+                            Some(end) => return Ok(end),
+                            None => continue,
                         }
-                        let (reloaded_offset, committed_anyway) =
-                            match self.reload_until_done(context, state, input).await {
-                                Step::Done(reloaded_offset) => (
-                                    reloaded_offset,
-                                    new_offset.is_some_and(|offset| reloaded_offset >= offset),
-                                ),
-                                Step::Stop => return Ok(BatchEnd::Stop),
-                            };
-                        // `committed_anyway`: the saved offset shows the
-                        // commit went through after all. A batch without
-                        // Kafka input (timers, local requests) leaves no such
-                        // trace and may have gone through too; deciding it
-                        // again would then find nothing to do and its
-                        // messages would never be sent. Either way, what the
-                        // reloaded state holds is sent again (every receiver
-                        // ignores a repeat).
-                        if committed_anyway || new_offset.is_none() {
-                            if committed_anyway {
-                                *applied_offset = reloaded_offset;
-                            }
-                            let mut outbox = Outbox::new();
-                            state.resend_all(context.clock.now_ms(), &mut outbox);
-                            if let Step::Stop = self.publish_until_done(outbox, input).await {
-                                return Ok(BatchEnd::Stop);
-                            }
-                            if committed_anyway {
-                                return Ok(BatchEnd::Done);
-                            }
-                        }
-                        if !transient {
-                            return Ok(BatchEnd::Permanent(format!("PostgreSQL refused the commit: {error}")));
-                        }
-                        continue;
                     }
                 }
                 if state.crash_after_commit() || self.faults.hit(FaultPoint::OwnerAfterCommitBeforePublish) {
                     return Err(PartitionTaskError::Crashed);
                 }
             }
-            // Committed (or nothing to commit): what it decided counts now.
-            outbox.take_observations().record();
-            let published_from = std::time::Instant::now();
-            match self.publish_until_done(outbox, input).await {
-                Step::Done(()) => {}
-                Step::Stop => return Ok(BatchEnd::Stop),
-            }
-            crate::metrics::metrics().publish_seconds.record(
-                published_from.elapsed().as_secs_f64(),
-                &[opentelemetry::KeyValue::new("service", self.settings.service)],
-            );
-            if self.faults.hit(FaultPoint::OwnerAfterPublishBeforeOffsetStore) {
-                return Err(PartitionTaskError::Crashed);
-            }
-            for reply in replies {
-                reply();
-            }
-            return Ok(BatchEnd::Done);
+            return self.publish_committed(outbox, replies, input).await;
         }
+    }
+
+    /// Read what a batch needs from PostgreSQL into the state, retrying
+    /// what fails for a reason that passes; hands `locals` back. `Err`: how
+    /// the batch ends.
+    async fn prepare_until_done(
+        &self,
+        partition: i32,
+        state: &mut S::State,
+        messages: &[InMsg],
+        locals: Vec<<S::State as OwnedState>::Local>,
+        input: &PartitionInput,
+        backoff: &mut Backoff,
+    ) -> Result<Vec<<S::State as OwnedState>::Local>, BatchEnd> {
+        loop {
+            match self.store.prepare(&self.pool, state, messages, &locals).await {
+                Ok(prepared) => {
+                    state.prepared(prepared);
+                    return Ok(locals);
+                }
+                Err(error) if classify_sql(&error).is_transient() => {
+                    tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "reading for a batch failed; retrying");
+                    self.note_transient(partition, format!("database: {error}"));
+                    if input.stop.is_cancelled() {
+                        return Err(BatchEnd::Stop);
+                    }
+                    backoff.wait().await;
+                }
+                Err(error) => {
+                    return Err(BatchEnd::Permanent(format!(
+                        "PostgreSQL refuses the reads this batch needs: {error}"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// A batch's commit failed. The in-memory state holds the batch's
+    /// uncommitted decisions: rebuild it from PostgreSQL, then say how the
+    /// batch ends, or `None` to decide it again (a fault that passes; one
+    /// that does not ends it as permanent, and the caller decides its
+    /// messages in parts).
+    #[allow(clippy::too_many_arguments)]
+    async fn recover_from_failed_commit(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        applied_offset: &mut i64,
+        new_offset: Option<i64>,
+        input: &PartitionInput,
+        error: sqlx::Error,
+        backoff: &mut Backoff,
+    ) -> Option<BatchEnd> {
+        let partition = context.partition;
+        let transient = classify_sql(&error).is_transient();
+        if transient {
+            tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition, %error, "batch commit failed; retrying");
+            self.note_transient(partition, format!("database: {error}"));
+            backoff.wait().await;
+        } else {
+            tracing::error!(service = self.settings.service, partition, %error, "PostgreSQL refuses the batch's commit");
+        }
+        let reloaded_offset = match self.reload_until_done(context, state, input).await {
+            Step::Done(reloaded_offset) => reloaded_offset,
+            Step::Stop => return Some(BatchEnd::Stop),
+        };
+        // The saved offset shows whether a batch of Kafka input went through
+        // after all. A batch without Kafka input (timers, local requests)
+        // leaves no such trace and may have gone through too; deciding it
+        // again would then find nothing to do and its messages would never
+        // be sent. In both cases what the reloaded state holds is sent again
+        // (every receiver ignores a repeat).
+        let committed_anyway = new_offset.is_some_and(|offset| reloaded_offset >= offset);
+        if committed_anyway || new_offset.is_none() {
+            if committed_anyway {
+                *applied_offset = reloaded_offset;
+            }
+            let mut outbox = Outbox::new();
+            state.resend_all(context.clock.now_ms(), &mut outbox);
+            if let Step::Stop = self.publish_until_done(outbox, input).await {
+                return Some(BatchEnd::Stop);
+            }
+            if committed_anyway {
+                return Some(BatchEnd::Done);
+            }
+        }
+        if !transient {
+            return Some(BatchEnd::Permanent(format!("PostgreSQL refused the commit: {error}")));
+        }
+        None
+    }
+
+    /// After the commit (or with nothing to commit): record what was
+    /// decided, publish it, then answer the batch's local requests.
+    async fn publish_committed(
+        &self,
+        mut outbox: Outbox,
+        replies: Vec<Reply>,
+        input: &PartitionInput,
+    ) -> Result<BatchEnd, PartitionTaskError> {
+        outbox.take_observations().record();
+        let published_from = std::time::Instant::now();
+        if let Step::Stop = self.publish_until_done(outbox, input).await {
+            return Ok(BatchEnd::Stop);
+        }
+        crate::metrics::metrics().publish_seconds.record(
+            published_from.elapsed().as_secs_f64(),
+            &[opentelemetry::KeyValue::new("service", self.settings.service)],
+        );
+        if self.faults.hit(FaultPoint::OwnerAfterPublishBeforeOffsetStore) {
+            return Err(PartitionTaskError::Crashed);
+        }
+        for reply in replies {
+            reply();
+        }
+        Ok(BatchEnd::Done)
     }
 
     fn note_transient(&self, partition: i32, reason: String) {
