@@ -155,28 +155,7 @@ impl OwnedStore for LimitStore {
                 .await?;
         }
         if let Some((seq, snapshot)) = &writes.snapshot {
-            sqlx::query(
-                "INSERT INTO ticket_snapshots (partition, seq, epoch, state) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (partition) DO UPDATE SET seq = EXCLUDED.seq, epoch = EXCLUDED.epoch,
-                                                     state = EXCLUDED.state",
-            )
-            .bind(context.partition)
-            .bind(seq)
-            .bind(context.epoch)
-            .bind(snapshot.encode_to_vec())
-            .execute(&mut *connection)
-            .await?;
-            sqlx::query("DELETE FROM ticket_journal WHERE partition = $1 AND seq <= $2")
-                .bind(context.partition)
-                .bind(seq)
-                .execute(&mut *connection)
-                .await?;
-            // Tickets saved as rows before the journal: the first snapshot
-            // holds them now.
-            sqlx::query("DELETE FROM tickets WHERE partition = $1")
-                .bind(context.partition)
-                .execute(&mut *connection)
-                .await?;
+            save_snapshot(connection, context, *seq, snapshot).await?;
         }
         for ((tenant, key), record) in writes.keys {
             match record {
@@ -187,54 +166,97 @@ impl OwnedStore for LimitStore {
                         .execute(&mut *connection)
                         .await?;
                 }
-                Some(record) => {
-                    let floating = record.floating.as_ref();
-                    let metadata = floating
-                        .map(|floating| serde_json::to_string(&floating.metadata).unwrap_or_else(|_| "{}".to_string()));
-                    let flow_weights = serde_json::to_string(&record.flow_weights).unwrap_or_else(|_| "{}".to_string());
-                    sqlx::query(
-                        "INSERT INTO keys (tenant, key, partition, override_max, floating_max, floating_default_max,
-                                           floating_refresh_interval_ms, floating_metadata, floating_last_due_ms,
-                                           floating_last_set_ms, floating_last_task_id, flow_weights, mode, adaptive)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb, $13, $14)
-                         ON CONFLICT (tenant, key) DO UPDATE SET
-                            override_max = EXCLUDED.override_max, floating_max = EXCLUDED.floating_max,
-                            floating_default_max = EXCLUDED.floating_default_max,
-                            floating_refresh_interval_ms = EXCLUDED.floating_refresh_interval_ms,
-                            floating_metadata = EXCLUDED.floating_metadata,
-                            floating_last_due_ms = EXCLUDED.floating_last_due_ms,
-                            floating_last_set_ms = EXCLUDED.floating_last_set_ms,
-                            floating_last_task_id = EXCLUDED.floating_last_task_id,
-                            flow_weights = EXCLUDED.flow_weights, mode = EXCLUDED.mode,
-                            adaptive = EXCLUDED.adaptive,
-                            updated_at = now()",
-                    )
-                    .bind(&tenant)
-                    .bind(&key)
-                    .bind(context.partition)
-                    .bind(record.override_max.map(to_i32))
-                    .bind(floating.map(|floating| to_i32(floating.current_max)))
-                    .bind(floating.map(|floating| to_i32(floating.default_max)))
-                    .bind(floating.map(|floating| i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX)))
-                    .bind(metadata)
-                    .bind(floating.and_then(|floating| floating.last_due_ms))
-                    .bind(floating.and_then(|floating| floating.last_set_ms))
-                    .bind(floating.and_then(|floating| floating.last_task_id.clone()))
-                    .bind(flow_weights)
-                    .bind(record.mode.and_then(|mode| i16::try_from(mode as i32).ok()))
-                    .bind(
-                        record
-                            .adaptive
-                            .as_ref()
-                            .map(|adaptive| adaptive.stored(&key).encode_to_vec()),
-                    )
-                    .execute(&mut *connection)
-                    .await?;
-                }
+                Some(record) => write_key(connection, context.partition, &tenant, &key, &record).await?,
             }
         }
         Ok(())
     }
+}
+
+/// Save the partition's ticket snapshot at journal position `seq`, and
+/// forget the journal up to it.
+async fn save_snapshot(
+    connection: &mut PgConnection,
+    context: &OwnerContext,
+    seq: i64,
+    snapshot: &TicketSnapshot,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO ticket_snapshots (partition, seq, epoch, state) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (partition) DO UPDATE SET seq = EXCLUDED.seq, epoch = EXCLUDED.epoch,
+                                             state = EXCLUDED.state",
+    )
+    .bind(context.partition)
+    .bind(seq)
+    .bind(context.epoch)
+    .bind(snapshot.encode_to_vec())
+    .execute(&mut *connection)
+    .await?;
+    sqlx::query("DELETE FROM ticket_journal WHERE partition = $1 AND seq <= $2")
+        .bind(context.partition)
+        .bind(seq)
+        .execute(&mut *connection)
+        .await?;
+    // Tickets saved as rows before the journal: the first snapshot
+    // holds them now.
+    sqlx::query("DELETE FROM tickets WHERE partition = $1")
+        .bind(context.partition)
+        .execute(&mut *connection)
+        .await?;
+    Ok(())
+}
+
+/// Save a key's settings (its limits' state lives in the tickets).
+async fn write_key(
+    connection: &mut PgConnection,
+    partition: i32,
+    tenant: &str,
+    key: &str,
+    record: &KeyRecord,
+) -> Result<(), sqlx::Error> {
+    let floating = record.floating.as_ref();
+    let metadata =
+        floating.map(|floating| serde_json::to_string(&floating.metadata).unwrap_or_else(|_| "{}".to_string()));
+    let flow_weights = serde_json::to_string(&record.flow_weights).unwrap_or_else(|_| "{}".to_string());
+    sqlx::query(
+        "INSERT INTO keys (tenant, key, partition, override_max, floating_max, floating_default_max,
+                           floating_refresh_interval_ms, floating_metadata, floating_last_due_ms,
+                           floating_last_set_ms, floating_last_task_id, flow_weights, mode, adaptive)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9, $10, $11, $12::jsonb, $13, $14)
+         ON CONFLICT (tenant, key) DO UPDATE SET
+            override_max = EXCLUDED.override_max, floating_max = EXCLUDED.floating_max,
+            floating_default_max = EXCLUDED.floating_default_max,
+            floating_refresh_interval_ms = EXCLUDED.floating_refresh_interval_ms,
+            floating_metadata = EXCLUDED.floating_metadata,
+            floating_last_due_ms = EXCLUDED.floating_last_due_ms,
+            floating_last_set_ms = EXCLUDED.floating_last_set_ms,
+            floating_last_task_id = EXCLUDED.floating_last_task_id,
+            flow_weights = EXCLUDED.flow_weights, mode = EXCLUDED.mode,
+            adaptive = EXCLUDED.adaptive,
+            updated_at = now()",
+    )
+    .bind(tenant)
+    .bind(key)
+    .bind(partition)
+    .bind(record.override_max.map(to_i32))
+    .bind(floating.map(|floating| to_i32(floating.current_max)))
+    .bind(floating.map(|floating| to_i32(floating.default_max)))
+    .bind(floating.map(|floating| i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX)))
+    .bind(metadata)
+    .bind(floating.and_then(|floating| floating.last_due_ms))
+    .bind(floating.and_then(|floating| floating.last_set_ms))
+    .bind(floating.and_then(|floating| floating.last_task_id.clone()))
+    .bind(flow_weights)
+    .bind(record.mode.and_then(|mode| i16::try_from(mode as i32).ok()))
+    .bind(
+        record
+            .adaptive
+            .as_ref()
+            .map(|adaptive| adaptive.stored(key).encode_to_vec()),
+    )
+    .execute(&mut *connection)
+    .await?;
+    Ok(())
 }
 
 /// A partition's saved tickets: its snapshot with the journal after it

@@ -1,7 +1,7 @@
 //! Loads a rate-window partition and saves a batch's writes with set-based
 //! statements.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use async_trait::async_trait;
 use sluice_common::owner::{OwnedStore, OwnerContext};
@@ -9,7 +9,8 @@ use sluice_proto::v1 as pb;
 use sqlx::{PgConnection, Row};
 
 use crate::state::{
-    window_key, PartitionSettings, RatePartition, RateWrites, ResourceRecord, TicketKey, TicketRecord, WindowRecord,
+    window_key, PartitionSettings, RatePartition, RateWrites, ResourceRecord, TicketKey, TicketRecord, WindowKey,
+    WindowRecord,
 };
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
@@ -156,186 +157,12 @@ impl OwnedStore for RateStore {
         context: &OwnerContext,
         writes: RateWrites,
     ) -> Result<(), sqlx::Error> {
-        for ((tenant, resource_key), record) in &writes.resources {
-            match record {
-                Some(record) => {
-                    sqlx::query(
-                        "INSERT INTO resources (tenant, resource_key, partition, max_count, window_seconds)
-                         VALUES ($1, $2, $3, $4, $5)
-                         ON CONFLICT (tenant, resource_key) DO UPDATE
-                            SET max_count = EXCLUDED.max_count, window_seconds = EXCLUDED.window_seconds, updated_at = now()",
-                    )
-                    .bind(tenant)
-                    .bind(resource_key)
-                    .bind(context.partition)
-                    .bind(record.max_count)
-                    .bind(record.window_seconds)
-                    .execute(&mut *connection)
-                    .await?;
-                }
-                None => {
-                    sqlx::query("DELETE FROM resources WHERE tenant = $1 AND resource_key = $2")
-                        .bind(tenant)
-                        .bind(resource_key)
-                        .execute(&mut *connection)
-                        .await?;
-                }
-            }
-        }
-        for (stored, record) in &writes.windows {
-            match record {
-                Some(record) => {
-                    let (name, unique_key, resource_key) = match &record.key.kind {
-                        Some(pb::rate_key_ref::Kind::Inline(inline)) => {
-                            (Some(inline.name.clone()), Some(inline.unique_key.clone()), None)
-                        }
-                        Some(pb::rate_key_ref::Kind::ResourceKey(resource_key)) => {
-                            (None, None, Some(resource_key.clone()))
-                        }
-                        None => (None, None, None),
-                    };
-                    debug_assert_eq!(stored, &window_key(&record.key));
-                    sqlx::query(
-                        "INSERT INTO windows (window_key, partition, tenant, name, unique_key, resource_key, rate_limit, window_ms)
-                         VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-                         ON CONFLICT (window_key) DO UPDATE
-                            SET rate_limit = EXCLUDED.rate_limit, window_ms = EXCLUDED.window_ms, updated_at = now()",
-                    )
-                    .bind(stored)
-                    .bind(context.partition)
-                    .bind(&record.key.tenant)
-                    .bind(name)
-                    .bind(unique_key)
-                    .bind(resource_key)
-                    .bind(record.rate_limit)
-                    .bind(record.window_ms)
-                    .execute(&mut *connection)
-                    .await?;
-                }
-                None => {
-                    sqlx::query("DELETE FROM window_grants WHERE window_key = $1")
-                        .bind(stored)
-                        .execute(&mut *connection)
-                        .await?;
-                    sqlx::query("DELETE FROM windows WHERE window_key = $1")
-                        .bind(stored)
-                        .execute(&mut *connection)
-                        .await?;
-                }
-            }
-        }
-        if !writes.grant_units.is_empty() {
-            let mut keys = Vec::with_capacity(writes.grant_units.len());
-            let mut times = Vec::with_capacity(writes.grant_units.len());
-            let mut units = Vec::with_capacity(writes.grant_units.len());
-            for ((stored, at_ms), granted) in writes.grant_units {
-                keys.push(stored);
-                times.push(at_ms);
-                units.push(i64::try_from(granted).unwrap_or(i64::MAX));
-            }
-            sqlx::query(
-                "INSERT INTO window_grants (window_key, at_ms, units)
-                 SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::bigint[])
-                 ON CONFLICT (window_key, at_ms) DO UPDATE SET units = window_grants.units + EXCLUDED.units",
-            )
-            .bind(keys)
-            .bind(times)
-            .bind(units)
-            .execute(&mut *connection)
-            .await?;
-        }
-        if !writes.prune_before.is_empty() {
-            let (keys, cutoffs): (Vec<String>, Vec<i64>) = writes.prune_before.into_iter().unzip();
-            sqlx::query(
-                "DELETE FROM window_grants AS g USING UNNEST($1::text[], $2::bigint[]) AS p(window_key, cutoff)
-                 WHERE g.window_key = p.window_key AND g.at_ms <= p.cutoff",
-            )
-            .bind(keys)
-            .bind(cutoffs)
-            .execute(&mut *connection)
-            .await?;
-        }
-        if !writes.ticket_deletes.is_empty() {
-            let mut job_ids = Vec::new();
-            let mut attempts = Vec::new();
-            let mut steps = Vec::new();
-            for ticket in &writes.ticket_deletes {
-                job_ids.push(ticket.job_id.to_string());
-                attempts.push(to_i32(ticket.attempt));
-                steps.push(to_i32(ticket.step));
-            }
-            sqlx::query(
-                "DELETE FROM tickets AS t USING UNNEST($1::text[], $2::integer[], $3::integer[]) AS d(job_id, attempt, step)
-                 WHERE t.job_id = d.job_id AND t.attempt = d.attempt AND t.step = d.step",
-            )
-            .bind(job_ids)
-            .bind(attempts)
-            .bind(steps)
-            .execute(&mut *connection)
-            .await?;
-        }
-        if !writes.ticket_upserts.is_empty() {
-            let count = writes.ticket_upserts.len();
-            let mut job_ids = Vec::with_capacity(count);
-            let mut attempts = Vec::with_capacity(count);
-            let mut steps = Vec::with_capacity(count);
-            let mut window_keys = Vec::with_capacity(count);
-            let mut granted = Vec::with_capacity(count);
-            let mut priorities = Vec::with_capacity(count);
-            let mut enqueued = Vec::with_capacity(count);
-            let mut costs = Vec::with_capacity(count);
-            let mut waiting_since = Vec::with_capacity(count);
-            let mut positions = Vec::with_capacity(count);
-            let mut granted_at: Vec<Option<i64>> = Vec::with_capacity(count);
-            let mut unthrottled = Vec::with_capacity(count);
-            let mut traceparents = Vec::with_capacity(count);
-            let mut tracestates = Vec::with_capacity(count);
-            for record in writes.ticket_upserts.into_values() {
-                job_ids.push(record.ticket.job_id.to_string());
-                attempts.push(to_i32(record.ticket.attempt));
-                steps.push(to_i32(record.ticket.step));
-                window_keys.push(record.window_key);
-                granted.push(record.granted);
-                priorities.push(i16::try_from(record.priority).unwrap_or(i16::MAX));
-                enqueued.push(record.enqueued_at_us);
-                costs.push(i64::try_from(record.cost).unwrap_or(i64::MAX));
-                waiting_since.push(record.waiting_since_ms);
-                positions.push(to_i32(record.position_at_enqueue));
-                granted_at.push(record.granted_at_ms);
-                unthrottled.push(record.unthrottled);
-                traceparents.push(record.traceparent);
-                tracestates.push(record.tracestate);
-            }
-            sqlx::query(
-                "INSERT INTO tickets (job_id, attempt, step, partition, window_key, granted, priority, enqueued_at_us, cost,
-                                      waiting_since_ms, position_at_enqueue, granted_at_ms, unthrottled, traceparent, tracestate)
-                 SELECT u.job_id, u.attempt, u.step, $1, u.window_key, u.granted, u.priority, u.enqueued_at_us, u.cost,
-                        u.waiting_since_ms, u.position_at_enqueue, u.granted_at_ms, u.unthrottled, u.traceparent, u.tracestate
-                 FROM UNNEST($2::text[], $3::integer[], $4::integer[], $5::text[], $6::boolean[], $7::smallint[], $8::bigint[],
-                             $9::bigint[], $10::bigint[], $11::integer[], $12::bigint[], $13::boolean[], $14::text[], $15::text[])
-                      AS u(job_id, attempt, step, window_key, granted, priority, enqueued_at_us, cost, waiting_since_ms,
-                           position_at_enqueue, granted_at_ms, unthrottled, traceparent, tracestate)
-                 ON CONFLICT (job_id, attempt, step) DO UPDATE
-                    SET granted = EXCLUDED.granted, granted_at_ms = EXCLUDED.granted_at_ms, unthrottled = EXCLUDED.unthrottled",
-            )
-            .bind(context.partition)
-            .bind(job_ids)
-            .bind(attempts)
-            .bind(steps)
-            .bind(window_keys)
-            .bind(granted)
-            .bind(priorities)
-            .bind(enqueued)
-            .bind(costs)
-            .bind(waiting_since)
-            .bind(positions)
-            .bind(granted_at)
-            .bind(unthrottled)
-            .bind(traceparents)
-            .bind(tracestates)
-            .execute(&mut *connection)
-            .await?;
-        }
+        write_resources(connection, context.partition, &writes.resources).await?;
+        write_windows(connection, context.partition, &writes.windows).await?;
+        add_grant_units(connection, writes.grant_units).await?;
+        prune_grant_units(connection, writes.prune_before).await?;
+        delete_tickets(connection, &writes.ticket_deletes).await?;
+        upsert_tickets(connection, context.partition, writes.ticket_upserts).await?;
         if let Some(cutoff) = writes.forget_granted_before {
             sqlx::query("DELETE FROM tickets WHERE partition = $1 AND granted AND granted_at_ms < $2")
                 .bind(context.partition)
@@ -345,4 +172,232 @@ impl OwnedStore for RateStore {
         }
         Ok(())
     }
+}
+
+/// Save resources set and removed.
+async fn write_resources(
+    connection: &mut PgConnection,
+    partition: i32,
+    resources: &HashMap<(String, String), Option<ResourceRecord>>,
+) -> Result<(), sqlx::Error> {
+    for ((tenant, resource_key), record) in resources {
+        match record {
+            Some(record) => {
+                sqlx::query(
+                    "INSERT INTO resources (tenant, resource_key, partition, max_count, window_seconds)
+                     VALUES ($1, $2, $3, $4, $5)
+                     ON CONFLICT (tenant, resource_key) DO UPDATE
+                        SET max_count = EXCLUDED.max_count, window_seconds = EXCLUDED.window_seconds, updated_at = now()",
+                )
+                .bind(tenant)
+                .bind(resource_key)
+                .bind(partition)
+                .bind(record.max_count)
+                .bind(record.window_seconds)
+                .execute(&mut *connection)
+                .await?;
+            }
+            None => {
+                sqlx::query("DELETE FROM resources WHERE tenant = $1 AND resource_key = $2")
+                    .bind(tenant)
+                    .bind(resource_key)
+                    .execute(&mut *connection)
+                    .await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Save windows set and removed (with their grant units).
+async fn write_windows(
+    connection: &mut PgConnection,
+    partition: i32,
+    windows: &HashMap<WindowKey, Option<WindowRecord>>,
+) -> Result<(), sqlx::Error> {
+    for (stored, record) in windows {
+        match record {
+            Some(record) => {
+                let (name, unique_key, resource_key) = match &record.key.kind {
+                    Some(pb::rate_key_ref::Kind::Inline(inline)) => {
+                        (Some(inline.name.clone()), Some(inline.unique_key.clone()), None)
+                    }
+                    Some(pb::rate_key_ref::Kind::ResourceKey(resource_key)) => (None, None, Some(resource_key.clone())),
+                    None => (None, None, None),
+                };
+                debug_assert_eq!(stored, &window_key(&record.key));
+                sqlx::query(
+                    "INSERT INTO windows (window_key, partition, tenant, name, unique_key, resource_key, rate_limit, window_ms)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                     ON CONFLICT (window_key) DO UPDATE
+                        SET rate_limit = EXCLUDED.rate_limit, window_ms = EXCLUDED.window_ms, updated_at = now()",
+                )
+                .bind(stored)
+                .bind(partition)
+                .bind(&record.key.tenant)
+                .bind(name)
+                .bind(unique_key)
+                .bind(resource_key)
+                .bind(record.rate_limit)
+                .bind(record.window_ms)
+                .execute(&mut *connection)
+                .await?;
+            }
+            None => {
+                sqlx::query("DELETE FROM window_grants WHERE window_key = $1")
+                    .bind(stored)
+                    .execute(&mut *connection)
+                    .await?;
+                sqlx::query("DELETE FROM windows WHERE window_key = $1")
+                    .bind(stored)
+                    .execute(&mut *connection)
+                    .await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Add the units granted per window and instant.
+async fn add_grant_units(
+    connection: &mut PgConnection,
+    grant_units: HashMap<(WindowKey, i64), u64>,
+) -> Result<(), sqlx::Error> {
+    if grant_units.is_empty() {
+        return Ok(());
+    }
+    let mut keys = Vec::with_capacity(grant_units.len());
+    let mut times = Vec::with_capacity(grant_units.len());
+    let mut units = Vec::with_capacity(grant_units.len());
+    for ((stored, at_ms), granted) in grant_units {
+        keys.push(stored);
+        times.push(at_ms);
+        units.push(i64::try_from(granted).unwrap_or(i64::MAX));
+    }
+    sqlx::query(
+        "INSERT INTO window_grants (window_key, at_ms, units)
+         SELECT * FROM UNNEST($1::text[], $2::bigint[], $3::bigint[])
+         ON CONFLICT (window_key, at_ms) DO UPDATE SET units = window_grants.units + EXCLUDED.units",
+    )
+    .bind(keys)
+    .bind(times)
+    .bind(units)
+    .execute(&mut *connection)
+    .await?;
+    Ok(())
+}
+
+/// Forget grant units that slid out of their windows.
+async fn prune_grant_units(
+    connection: &mut PgConnection,
+    prune_before: HashMap<WindowKey, i64>,
+) -> Result<(), sqlx::Error> {
+    if prune_before.is_empty() {
+        return Ok(());
+    }
+    let (keys, cutoffs): (Vec<String>, Vec<i64>) = prune_before.into_iter().unzip();
+    sqlx::query(
+        "DELETE FROM window_grants AS g USING UNNEST($1::text[], $2::bigint[]) AS p(window_key, cutoff)
+         WHERE g.window_key = p.window_key AND g.at_ms <= p.cutoff",
+    )
+    .bind(keys)
+    .bind(cutoffs)
+    .execute(&mut *connection)
+    .await?;
+    Ok(())
+}
+
+async fn delete_tickets(connection: &mut PgConnection, deletes: &HashSet<TicketKey>) -> Result<(), sqlx::Error> {
+    if deletes.is_empty() {
+        return Ok(());
+    }
+    let mut job_ids = Vec::new();
+    let mut attempts = Vec::new();
+    let mut steps = Vec::new();
+    for ticket in deletes {
+        job_ids.push(ticket.job_id.to_string());
+        attempts.push(to_i32(ticket.attempt));
+        steps.push(to_i32(ticket.step));
+    }
+    sqlx::query(
+        "DELETE FROM tickets AS t USING UNNEST($1::text[], $2::integer[], $3::integer[]) AS d(job_id, attempt, step)
+         WHERE t.job_id = d.job_id AND t.attempt = d.attempt AND t.step = d.step",
+    )
+    .bind(job_ids)
+    .bind(attempts)
+    .bind(steps)
+    .execute(&mut *connection)
+    .await?;
+    Ok(())
+}
+
+async fn upsert_tickets(
+    connection: &mut PgConnection,
+    partition: i32,
+    upserts: HashMap<TicketKey, TicketRecord>,
+) -> Result<(), sqlx::Error> {
+    if upserts.is_empty() {
+        return Ok(());
+    }
+    let count = upserts.len();
+    let mut job_ids = Vec::with_capacity(count);
+    let mut attempts = Vec::with_capacity(count);
+    let mut steps = Vec::with_capacity(count);
+    let mut window_keys = Vec::with_capacity(count);
+    let mut granted = Vec::with_capacity(count);
+    let mut priorities = Vec::with_capacity(count);
+    let mut enqueued = Vec::with_capacity(count);
+    let mut costs = Vec::with_capacity(count);
+    let mut waiting_since = Vec::with_capacity(count);
+    let mut positions = Vec::with_capacity(count);
+    let mut granted_at: Vec<Option<i64>> = Vec::with_capacity(count);
+    let mut unthrottled = Vec::with_capacity(count);
+    let mut traceparents = Vec::with_capacity(count);
+    let mut tracestates = Vec::with_capacity(count);
+    for record in upserts.into_values() {
+        job_ids.push(record.ticket.job_id.to_string());
+        attempts.push(to_i32(record.ticket.attempt));
+        steps.push(to_i32(record.ticket.step));
+        window_keys.push(record.window_key);
+        granted.push(record.granted);
+        priorities.push(i16::try_from(record.priority).unwrap_or(i16::MAX));
+        enqueued.push(record.enqueued_at_us);
+        costs.push(i64::try_from(record.cost).unwrap_or(i64::MAX));
+        waiting_since.push(record.waiting_since_ms);
+        positions.push(to_i32(record.position_at_enqueue));
+        granted_at.push(record.granted_at_ms);
+        unthrottled.push(record.unthrottled);
+        traceparents.push(record.traceparent);
+        tracestates.push(record.tracestate);
+    }
+    sqlx::query(
+        "INSERT INTO tickets (job_id, attempt, step, partition, window_key, granted, priority, enqueued_at_us, cost,
+                              waiting_since_ms, position_at_enqueue, granted_at_ms, unthrottled, traceparent, tracestate)
+         SELECT u.job_id, u.attempt, u.step, $1, u.window_key, u.granted, u.priority, u.enqueued_at_us, u.cost,
+                u.waiting_since_ms, u.position_at_enqueue, u.granted_at_ms, u.unthrottled, u.traceparent, u.tracestate
+         FROM UNNEST($2::text[], $3::integer[], $4::integer[], $5::text[], $6::boolean[], $7::smallint[], $8::bigint[],
+                     $9::bigint[], $10::bigint[], $11::integer[], $12::bigint[], $13::boolean[], $14::text[], $15::text[])
+              AS u(job_id, attempt, step, window_key, granted, priority, enqueued_at_us, cost, waiting_since_ms,
+                   position_at_enqueue, granted_at_ms, unthrottled, traceparent, tracestate)
+         ON CONFLICT (job_id, attempt, step) DO UPDATE
+            SET granted = EXCLUDED.granted, granted_at_ms = EXCLUDED.granted_at_ms, unthrottled = EXCLUDED.unthrottled",
+    )
+    .bind(partition)
+    .bind(job_ids)
+    .bind(attempts)
+    .bind(steps)
+    .bind(window_keys)
+    .bind(granted)
+    .bind(priorities)
+    .bind(enqueued)
+    .bind(costs)
+    .bind(waiting_since)
+    .bind(positions)
+    .bind(granted_at)
+    .bind(unthrottled)
+    .bind(traceparents)
+    .bind(tracestates)
+    .execute(&mut *connection)
+    .await?;
+    Ok(())
 }
