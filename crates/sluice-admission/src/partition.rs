@@ -45,6 +45,16 @@ pub enum OnConflict {
     Report,
 }
 
+/// How the jobs of one Enqueue call are answered, decided before anything
+/// changes (`plan_enqueue`).
+struct EnqueuePlan {
+    outcomes: Vec<EnqueueOutcome>,
+    /// Each job id new in this call, at its first index.
+    first_in_call: HashMap<String, usize>,
+    /// The new jobs: their index, and when their idempotency key expires.
+    new_rows: Vec<(usize, i64)>,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnqueueOutcome {
     pub job_id: String,
@@ -809,130 +819,165 @@ impl AdmissionPartition {
     ) -> Result<Vec<EnqueueOutcome>, EnqueueError> {
         // Decide every outcome first: a refused call changes nothing.
         let rows: Vec<JobRow> = jobs.iter().map(|incoming| self.new_row(incoming, now_ms)).collect();
-        let mut outcomes: Vec<EnqueueOutcome> = Vec::with_capacity(rows.len());
-        let mut first_in_call: HashMap<String, usize> = HashMap::new();
-        let mut idempotency_in_call: HashMap<(String, String), String> = HashMap::new();
-        let mut new_rows: Vec<(usize, i64)> = Vec::new();
-        for (index, (row, incoming)) in rows.iter().zip(jobs).enumerate() {
-            let job_id = &row.state.job_id;
-            // An idempotency key held by another job inside its window.
-            if let (Some(key), Some(_)) = (&row.idempotency_key, incoming.valid.idempotency_window_ms) {
-                let pair = (row.tenant.clone(), key.clone());
-                let holder = idempotency_in_call.get(&pair).cloned().or_else(|| {
-                    self.prepared
-                        .idempotency
-                        .get(&pair)
-                        .filter(|(_, expires_at_ms)| *expires_at_ms > now_ms)
-                        .map(|(holder, _)| holder.clone())
-                });
-                match holder {
-                    Some(holder) if &holder != job_id => {
-                        let status = self.existing(&holder).map_or(Status::Unspecified, |(status, _)| status);
-                        outcomes.push(EnqueueOutcome {
-                            job_id: holder,
-                            status,
-                            deduplicated: true,
-                            conflict: false,
-                        });
-                        continue;
-                    }
-                    Some(_) => {}
-                    None => {
-                        idempotency_in_call.insert(pair, job_id.clone());
-                    }
-                }
-            }
-            // The same id earlier in this call, or already saved.
-            let earlier = first_in_call
-                .get(job_id)
-                .map(|first| (Status::Unspecified, rows[*first].request_hash.clone()));
-            let existing = earlier.or_else(|| self.existing(job_id));
-            match existing {
-                Some((status, saved_hash)) => {
-                    let same = match (&saved_hash, &row.request_hash) {
-                        (Some(saved), Some(ours)) => saved == ours,
-                        _ => true,
-                    };
-                    if !same && on_conflict == OnConflict::Refuse {
-                        return Err(EnqueueError::Conflict(EnqueueConflict {
-                            index,
-                            job_id: job_id.clone(),
-                        }));
-                    }
-                    let status = match first_in_call.get(job_id) {
-                        Some(first) => rows[*first].state.status,
-                        None => status,
-                    };
-                    outcomes.push(EnqueueOutcome {
-                        job_id: job_id.clone(),
-                        status,
-                        deduplicated: same,
-                        conflict: !same,
-                    });
-                }
-                None => {
-                    first_in_call.insert(job_id.clone(), index);
-                    let expires_at_ms = incoming
-                        .valid
-                        .idempotency_window_ms
-                        .map_or(0, |window_ms| now_ms.saturating_add(window_ms));
-                    new_rows.push((index, expires_at_ms));
-                    outcomes.push(EnqueueOutcome {
-                        job_id: job_id.clone(),
-                        status: row.state.status,
-                        deduplicated: false,
-                        conflict: false,
-                    });
-                }
-            }
-        }
-        self.check_quotas(now_ms, new_rows.iter().map(|(index, _)| rows[*index].tenant.as_str()))
-            .map_err(EnqueueError::Quota)?;
+        let plan = self.plan_enqueue(now_ms, &rows, jobs, on_conflict)?;
+        self.check_quotas(
+            now_ms,
+            plan.new_rows.iter().map(|(index, _)| rows[*index].tenant.as_str()),
+        )
+        .map_err(EnqueueError::Quota)?;
         // Duplicates re-send the effect their job is waiting on.
-        for outcome in &outcomes {
-            if outcome.deduplicated && !first_in_call.contains_key(&outcome.job_id) {
+        for outcome in &plan.outcomes {
+            if outcome.deduplicated && !plan.first_in_call.contains_key(&outcome.job_id) {
                 self.resend_pending(&outcome.job_id, out);
             }
         }
         let mut rows: Vec<Option<JobRow>> = rows.into_iter().map(Some).collect();
-        for (index, expires_at_ms) in new_rows {
-            let Some(row) = rows.get_mut(index).and_then(Option::take) else {
+        for (index, expires_at_ms) in plan.new_rows {
+            if let Some(row) = rows.get_mut(index).and_then(Option::take) {
+                self.insert_new_job(row, expires_at_ms, out);
+            }
+        }
+        Ok(plan.outcomes)
+    }
+
+    /// The outcome of each job of an Enqueue call, changing nothing: a new
+    /// job, a duplicate (of a saved job, of one earlier in the call, or of
+    /// the holder of its idempotency key), or a conflict.
+    fn plan_enqueue(
+        &self,
+        now_ms: i64,
+        rows: &[JobRow],
+        jobs: &[Incoming],
+        on_conflict: OnConflict,
+    ) -> Result<EnqueuePlan, EnqueueError> {
+        let mut plan = EnqueuePlan {
+            outcomes: Vec::with_capacity(rows.len()),
+            first_in_call: HashMap::new(),
+            new_rows: Vec::new(),
+        };
+        let mut idempotency_in_call: HashMap<(String, String), String> = HashMap::new();
+        for (index, (row, incoming)) in rows.iter().zip(jobs).enumerate() {
+            let job_id = &row.state.job_id;
+            if let Some(holder) = self.idempotency_holder(now_ms, row, incoming, &mut idempotency_in_call) {
+                let status = self.existing(&holder).map_or(Status::Unspecified, |(status, _)| status);
+                plan.outcomes.push(EnqueueOutcome {
+                    job_id: holder,
+                    status,
+                    deduplicated: true,
+                    conflict: false,
+                });
+                continue;
+            }
+            // The same id earlier in this call, or already saved.
+            let earlier = plan.first_in_call.get(job_id).map(|first| &rows[*first]);
+            let existing = match earlier {
+                Some(first) => Some((first.state.status, first.request_hash.clone())),
+                None => self.existing(job_id),
+            };
+            let Some((status, saved_hash)) = existing else {
+                plan.first_in_call.insert(job_id.clone(), index);
+                let expires_at_ms = incoming
+                    .valid
+                    .idempotency_window_ms
+                    .map_or(0, |window_ms| now_ms.saturating_add(window_ms));
+                plan.new_rows.push((index, expires_at_ms));
+                plan.outcomes.push(EnqueueOutcome {
+                    job_id: job_id.clone(),
+                    status: row.state.status,
+                    deduplicated: false,
+                    conflict: false,
+                });
                 continue;
             };
-            if let Some(key) = &row.idempotency_key {
-                out.writes
-                    .idempotency
-                    .push((row.tenant.clone(), key.clone(), row.state.job_id.clone(), expires_at_ms));
-                // Later requests of the same batch see the key taken.
-                self.prepared.idempotency.insert(
-                    (row.tenant.clone(), key.clone()),
-                    (row.state.job_id.clone(), expires_at_ms),
-                );
-            }
-            let job_id = row.state.job_id.clone();
-            let effects = match row.state.status {
-                Status::Waiting => vec![Effect::Acquire],
-                Status::Admitted => vec![Effect::Admitted],
-                _ => Vec::new(),
+            let same = match (&saved_hash, &row.request_hash) {
+                (Some(saved), Some(ours)) => saved == ours,
+                _ => true,
             };
-            out.writes.inserted.push(row.clone());
-            let keep_payload = self.payload_fits(&row.payload);
-            let mut kept = row;
-            if !keep_payload {
-                kept.payload = Vec::new();
-            }
-            self.put(kept, keep_payload);
-            self.changes.insert(
-                job_id.clone(),
-                JobChange {
+            if !same && on_conflict == OnConflict::Refuse {
+                return Err(EnqueueError::Conflict(EnqueueConflict {
+                    index,
                     job_id: job_id.clone(),
-                    created: true,
-                    ..Default::default()
-                },
-            );
-            self.after_transition(&job_id, &effects, out);
+                }));
+            }
+            plan.outcomes.push(EnqueueOutcome {
+                job_id: job_id.clone(),
+                status,
+                deduplicated: same,
+                conflict: !same,
+            });
         }
-        Ok(outcomes)
+        Ok(plan)
+    }
+
+    /// Another job that holds `row`'s idempotency key inside its window
+    /// (saved, or earlier in this call). Takes the key for `row` in
+    /// `in_call` when nobody holds it.
+    fn idempotency_holder(
+        &self,
+        now_ms: i64,
+        row: &JobRow,
+        incoming: &Incoming,
+        in_call: &mut HashMap<(String, String), String>,
+    ) -> Option<String> {
+        let (Some(key), Some(_)) = (&row.idempotency_key, incoming.valid.idempotency_window_ms) else {
+            return None;
+        };
+        let pair = (row.tenant.clone(), key.clone());
+        let holder = in_call.get(&pair).cloned().or_else(|| {
+            self.prepared
+                .idempotency
+                .get(&pair)
+                .filter(|(_, expires_at_ms)| *expires_at_ms > now_ms)
+                .map(|(holder, _)| holder.clone())
+        });
+        match holder {
+            Some(holder) if holder != row.state.job_id => Some(holder),
+            Some(_) => None,
+            None => {
+                in_call.insert(pair, row.state.job_id.clone());
+                None
+            }
+        }
+    }
+
+    /// Save a new job and start it: it acquires its limits (or is
+    /// admitted at once when it names none).
+    fn insert_new_job(&mut self, row: JobRow, idempotency_expires_at_ms: i64, out: &mut Out<'_>) {
+        if let Some(key) = &row.idempotency_key {
+            out.writes.idempotency.push((
+                row.tenant.clone(),
+                key.clone(),
+                row.state.job_id.clone(),
+                idempotency_expires_at_ms,
+            ));
+            // Later requests of the same batch see the key taken.
+            self.prepared.idempotency.insert(
+                (row.tenant.clone(), key.clone()),
+                (row.state.job_id.clone(), idempotency_expires_at_ms),
+            );
+        }
+        let job_id = row.state.job_id.clone();
+        let effects = match row.state.status {
+            Status::Waiting => vec![Effect::Acquire],
+            Status::Admitted => vec![Effect::Admitted],
+            _ => Vec::new(),
+        };
+        out.writes.inserted.push(row.clone());
+        let keep_payload = self.payload_fits(&row.payload);
+        let mut kept = row;
+        if !keep_payload {
+            kept.payload = Vec::new();
+        }
+        self.put(kept, keep_payload);
+        self.changes.insert(
+            job_id.clone(),
+            JobChange {
+                job_id: job_id.clone(),
+                created: true,
+                ..Default::default()
+            },
+        );
+        self.after_transition(&job_id, &effects, out);
     }
 
     /// Refuse new jobs of a tenant over its quotas (this partition's share:
@@ -1074,7 +1119,11 @@ impl AdmissionPartition {
     fn advance(&mut self, now_ms: i64, job_id: &str, event: &pb::GrantEvent, out: &mut Out<'_>) {
         let timing = self.settings.timing;
         if let Some(active) = self.jobs.get(job_id) {
-            record_wait_span(&active.row, active.row.state.step, event);
+            // Recorded once the grant's batch is committed: a batch decided
+            // again (after a failed commit) records it once.
+            if let Some(span) = wait_span(&active.row, active.row.state.step, event) {
+                out.outbox.observe(span);
+            }
         }
         let mut effects = Vec::new();
         self.update(job_id, |state| {
@@ -1344,8 +1393,8 @@ impl AdmissionPartition {
             } else {
                 result.outcome = pb::CompleteOutcome::NotFound as i32;
             }
-            if let Some(trace) = trace {
-                record_complete_span(&result, caller_trace, &trace);
+            if let Some(trace) = trace.filter(|_| sluice_common::telemetry::spans_exported()) {
+                out.outbox.observe(complete_span(&result, caller_trace, &trace));
             }
             results.push(result);
         }
@@ -1742,9 +1791,13 @@ impl OwnedState for AdmissionPartition {
 const SCOPE: &str = "sluice-admission";
 
 /// The span covering a job's wait on one limit, from when the key's owner
-/// queued it to the grant.
-fn record_wait_span(row: &JobRow, step_index: u32, event: &pb::GrantEvent) {
+/// queued it to the grant, to record when the grant is committed. `None`
+/// when spans are not exported.
+fn wait_span(row: &JobRow, step_index: u32, event: &pb::GrantEvent) -> Option<impl FnOnce() + Send + 'static> {
     use sluice_common::clock::system_time_at_ms as at_ms;
+    if !sluice_common::telemetry::spans_exported() {
+        return None;
+    }
     let step = row.state.chain.get(usize::try_from(step_index).unwrap_or(usize::MAX));
     let kind = pb::LimitKind::try_from(event.kind).unwrap_or(pb::LimitKind::Unspecified);
     let key = event.key.clone().unwrap_or_default();
@@ -1754,58 +1807,62 @@ fn record_wait_span(row: &JobRow, step_index: u32, event: &pb::GrantEvent) {
     } else {
         event.granted_at_ms
     };
-    record_span(
-        SCOPE,
-        "sluice.wait",
-        &row.trace,
-        at_ms(start_ms),
-        at_ms(event.granted_at_ms.max(start_ms)),
-        || {
-            vec![
-                KeyValue::new("sluice.job_id", row.state.job_id.clone()),
-                KeyValue::new("sluice.step", i64::from(step_index)),
-                KeyValue::new("sluice.tenant", key.tenant),
-                KeyValue::new("sluice.key", key.key),
-                KeyValue::new("sluice.limit_kind", kind.as_str_name()),
-                KeyValue::new("sluice.max", event.max),
-                KeyValue::new("sluice.position_at_enqueue", i64::from(event.position_at_enqueue)),
-                KeyValue::new("sluice.outcome", outcome),
-                KeyValue::new(
-                    "sluice.origin",
-                    step.map(|step| step.origin.clone()).unwrap_or_default(),
-                ),
-            ]
-        },
-    );
+    let trace = row.trace.clone();
+    let end_ms = event.granted_at_ms.max(start_ms);
+    let attributes = vec![
+        KeyValue::new("sluice.job_id", row.state.job_id.clone()),
+        KeyValue::new("sluice.step", i64::from(step_index)),
+        KeyValue::new("sluice.tenant", key.tenant),
+        KeyValue::new("sluice.key", key.key),
+        KeyValue::new("sluice.limit_kind", kind.as_str_name()),
+        KeyValue::new("sluice.max", event.max),
+        KeyValue::new("sluice.position_at_enqueue", i64::from(event.position_at_enqueue)),
+        KeyValue::new("sluice.outcome", outcome),
+        KeyValue::new(
+            "sluice.origin",
+            step.map(|step| step.origin.clone()).unwrap_or_default(),
+        ),
+    ];
+    Some(move || {
+        record_span(SCOPE, "sluice.wait", &trace, at_ms(start_ms), at_ms(end_ms), || {
+            attributes
+        });
+    })
 }
 
-/// Under the worker's handler span when the call carries one of this job's
-/// trace, else under the job's own span.
-fn record_complete_span(result: &pb::CompleteResult, caller_trace: &pb::TraceContext, job_trace: &pb::TraceContext) {
+/// The span of a completion, to record once it is committed: under the
+/// worker's handler span when the call carries one of this job's trace,
+/// else under the job's own span.
+fn complete_span(
+    result: &pb::CompleteResult,
+    caller_trace: &pb::TraceContext,
+    job_trace: &pb::TraceContext,
+) -> impl FnOnce() + Send + 'static {
     let parent = if same_trace(caller_trace, job_trace) {
-        caller_trace
+        caller_trace.clone()
     } else {
-        job_trace
+        job_trace.clone()
     };
-    let now = std::time::SystemTime::now();
-    record_span(SCOPE, "admission.complete", parent, now, now, || {
-        vec![
-            KeyValue::new("sluice.job_id", result.job_id.clone()),
-            KeyValue::new("sluice.attempt", i64::from(result.attempt)),
-            KeyValue::new(
-                "sluice.outcome",
-                pb::CompleteOutcome::try_from(result.outcome)
-                    .map(|outcome| outcome.as_str_name().to_string())
-                    .unwrap_or_default(),
-            ),
-            KeyValue::new(
-                "sluice.status",
-                Status::try_from(result.status)
-                    .map(|status| status.as_str_name().to_string())
-                    .unwrap_or_default(),
-            ),
-        ]
-    });
+    let attributes = vec![
+        KeyValue::new("sluice.job_id", result.job_id.clone()),
+        KeyValue::new("sluice.attempt", i64::from(result.attempt)),
+        KeyValue::new(
+            "sluice.outcome",
+            pb::CompleteOutcome::try_from(result.outcome)
+                .map(|outcome| outcome.as_str_name().to_string())
+                .unwrap_or_default(),
+        ),
+        KeyValue::new(
+            "sluice.status",
+            Status::try_from(result.status)
+                .map(|status| status.as_str_name().to_string())
+                .unwrap_or_default(),
+        ),
+    ];
+    move || {
+        let now = std::time::SystemTime::now();
+        record_span(SCOPE, "admission.complete", &parent, now, now, || attributes);
+    }
 }
 
 /// Whether two W3C contexts belong to one trace.
