@@ -137,29 +137,7 @@ pub async fn run(
     // The hot path: commands up and grants down over streams to limit-grant
     // and rate-window (docs/hot-path.md).
     let client_id = format!("admission-{}", uuid::Uuid::new_v4());
-    let (grants_sender, grants_receiver) = tokio::sync::mpsc::channel(1024);
-    let links = AdmissionLinks {
-        limit: LinkClient::start(
-            LinkClientSettings {
-                service: "limit-grant",
-                seed_endpoint: config.admission.limit_grant_endpoint.clone(),
-                client_id: client_id.clone(),
-            },
-            grants_sender.clone(),
-            readiness.clone(),
-            shutdown.clone(),
-        ),
-        rate: LinkClient::start(
-            LinkClientSettings {
-                service: "rate-window",
-                seed_endpoint: config.admission.rate_window_endpoint.clone(),
-                client_id: client_id.clone(),
-            },
-            grants_sender,
-            readiness.clone(),
-            shutdown.clone(),
-        ),
-    };
+    let (links, grants_receiver) = start_links(&config, &client_id, &readiness, &shutdown);
 
     // Workers on streams: dispatch is the claim (docs/worker-protocol.md).
     let (hub, undelivered) = work::WorkerHub::new();
@@ -225,55 +203,23 @@ pub async fn run(
             .await
         });
     }
-    // The shared requested-jobs topic, and one per tenant with its own
-    // (topics.tenant_requested), each in a consumer group of its own.
-    let own_topics: Arc<std::collections::BTreeSet<String>> =
-        Arc::new(config.topics.tenant_requested.iter().cloned().collect());
-    let mut request_topics = vec![(
-        config.topics.requested.clone(),
-        consumers::TopicTenants::AllBut(own_topics.clone()),
-        String::new(),
-    )];
-    for tenant in &config.topics.tenant_requested {
-        request_topics.push((
-            config.tenant_requested_topic(tenant),
-            consumers::TopicTenants::Only(Arc::from(tenant.as_str())),
-            format!("-{tenant}"),
-        ));
-    }
-    for (topic, tenants, group_suffix) in request_topics {
-        let requested_topic = config.topic(&topic);
-        let factory = Arc::new(consumers::RequestConsumer {
+    spawn_request_consumers(
+        &mut supervisor,
+        &config,
+        |topic, tenants| consumers::RequestConsumer {
             config: config.clone(),
             routes: routes.clone(),
             publisher: publisher.clone(),
             readiness: readiness.clone(),
             faults: faults.clone(),
-            topic: Arc::from(requested_topic.as_str()),
+            topic,
             tenants,
             jobs_topic: Arc::from(jobs_topic.as_str()),
             registry: registry.clone(),
-        });
-        let options = ConsumerOptions {
-            group: config.group(&format!("{}-requests{group_suffix}", config.admission.consumer_group)),
-            topic: requested_topic,
-            channel_capacity: 10_000,
-            track_end: false,
-            readiness: readiness.clone(),
-        };
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        supervisor.spawn("job request consumer", async move {
-            kafka::run_partitioned_consumer(
-                &config.kafka,
-                options,
-                factory,
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        });
-    }
+        },
+        &readiness,
+        &shutdown,
+    );
     supervisor.spawn(
         "tenant quotas",
         quota::refresh(
@@ -337,6 +283,89 @@ pub async fn run(
     pool.close().await;
     tracing::debug!("admission stopped");
     outcome.map_err(AdmissionServiceError::Stopped)
+}
+
+/// One link client per owner service, both handing the grants they receive
+/// to the returned channel.
+fn start_links(
+    config: &SluiceConfig,
+    client_id: &str,
+    readiness: &Readiness,
+    shutdown: &Shutdown,
+) -> (AdmissionLinks, tokio::sync::mpsc::Receiver<Vec<Vec<u8>>>) {
+    let (grants_sender, grants_receiver) = tokio::sync::mpsc::channel(1024);
+    let links = AdmissionLinks {
+        limit: LinkClient::start(
+            LinkClientSettings {
+                service: "limit-grant",
+                seed_endpoint: config.admission.limit_grant_endpoint.clone(),
+                client_id: client_id.to_string(),
+            },
+            grants_sender.clone(),
+            readiness.clone(),
+            shutdown.clone(),
+        ),
+        rate: LinkClient::start(
+            LinkClientSettings {
+                service: "rate-window",
+                seed_endpoint: config.admission.rate_window_endpoint.clone(),
+                client_id: client_id.to_string(),
+            },
+            grants_sender,
+            readiness.clone(),
+            shutdown.clone(),
+        ),
+    };
+    (links, grants_receiver)
+}
+
+/// Consume the shared requested-jobs topic, and each tenant's own
+/// (`topics.tenant_requested`), each in a consumer group of its own, with
+/// the consumer `make` builds for a topic and the tenants it takes.
+fn spawn_request_consumers(
+    supervisor: &mut Supervisor,
+    config: &Arc<SluiceConfig>,
+    make: impl Fn(Arc<str>, consumers::TopicTenants) -> consumers::RequestConsumer,
+    readiness: &Readiness,
+    shutdown: &Shutdown,
+) {
+    let own_topics: Arc<std::collections::BTreeSet<String>> =
+        Arc::new(config.topics.tenant_requested.iter().cloned().collect());
+    let mut request_topics = vec![(
+        config.topics.requested.clone(),
+        consumers::TopicTenants::AllBut(own_topics),
+        String::new(),
+    )];
+    for tenant in &config.topics.tenant_requested {
+        request_topics.push((
+            config.tenant_requested_topic(tenant),
+            consumers::TopicTenants::Only(Arc::from(tenant.as_str())),
+            format!("-{tenant}"),
+        ));
+    }
+    for (topic, tenants, group_suffix) in request_topics {
+        let requested_topic = config.topic(&topic);
+        let factory = Arc::new(make(Arc::from(requested_topic.as_str()), tenants));
+        let options = ConsumerOptions {
+            group: config.group(&format!("{}-requests{group_suffix}", config.admission.consumer_group)),
+            topic: requested_topic,
+            channel_capacity: 10_000,
+            track_end: false,
+            readiness: readiness.clone(),
+        };
+        let config = config.clone();
+        let shutdown = shutdown.clone();
+        supervisor.spawn("job request consumer", async move {
+            kafka::run_partitioned_consumer(
+                &config.kafka,
+                options,
+                factory,
+                Arc::new(ConsumerProgress::default()),
+                shutdown,
+            )
+            .await
+        });
+    }
 }
 
 /// Tell the owners, over every link, which job partitions' grants this
