@@ -704,6 +704,19 @@ enum Step<T> {
     Stop,
 }
 
+/// Whether `messages` go back to or before an offset received earlier,
+/// updating `last_received`.
+fn went_back(last_received: &mut Option<i64>, messages: &[InMsg]) -> bool {
+    let mut back = false;
+    for message in messages {
+        if last_received.is_some_and(|last| message.offset <= last) {
+            back = true;
+        }
+        *last_received = Some(message.offset);
+    }
+    back
+}
+
 /// How one batch ended.
 enum BatchEnd {
     Done,
@@ -794,32 +807,10 @@ impl<S: OwnedStore> PartitionTask<S> {
                     continue;
                 }
             }
-            let mut bytes: usize = messages.iter().map(InMsg::size).sum();
-            while messages.len() + locals.len() < self.settings.max_batch && bytes < input.max_batch_bytes {
-                match input.messages.try_recv() {
-                    Some(message) => {
-                        bytes += message.size();
-                        messages.push(message);
-                    }
-                    None => break,
-                }
-            }
-            while locals.len() < self.settings.max_batch {
-                match local_receiver.try_recv() {
-                    Ok(local) => locals.push(local),
-                    Err(_) => break,
-                }
-            }
+            self.fill_batch(&mut input, &mut local_receiver, &mut messages, &mut locals);
             // The consumer only goes back when its position was reset (the
             // log it read is gone): see whether the log was lost.
-            let mut went_back = false;
-            for message in &messages {
-                if last_received.is_some_and(|last| message.offset <= last) {
-                    went_back = true;
-                }
-                last_received = Some(message.offset);
-            }
-            if went_back {
+            if went_back(&mut last_received, &messages) {
                 match self
                     .adopt_if_log_lost(&context, &mut state, &mut applied_offset, &input)
                     .await
@@ -857,6 +848,34 @@ impl<S: OwnedStore> PartitionTask<S> {
             "partition released"
         );
         outcome
+    }
+
+    /// Add to a batch what is already waiting, without waiting: messages up
+    /// to `max_batch` and the partition's byte budget, local requests up to
+    /// `max_batch`.
+    fn fill_batch(
+        &self,
+        input: &mut PartitionInput,
+        local_receiver: &mut mpsc::Receiver<<S::State as OwnedState>::Local>,
+        messages: &mut Vec<InMsg>,
+        locals: &mut Vec<<S::State as OwnedState>::Local>,
+    ) {
+        let mut bytes: usize = messages.iter().map(InMsg::size).sum();
+        while messages.len() + locals.len() < self.settings.max_batch && bytes < input.max_batch_bytes {
+            match input.messages.try_recv() {
+                Some(message) => {
+                    bytes += message.size();
+                    messages.push(message);
+                }
+                None => break,
+            }
+        }
+        while locals.len() < self.settings.max_batch {
+            match local_receiver.try_recv() {
+                Ok(local) => locals.push(local),
+                Err(_) => break,
+            }
+        }
     }
 
     /// Bump the epoch, load, adopt a new log if the old one is gone, re-send.
