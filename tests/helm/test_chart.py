@@ -94,6 +94,7 @@ MINIMAL = (
 TLS_DIR = "/var/run/secrets/sluice/tls"
 TOKEN_FILE = "/var/run/secrets/sluice/internal-token/token"
 JWKS_FILE = "/var/run/secrets/sluice/jwks/jwks.json"
+OTLP_CA_FILE = "/var/run/secrets/sluice/otlp-ca/ca.crt"
 # The escape hatch for a throwaway cluster.
 INSECURE = ("--set", "tls.enabled=false", "--set", "auth.enabled=false")
 # The other certificate source: cert-manager.
@@ -998,9 +999,9 @@ class SchemaTest(ChartTestCase):
             ("--set", "limitGrant.replicaz=2"),
             ("--set", "image.pullPolicy=Sometimes"),
             ("--set", "kafka.securityProtocol=TLS"),
-            # The binaries have no TLS for gRPC: an https OTLP endpoint
-            # could never export.
-            ("--set", "telemetry.otlpEndpoint=https://otlp.example.com:4317"),
+            # Neither http:// nor https://.
+            ("--set", "telemetry.otlpEndpoint=otlp.example.com:4317"),
+            ("--set", "telemetry.otlpCa.existingSecret=Not_A_Secret"),
             # Units humantime does not know.
             ("--set", "admission.config.claimTimeout=10parsecs"),
             ("--set", "rateWindow.config.grantedRetention=5 minuten"),
@@ -1262,6 +1263,42 @@ class TlsTest(ChartTestCase):
                     for component in SERVING_DEPLOYMENTS:
                         spec = pod_spec(named(documents, "Deployment", component_name(component)))
                         self.assertNotIn("tls", volumes_by_name(spec))
+
+
+class OtlpTlsTest(ChartTestCase):
+    """An https:// OTLP endpoint is checked with the CA from a Secret the
+    chart mounts into every serving pod (telemetry.otlp_ca_file); without
+    one the chart refuses to render, saying what to set."""
+
+    OTLP = "https://otlp.example.com:4317"
+
+    def test_https_without_a_ca_fails_saying_what_to_set(self):
+        message = self.assertRenderFails("--set", f"telemetry.otlpEndpoint={self.OTLP}",
+                                         message="telemetry.otlpCa.existingSecret is empty")
+        self.assertIn("http:// collector", message)
+
+    def test_the_ca_is_mounted_and_configured(self):
+        documents = render(*ConsoleTest.ON, "--set", f"telemetry.otlpEndpoint={self.OTLP}",
+                           "--set", "telemetry.otlpCa.existingSecret=collector-ca", "--set", "telemetry.otlpCa.key=root.pem")
+        config = config_toml(documents)
+        self.assertEqual(config["telemetry"]["otlp_endpoint"], self.OTLP)
+        self.assertEqual(config["telemetry"]["otlp_ca_file"], OTLP_CA_FILE)
+        self.assertEqual(config_contract_errors(config), [])
+        for component in SERVING_DEPLOYMENTS:
+            with self.subTest(component=component):
+                spec = pod_spec(named(documents, "Deployment", component_name(component)))
+                volume = volumes_by_name(spec)["otlp-ca"]["secret"]
+                self.assertEqual(volume["secretName"], "collector-ca")
+                self.assertEqual(volume["items"], [{"key": "root.pem", "path": Path(OTLP_CA_FILE).name}])
+                mount = mounts_by_name(spec["containers"][0])["otlp-ca"]
+                self.assertEqual(mount["mountPath"], str(Path(OTLP_CA_FILE).parent))
+                self.assertIs(mount["readOnly"], True)
+
+    def test_plain_http_mounts_no_ca(self):
+        documents = render("--set", "telemetry.otlpEndpoint=http://collector:4317")
+        self.assertNotIn("otlp_ca_file", config_toml(documents)["telemetry"])
+        spec = pod_spec(named(documents, "Deployment", component_name("admission")))
+        self.assertNotIn("otlp-ca", volumes_by_name(spec))
 
 
 class AuthTest(ChartTestCase):

@@ -95,6 +95,9 @@ refresh_due = {{ .refreshDue | toJson }}
 log_format = {{ .logFormat | toJson }}
 log_level = {{ .logLevel | toJson }}
 otlp_endpoint = {{ .otlpEndpoint | toJson }}
+{{- if .otlpCa.existingSecret }}
+otlp_ca_file = {{ include "sluice.otlpCaFile" $ | toJson }}
+{{- end }}
 sampling_ratio = {{ include "sluice.tomlFloat" .samplingRatio }}
 key_metrics_top_n = {{ .keyMetrics.topN | int64 }}
 key_metrics_patterns = {{ .keyMetrics.patterns | default list | toJson }}

@@ -174,6 +174,10 @@ created by the chart) and the JWKS document, each mounted as one file.
 /var/run/secrets/sluice/jwks/jwks.json
 {{- end }}
 
+{{- define "sluice.otlpCaFile" -}}
+/var/run/secrets/sluice/otlp-ca/ca.crt
+{{- end }}
+
 {{/*
 The three probes of a service container. Native gRPC probes in plaintext;
 with TLS, whose handshake the kubelet's gRPC probe cannot make, exec probes
@@ -363,7 +367,8 @@ Volumes every Sluice pod mounts: the configuration file and a writable /tmp
 {{/*
 The Secrets a serving process (service or console) mounts, read-only, as
 whole volumes (no subPath), so rotated certificates and keys reach the
-running pods: the TLS certificate, the internal token, the JWKS document.
+running pods: the TLS certificate, the internal token, the JWKS document,
+the OTLP collector's CA.
 The files are readable by the pod's fsGroup only. Takes the root context.
 */}}
 {{- define "sluice.secretVolumes" -}}
@@ -387,6 +392,15 @@ The files are readable by the pod's fsGroup only. Takes the root context.
     items:
       - key: {{ .Values.auth.jwks.key }}
         path: jwks.json
+{{- end }}
+{{- if .Values.telemetry.otlpCa.existingSecret }}
+- name: otlp-ca
+  secret:
+    secretName: {{ .Values.telemetry.otlpCa.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.telemetry.otlpCa.key }}
+        path: ca.crt
 {{- end }}
 {{- end }}
 
@@ -423,6 +437,11 @@ that says which.
 {{- if and .Values.auth.enabled .Values.auth.jwks.existingSecret }}
 - name: jwks
   mountPath: {{ include "sluice.jwksFile" . | dir }}
+  readOnly: true
+{{- end }}
+{{- if .Values.telemetry.otlpCa.existingSecret }}
+- name: otlp-ca
+  mountPath: {{ include "sluice.otlpCaFile" . | dir }}
   readOnly: true
 {{- end }}
 {{- end }}
@@ -534,6 +553,9 @@ they need, saying what to provide. Checked before anything else.
 {{- end }}
 {{- else if $tls.mutual }}
 {{- fail "tls.mutual needs tls.enabled: client certificates are part of the TLS handshake." }}
+{{- end }}
+{{- if and (hasPrefix "https://" .Values.telemetry.otlpEndpoint) (not .Values.telemetry.otlpCa.existingSecret) }}
+{{- fail (printf "telemetry.otlpEndpoint (%s) is https:// but telemetry.otlpCa.existingSecret is empty: set it to a Secret holding the CA (PEM, key telemetry.otlpCa.key, default ca.crt) that signed the collector's certificate, or use an http:// collector inside the cluster." .Values.telemetry.otlpEndpoint) }}
 {{- end }}
 {{- $auth := .Values.auth }}
 {{- if $auth.enabled }}
