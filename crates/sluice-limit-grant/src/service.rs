@@ -236,12 +236,19 @@ impl pb::limits_server::Limits for LimitsApi {
                 ListPart::At(_) => {}
             }
         }
-        for endpoint in endpoints {
-            let answer = LimitsClient::new(self.channels.channel(&endpoint)?)
-                .list_keys(forwarded_request(message.clone(), &caller))
-                .await?;
-            found.extend(answer.into_inner().keys);
-        }
+        // The other owners at once: a page costs one round trip, not one
+        // per instance.
+        let answers = futures::future::try_join_all(endpoints.iter().map(|endpoint| {
+            let request = forwarded_request(message.clone(), &caller);
+            async move {
+                let answer = LimitsClient::new(self.channels.channel(endpoint)?)
+                    .list_keys(request)
+                    .await?;
+                Ok::<_, Status>(answer.into_inner().keys)
+            }
+        }))
+        .await?;
+        found.extend(answers.into_iter().flatten());
         let key_of = |summary: &pb::KeySummary| summary.key.as_ref().map(|key| key.key.clone()).unwrap_or_default();
         found.sort_by_key(key_of);
         found.dedup_by_key(|summary| key_of(summary));
