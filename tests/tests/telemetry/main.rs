@@ -63,13 +63,16 @@ async fn the_scrape_endpoint_has_per_key_utilisation_and_wait_times() -> anyhow:
         recorder.clone(),
         stop.clone(),
     ));
-    // Jobs that wait on a concurrency key, then on a rate limit.
+    // Jobs that take a rate limit, then wait on a concurrency key. The 20
+    // arrive together at a rate of 10 per 5 s, so the rate defers 10 of them
+    // however slowly the machine runs (behind the key, at 5 per second, they
+    // arrived too slowly to be deferred on a loaded machine).
     let requests: Vec<pb::JobRequest> = (0..20)
         .map(|index| {
-            let mut request = concurrency_job("acme", "metric-key", 2, 0, &format!("m/{index}"));
+            let mut request = rate_job("acme", "metric-rate", 10, 5000, &format!("m/{index}"));
             request
                 .limits
-                .extend(rate_job("acme", "metric-rate", 5, 1000, "").limits);
+                .extend(concurrency_job("acme", "metric-key", 2, 0, "").limits);
             request
         })
         .collect();
