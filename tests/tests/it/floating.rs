@@ -174,16 +174,33 @@ async fn refreshes_move_the_max_raise_admits_at_once_and_a_failure_keeps_the_max
     for event in &grants {
         assert!(i64::from(event.holders) <= event.max, "overrun at grant: {event:?}");
     }
+    // Never more running than the max in force at the last grant among
+    // the jobs running: every running job already held its slot then, and
+    // a lower max only affects later grants. (Not the max at the starting
+    // job's own grant: a job granted under 2 may start after the max rose
+    // to 6 and others were granted under it.)
     let runs = recorder.runs();
     for run in &runs {
-        let running = runs
+        let running: Vec<&RunRecord> = runs
             .iter()
             .filter(|other| other.claimed_at <= run.claimed_at && run.claimed_at < other.finished_at)
-            .count();
-        let max = grant_of[run.job_id.as_str()].max;
+            .collect();
+        let last_granted_at = running
+            .iter()
+            .map(|other| grant_of[other.job_id.as_str()].granted_at_ms)
+            .max()
+            .unwrap_or_default();
+        let max = running
+            .iter()
+            .map(|other| grant_of[other.job_id.as_str()])
+            .filter(|grant| grant.granted_at_ms == last_granted_at)
+            .map(|grant| grant.max)
+            .max()
+            .unwrap_or_default();
         assert!(
-            i64::try_from(running).unwrap() <= max,
-            "{running} running when {} started under max {max}",
+            i64::try_from(running.len()).unwrap() <= max,
+            "{} running when {} started, under max {max} at the last of their grants",
+            running.len(),
             run.job_id
         );
     }
