@@ -182,27 +182,20 @@ pub async fn run(
 
     let mut supervisor = Supervisor::new(shutdown.clone(), config.process.drain_timeout.0);
     let jobs_topic = config.topic(&config.topics.jobs);
-    {
-        let options = ConsumerOptions {
+    spawn_consumer(
+        &mut supervisor,
+        "job partitions",
+        &config,
+        ConsumerOptions {
             group: config.group(&format!("{}-jobs", config.admission.consumer_group)),
             topic: jobs_topic.clone(),
             channel_capacity: 10_000,
             track_end: false,
             readiness: readiness.clone(),
-        };
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        supervisor.spawn("job partitions", async move {
-            kafka::run_partitioned_consumer(
-                &config.kafka,
-                options,
-                Arc::new(runtime),
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        });
-    }
+        },
+        Arc::new(runtime),
+        &shutdown,
+    );
     spawn_request_consumers(
         &mut supervisor,
         &config,
@@ -353,19 +346,31 @@ fn spawn_request_consumers(
             track_end: false,
             readiness: readiness.clone(),
         };
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        supervisor.spawn("job request consumer", async move {
-            kafka::run_partitioned_consumer(
-                &config.kafka,
-                options,
-                factory,
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        });
+        spawn_consumer(supervisor, "job request consumer", config, options, factory, shutdown);
     }
+}
+
+/// Run a partitioned consumer under the supervisor as task `name`.
+fn spawn_consumer(
+    supervisor: &mut Supervisor,
+    name: &'static str,
+    config: &Arc<SluiceConfig>,
+    options: ConsumerOptions,
+    factory: Arc<dyn kafka::PartitionTaskFactory>,
+    shutdown: &Shutdown,
+) {
+    let config = config.clone();
+    let shutdown = shutdown.clone();
+    supervisor.spawn(name, async move {
+        kafka::run_partitioned_consumer(
+            &config.kafka,
+            options,
+            factory,
+            Arc::new(ConsumerProgress::default()),
+            shutdown,
+        )
+        .await
+    });
 }
 
 /// Tell the owners, over every link, which job partitions' grants this
