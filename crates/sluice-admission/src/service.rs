@@ -823,7 +823,22 @@ impl pb::admission_server::Admission for AdmissionApi {
             .fetch_all(&self.pool)
             .await
             .map_err(storage_status)?;
-        Ok(Response::new(pb::InstancesResponse { endpoints }))
+        let instances = endpoints.iter().map(|endpoint| dialable_instance(endpoint)).collect();
+        Ok(Response::new(pb::InstancesResponse { endpoints, instances }))
+    }
+}
+
+/// An endpoint URL of the owner directory as workers dial it: the
+/// `host:port` target and whether it speaks TLS, apart.
+fn dialable_instance(endpoint: &str) -> pb::Instance {
+    let (tls, rest) = match endpoint.split_once("://") {
+        Some((scheme, rest)) => (scheme.eq_ignore_ascii_case("https"), rest),
+        None => (false, endpoint),
+    };
+    pb::Instance {
+        address: rest.trim_end_matches('/').to_string(),
+        tls,
+        endpoint: endpoint.to_string(),
     }
 }
 
@@ -1072,5 +1087,24 @@ fn floating_note(own: Option<&pb::FloatingConcurrencyLimit>, key_state: &pb::Key
             "; floating max {current} from the key's shared state, created by the first job that used it: this job's {} ignored",
             ignored.join(", ")
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dialable_instance;
+
+    #[test]
+    fn instances_are_listed_as_dialable_addresses() {
+        let plain = dialable_instance("http://10.0.0.7:7070");
+        assert_eq!(plain.address, "10.0.0.7:7070");
+        assert!(!plain.tls);
+        assert_eq!(plain.endpoint, "http://10.0.0.7:7070");
+        let secure = dialable_instance("https://admission-0.admission.ns.svc:7070/");
+        assert_eq!(secure.address, "admission-0.admission.ns.svc:7070");
+        assert!(secure.tls);
+        let bare = dialable_instance("127.0.0.1:1");
+        assert_eq!(bare.address, "127.0.0.1:1");
+        assert!(!bare.tls);
     }
 }
