@@ -1186,8 +1186,8 @@ impl AdmissionPartition {
         tracing::debug!(job_id = %ticket.job_id, attempt = ticket.attempt, step = ticket.step, "releasing a grant nobody wants");
         // This instance may no longer own the partition without knowing it
         // yet (rebalances overlap): the job may be waiting for this very
-        // grant at the new owner. Only the current owner releases it.
-        out.outbox.fence_before_sending();
+        // grant at the new owner. Only the current owner releases it: like
+        // everything sent, the release goes out after a fenced commit.
         let step = StoredStep {
             tenant: key_ref.tenant.clone(),
             key: key_ref.key.clone(),

@@ -89,9 +89,6 @@ pub struct Outbox {
     messages: Vec<OutMsg>,
     links: crate::link::LinkEntries,
     entries: usize,
-    /// Only the partition's current owner may send these entries, even
-    /// when the batch writes nothing (`fence_before_sending`).
-    fence: bool,
     observations: Observations,
 }
 
@@ -131,15 +128,6 @@ impl Outbox {
         Self::default()
     }
 
-    /// The entries undo what another instance may have decided (a release
-    /// of a grant this partition does not know the job of): the owner
-    /// runtime checks that this instance still owns the partition before it
-    /// sends them, as a commit would, even when the batch writes nothing.
-    /// A stale owner is fenced and gives the partition up instead.
-    pub fn fence_before_sending(&mut self) {
-        self.fence = true;
-    }
-
     /// Record `observation` (metrics, spans, logs of a decision) once the
     /// batch is committed; see `Observations`.
     pub fn observe(&mut self, observation: impl FnOnce() + Send + 'static) {
@@ -149,11 +137,6 @@ impl Outbox {
     /// The batch's observations, to record after its commit.
     pub fn take_observations(&mut self) -> Observations {
         std::mem::take(&mut self.observations)
-    }
-
-    /// Whether `fence_before_sending` was asked for.
-    pub fn must_fence(&self) -> bool {
-        self.fence
     }
 
     /// Add one entry to the batch message for `(topic, partition)`.

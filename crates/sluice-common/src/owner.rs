@@ -1188,7 +1188,15 @@ impl<S: OwnedStore> PartitionTask<S> {
             if writes.is_empty() && outbox.is_empty() && replies.is_empty() && rejected.is_empty() {
                 return Ok(BatchEnd::Done);
             }
-            if !writes.is_empty() || !rejected.is_empty() || outbox.must_fence() {
+            // Every batch that answers or sends anything is committed fenced,
+            // also when it writes nothing (an answer read from memory, a
+            // re-sent grant): the fence proves this instance still owns the
+            // partition, so its memory is the latest saved state. An owner
+            // fenced while idle answered from a state a newer owner had
+            // already changed (a `Complete` answered STALE for a claim the
+            // new owner had made: the job ran twice). docs/architecture.md,
+            // "Answers follow commits".
+            {
                 let started = std::time::Instant::now();
                 match self.commit(context, writes, &rejected, &input.topic, new_offset).await {
                     Ok(()) => {
@@ -1441,7 +1449,13 @@ impl<S: OwnedStore> PartitionTask<S> {
             return Err(CommitError::Sql(crate::faults::refused_by_storage()));
         }
         if rejected.is_empty() {
-            if let Some(statement) = self.store.one_statement(&writes) {
+            let statement = if writes.is_empty() {
+                // The fence alone: one statement.
+                Some(FencedStatement::default())
+            } else {
+                self.store.one_statement(&writes)
+            };
+            if let Some(statement) = statement {
                 return commit_fenced(&self.pool, context.partition, context.epoch, new_offset, statement).await;
             }
         }

@@ -288,3 +288,122 @@ async fn a_call_is_forwarded_to_the_named_owner_and_never_back_to_this_instance(
     assert!(unowned.message().contains("no owner yet"), "{unowned:?}");
     Ok(())
 }
+
+/// The six jobs that ran twice (issue 29): a job's partition moved to a new
+/// admission owner, whose `Claim` of the job was answered `CLAIMED`; the
+/// worker ran it and sent `Complete` to the old instance, which had not
+/// noticed yet that it was fenced (idle, between two checks of its owner
+/// row). It answered from its memory — `STALE`, the job `ADMITTED` — without
+/// a commit; the worker took the claim for lost, and the job ran again. An
+/// owner answers only after a fenced commit: the fenced one answers nothing
+/// (`UNAVAILABLE` at worst, which the worker retries) and the completion is
+/// accepted by the owner that made the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_owner_never_answers_from_its_memory() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("answerfenced", &[])?, 1).await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    let config = stack.config.clone();
+    let schema = config.schema("admission");
+    let admission = stack.admission_client().await?;
+    let job_id = "claimed-by-the-newer-owner";
+    let partition = sluice_common::partition::job_partition(job_id, config.kafka.partitions.jobs);
+    let request = pb::JobRequest {
+        tenant: "acme".to_string(),
+        task_group: "default".to_string(),
+        payload: b"run me once".to_vec(),
+        ..Default::default()
+    };
+    enqueue_with_id(&admission, job_id, request).await?;
+    let admitted = wait_status(&admission, job_id, pb::JobStatus::Admitted, Duration::from_secs(30)).await?;
+
+    // The running owner's checks of its owner row miss what follows: it
+    // stays idle and believes it owns the partition.
+    stack.admissions[0]
+        .faults
+        .arm(FaultPoint::OwnerIdleFenceCheckMissed, 0, u64::MAX);
+    // A newer owner takes the partition over and commits a worker's claim
+    // of the job: a journal row under its epoch, after the saved state.
+    let now_ms = sluice_common::clock::wall_clock_ms();
+    let mut newer_owner = stack.pool.begin().await?;
+    let newer_epoch: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "UPDATE \"{schema}\".owners SET epoch = epoch + 1, owner_id = 'newer-owner', updated_at = now()
+         WHERE partition = $1 RETURNING epoch"
+    )))
+    .bind(partition)
+    .fetch_one(&mut *newer_owner)
+    .await?;
+    let last_seq: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT GREATEST(
+            (SELECT max(seq) FROM \"{schema}\".job_journal WHERE partition = $1),
+            (SELECT seq FROM \"{schema}\".job_snapshots WHERE partition = $1), 0)"
+    )))
+    .bind(partition)
+    .fetch_one(&mut *newer_owner)
+    .await?;
+    let lease_ms = 30_000;
+    let claim = sluice_admission::journal::JournalBatch {
+        changes: vec![sluice_admission::journal::JobChange {
+            job_id: job_id.to_string(),
+            state: Some(sluice_admission::journal::JobDynamic {
+                status: pb::JobStatus::Running as i32,
+                attempt: 1,
+                admitted_at_ms: admitted.admitted_at_ms,
+                claimed_by: Some("worker-new".to_string()),
+                claimed_at_ms: Some(now_ms),
+                lease_expires_at_ms: Some(now_ms + lease_ms),
+                due_at_ms: Some(now_ms + lease_ms),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+    };
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO \"{schema}\".job_journal (partition, seq, epoch, entry) VALUES ($1, $2, $3, $4)"
+    )))
+    .bind(partition)
+    .bind(last_seq + 1)
+    .bind(newer_epoch)
+    .bind(prost::Message::encode_to_vec(&claim))
+    .execute(&mut *newer_owner)
+    .await?;
+    newer_owner.commit().await?;
+
+    // The worker that won the claim completes the job through the instance
+    // that was fenced. Every answer is the claim's owner's: ACCEPTED, never
+    // STALE (UNAVAILABLE while the partition changes hands, retried).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let result = loop {
+        let answer = complete_one(
+            &admission,
+            "worker-new",
+            job_id,
+            1,
+            pb::completion::Outcome::Success(pb::Success {}),
+        )
+        .await;
+        match answer {
+            Ok(result) => break result,
+            Err(error) => {
+                let unavailable = error
+                    .downcast_ref::<tonic::Status>()
+                    .is_some_and(|status| status.code() == tonic::Code::Unavailable);
+                anyhow::ensure!(unavailable, "Complete failed: {error:#}");
+                anyhow::ensure!(
+                    tokio::time::Instant::now() < deadline,
+                    "Complete unavailable for a minute: {error:#}"
+                );
+            }
+        }
+    };
+    assert_eq!(
+        pb::CompleteOutcome::try_from(result.outcome),
+        Ok(pb::CompleteOutcome::Accepted),
+        "a fenced owner answered the completion from its memory: {result:?}"
+    );
+    wait_status(&admission, job_id, pb::JobStatus::Succeeded, Duration::from_secs(30)).await?;
+    // Nobody can claim the attempt again.
+    let again = claim_one(&admission, "worker-other", job_id, 1).await?;
+    assert_ne!(again, pb::ClaimOutcome::Claimed as i32);
+    stack.stop().await;
+    Ok(())
+}
