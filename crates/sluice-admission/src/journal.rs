@@ -4,6 +4,8 @@
 //! written when the journal since the last one has outgrown it. Storage
 //! formats, not messages between services.
 
+use std::collections::HashMap;
+
 use prost::Message;
 use sluice_proto::v1 as pb;
 
@@ -43,6 +45,10 @@ pub struct JobDynamic {
     /// `JobState::pushed`.
     #[prost(bool, tag = "14")]
     pub pushed: bool,
+    /// `JobState::confirmed`: its worker showed it holds the attempt (a
+    /// claim, a heartbeat), to this owner or an earlier one.
+    #[prost(bool, tag = "15")]
+    pub confirmed: bool,
 }
 
 impl JobDynamic {
@@ -62,6 +68,7 @@ impl JobDynamic {
             last_error: state.last_error.clone(),
             finished_at_ms: state.finished_at_ms,
             pushed: state.pushed,
+            confirmed: state.confirmed,
         }
     }
 
@@ -81,6 +88,7 @@ impl JobDynamic {
         state.last_error = self.last_error.clone();
         state.finished_at_ms = self.finished_at_ms;
         state.pushed = self.pushed;
+        state.confirmed = self.confirmed;
     }
 }
 
@@ -112,6 +120,32 @@ pub struct JobChange {
 pub struct JournalBatch {
     #[prost(message, repeated, tag = "1")]
     pub changes: Vec<JobChange>,
+}
+
+/// Apply one journal row to a partition's saved active jobs (by id): a
+/// job created in it comes from `created` (its row), an ended one leaves.
+pub fn replay(rows: &mut HashMap<String, JobRow>, created: &mut HashMap<String, JobRow>, batch: JournalBatch) {
+    for change in batch.changes {
+        if change.created {
+            if let Some(row) = created.remove(&change.job_id) {
+                rows.insert(change.job_id.clone(), row);
+            }
+        }
+        if change.removed {
+            rows.remove(&change.job_id);
+            continue;
+        }
+        let Some(row) = rows.get_mut(&change.job_id) else {
+            continue;
+        };
+        if let Some(dynamic) = &change.state {
+            dynamic.apply_to(&mut row.state);
+        }
+        match change.history {
+            Some(history) => row.state.history = history,
+            None => row.state.history.records.extend(change.history_added),
+        }
+    }
 }
 
 /// An active job in a snapshot: its row's content (without the payload,

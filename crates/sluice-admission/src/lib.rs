@@ -140,7 +140,7 @@ pub async fn run(
     let (links, grants_receiver) = start_links(&config, &client_id, &readiness, &shutdown);
 
     // Workers on streams: dispatch is the claim (docs/worker-protocol.md).
-    let (hub, undelivered) = work::WorkerHub::new();
+    let (hub, push_reports) = work::WorkerHub::new();
     let settings = partition_settings(&config, &faults, hub.clone());
     let routes = settings.routes.clone();
     let quotas = settings.quotas.clone();
@@ -233,8 +233,12 @@ pub async fn run(
         ),
     );
     supervisor.spawn(
+        "written pushes",
+        work_stream::start_leases_at_the_push(registry.clone(), push_reports.written, shutdown.clone()),
+    );
+    supervisor.spawn(
         "undelivered pushes",
-        work_stream::hand_back_undelivered(api, undelivered, shutdown.clone()),
+        work_stream::hand_back_undelivered(api, push_reports.undelivered, shutdown.clone()),
     );
     supervisor.spawn(
         "job partition claims",

@@ -138,6 +138,12 @@ pub enum Local {
     /// Stream workers have credits again: push the admitted jobs that wait
     /// for them.
     Dispatch,
+    /// These attempts were just written to `worker_id`'s stream: their
+    /// leases run from now (docs/worker-protocol.md §7).
+    Pushed {
+        worker_id: String,
+        attempts: Vec<(String, u32)>,
+    },
     /// Requests read from `jobs.requested` by this instance, for a partition
     /// it owns: the same as their hand-over through `sluice.jobs`, without
     /// the broker round trip. Answered once they are saved.
@@ -341,9 +347,10 @@ impl AdmissionPartition {
             .map(|active| active.row.state.job_id.clone())
             .collect();
         for job_id in running {
-            self.update(&job_id, |state| {
-                // Confirmed again by the worker's next heartbeat.
-                state.confirmed = false;
+            // `confirmed` stays as saved: an attempt its worker confirmed
+            // (to any owner) and then lost is a lease expiry that uses an
+            // attempt, whoever owns the partition by then.
+            self.update_unsaved(&job_id, |state| {
                 state.lease_expires_at_ms = Some(if state.pushed {
                     now_ms.saturating_add(state.lease_ms.min(stream_end_grace_ms))
                 } else {
@@ -353,7 +360,6 @@ impl AdmissionPartition {
                 state.due_at_ms = transitions::running_due_at(state);
             });
         }
-        self.changes.clear();
     }
 
     pub fn active_jobs(&self) -> usize {
@@ -407,21 +413,13 @@ impl AdmissionPartition {
 
     /// Change a job's state, keeping its timer and the batch's changes.
     fn update(&mut self, job_id: &str, change: impl FnOnce(&mut JobState)) {
-        let Some(active) = self.jobs.get_mut(job_id) else {
+        let Some(history_before) = self.update_unsaved(job_id, change) else {
             return;
         };
-        let old_due = active.row.state.due_at_ms;
-        let history_before = active.row.state.history.records.len();
-        change(&mut active.row.state);
+        let Some(active) = self.jobs.get(job_id) else {
+            return;
+        };
         let state = &active.row.state;
-        if old_due != state.due_at_ms {
-            if let Some(due) = old_due {
-                self.timers.remove(&(due, job_id.to_string()));
-            }
-            if let Some(due) = state.due_at_ms {
-                self.timers.insert((due, job_id.to_string()));
-            }
-        }
         let entry = self.changes.entry(job_id.to_string()).or_insert_with(|| JobChange {
             job_id: job_id.to_string(),
             ..Default::default()
@@ -437,6 +435,26 @@ impl AdmissionPartition {
             entry.history_added.clear();
             entry.history = Some(state.history.clone());
         }
+    }
+
+    /// Change a job's state in memory only (a lease extended: a new owner
+    /// gives every running attempt a lease of its own), keeping its timer.
+    /// The length of its history before the change; `None`: no such job.
+    fn update_unsaved(&mut self, job_id: &str, change: impl FnOnce(&mut JobState)) -> Option<usize> {
+        let active = self.jobs.get_mut(job_id)?;
+        let old_due = active.row.state.due_at_ms;
+        let history_before = active.row.state.history.records.len();
+        change(&mut active.row.state);
+        let new_due = active.row.state.due_at_ms;
+        if old_due != new_due {
+            if let Some(due) = old_due {
+                self.timers.remove(&(due, job_id.to_string()));
+            }
+            if let Some(due) = new_due {
+                self.timers.insert((due, job_id.to_string()));
+            }
+        }
+        Some(history_before)
     }
 
     /// Remove a job that ended: its outcome is saved, and it leaves memory.
@@ -579,9 +597,10 @@ impl AdmissionPartition {
             return;
         };
         let hub = self.settings.hub.clone();
+        let partition = self.settings.partition;
         self.pushes
             .entry(session.id)
-            .or_insert_with(|| Push::new(hub, session))
+            .or_insert_with(|| Push::new(hub, session, partition))
             .add(dispatched);
     }
 
@@ -1264,8 +1283,11 @@ impl AdmissionPartition {
         results
     }
 
-    /// Extend leases; name the jobs to stop. Not saved: a new owner gives
-    /// every running job one lease from its takeover. With `ended`, the
+    /// Extend leases; name the jobs to stop. A lease extension is not
+    /// saved (a new owner gives every running attempt a lease from its
+    /// takeover); the first heartbeat of a pushed attempt confirms it, and
+    /// that is saved before the answer, so that whoever owns the partition
+    /// later counts its lease expiry as an attempt used. With `ended`, the
     /// attempts' stream ended instead: their leases are shortened
     /// (`transitions::on_stream_ended`) unless the worker was heard since.
     fn heartbeat(
@@ -1278,31 +1300,26 @@ impl AdmissionPartition {
         attempts
             .iter()
             .map(|(job_id, attempt)| {
-                let holds = self.jobs.get(job_id).is_some_and(|active| {
-                    let state = &active.row.state;
-                    matches!(state.status, Status::Running | Status::Cancelling)
-                        && state.attempt == *attempt
-                        && state.claimed_by.as_deref() == Some(worker_id)
-                        && state.lease_expires_at_ms.is_some_and(|lease| lease > now_ms)
-                });
                 let mut result = pb::HeartbeatResult {
                     job_id: job_id.clone(),
                     attempt: *attempt,
                     outcome: pb::HeartbeatOutcome::LeaseLost as i32,
                     lease_expires_at_ms: 0,
                 };
-                if !holds {
-                    return result;
-                }
-                let Some(active) = self.jobs.get_mut(job_id) else {
+                let holder = self.jobs.get(job_id).filter(|active| {
+                    let state = &active.row.state;
+                    matches!(state.status, Status::Running | Status::Cancelling)
+                        && state.attempt == *attempt
+                        && state.claimed_by.as_deref() == Some(worker_id)
+                        && state.lease_expires_at_ms.is_some_and(|lease| lease > now_ms)
+                });
+                let Some(confirmed) = holder.map(|active| active.row.state.confirmed) else {
                     return result;
                 };
-                let state = &mut active.row.state;
-                let old_due = state.due_at_ms;
-                match ended {
+                let renew = |state: &mut JobState| match ended {
                     Some(ended) => {
                         if transitions::on_stream_ended(state, now_ms, ended) {
-                            tracing::info!(job_id = %job_id, attempt, worker_id, lease_expires_at_ms = ?state.lease_expires_at_ms, "the attempt's Work stream ended: lease shortened to the grace");
+                            tracing::info!(job_id = %state.job_id, attempt = state.attempt, lease_expires_at_ms = ?state.lease_expires_at_ms, "the attempt's Work stream ended: lease shortened to the grace");
                         }
                     }
                     None => {
@@ -1311,25 +1328,50 @@ impl AdmissionPartition {
                         state.heard_at_ms = Some(now_ms);
                         state.due_at_ms = transitions::running_due_at(state);
                     }
-                }
-                result.outcome = if state.status == Status::Cancelling {
-                    pb::HeartbeatOutcome::Cancelled
+                };
+                if !confirmed && ended.is_none() {
+                    self.update(job_id, renew);
                 } else {
-                    pb::HeartbeatOutcome::Extended
-                } as i32;
-                result.lease_expires_at_ms = state.lease_expires_at_ms.unwrap_or_default();
-                let new_due = state.due_at_ms;
-                if old_due != new_due {
-                    if let Some(due) = old_due {
-                        self.timers.remove(&(due, job_id.clone()));
-                    }
-                    if let Some(due) = new_due {
-                        self.timers.insert((due, job_id.clone()));
-                    }
+                    self.update_unsaved(job_id, renew);
+                }
+                if let Some(state) = self.jobs.get(job_id).map(|active| &active.row.state) {
+                    result.outcome = if state.status == Status::Cancelling {
+                        pb::HeartbeatOutcome::Cancelled
+                    } else {
+                        pb::HeartbeatOutcome::Extended
+                    } as i32;
+                    result.lease_expires_at_ms = state.lease_expires_at_ms.unwrap_or_default();
                 }
                 result
             })
             .collect()
+    }
+
+    /// Attempts were written to `worker_id`'s stream now: an unconfirmed
+    /// push's lease runs from here (the commit before it, and anything it
+    /// waited for, is not the worker's time). Never shortens a lease.
+    fn pushed(&mut self, now_ms: i64, worker_id: &str, attempts: &[(String, u32)]) {
+        for (job_id, attempt) in attempts {
+            let pushed_here = self.jobs.get(job_id).is_some_and(|active| {
+                let state = &active.row.state;
+                state.status == Status::Running
+                    && state.attempt == *attempt
+                    && state.pushed
+                    && !state.confirmed
+                    && state.claimed_by.as_deref() == Some(worker_id)
+            });
+            if pushed_here {
+                self.update_unsaved(job_id, |state| {
+                    let from_push = now_ms.saturating_add(state.lease_ms);
+                    state.lease_expires_at_ms = Some(
+                        state
+                            .lease_expires_at_ms
+                            .map_or(from_push, |lease| lease.max(from_push)),
+                    );
+                    state.due_at_ms = transitions::running_due_at(state);
+                });
+            }
+        }
     }
 
     /// End attempts as their workers report. A duplicate of an accepted
@@ -1621,6 +1663,7 @@ impl AdmissionPartition {
             }
             Local::Grants(events) => self.grants(now_ms, events, out),
             Local::Dispatch => self.dispatch_unclaimed(),
+            Local::Pushed { worker_id, attempts } => self.pushed(now_ms, &worker_id, &attempts),
             Local::HandOver { handovers, reply } => {
                 for handover in handovers {
                     self.hand_over(now_ms, handover, out);

@@ -64,6 +64,10 @@ fn worker_id(worker: usize) -> String {
 struct Harness {
     partition: AdmissionPartition,
     now_ms: i64,
+    /// What the partition's commits saved: its active jobs as a new owner
+    /// loads them (`AdmissionStore::load`, without PostgreSQL).
+    saved: HashMap<String, crate::jobs::JobRow>,
+    saved_seq: i64,
 }
 
 impl Harness {
@@ -83,6 +87,8 @@ impl Harness {
         let mut harness = Harness {
             partition: AdmissionPartition::new(settings, Vec::new(), 0, None, 0),
             now_ms: 1_800_000_000_000,
+            saved: HashMap::new(),
+            saved_seq: 0,
         };
         // Three attempts each.
         let jobs: Vec<Incoming> = (0..JOBS)
@@ -141,9 +147,47 @@ impl Harness {
             &mut replies,
             &mut rejected,
         );
+        self.save(writes);
         for reply in replies {
             reply();
         }
+    }
+
+    /// Fold a committed batch's writes into what a new owner would load.
+    fn save(&mut self, writes: AdmissionWrites) {
+        let mut created: HashMap<String, crate::jobs::JobRow> = writes
+            .inserted
+            .into_iter()
+            .map(|mut row| {
+                row.payload = Vec::new();
+                (row.state.job_id.clone(), row)
+            })
+            .collect();
+        if let Some((seq, batch)) = writes.journal {
+            crate::journal::replay(&mut self.saved, &mut created, batch);
+            self.saved_seq = seq;
+        }
+        if let Some((seq, snapshot)) = writes.snapshot {
+            self.saved = snapshot
+                .jobs
+                .into_iter()
+                .map(|job| {
+                    let row = job.into_row(0);
+                    (row.state.job_id.clone(), row)
+                })
+                .collect();
+            self.saved_seq = seq;
+        }
+    }
+
+    /// Another instance takes the partition over: it loads what was saved
+    /// and gives running attempts their takeover lease, as
+    /// `AdmissionStore::load` does.
+    fn take_over(&mut self) {
+        let settings = self.partition.settings().clone();
+        let rows: Vec<crate::jobs::JobRow> = self.saved.values().cloned().collect();
+        self.partition = AdmissionPartition::new(settings, rows, self.saved_seq, None, 0);
+        self.partition.grant_lease_grace(self.now_ms);
     }
 
     fn state(&self, job: usize) -> Option<&JobState> {
@@ -507,7 +551,7 @@ type Downstream = tokio::sync::mpsc::Receiver<Result<pb::WorkResponse, tonic::St
 /// credits wake the partition, undelivered pushes are handed back.
 struct StreamWorkers {
     hub: Arc<crate::work::WorkerHub>,
-    undelivered: tokio::sync::mpsc::UnboundedReceiver<crate::work::UndeliveredPush>,
+    reports: crate::work::PushReports,
     sessions: HashMap<usize, (Arc<crate::work::WorkSession>, Downstream)>,
     /// Credits each worker gave, and pushes it received, over all its
     /// sessions.
@@ -549,7 +593,14 @@ impl StreamWorkers {
                     }
                 }
             }
-            let Ok(handed) = self.undelivered.try_recv() else {
+            // Written: the partition starts their leases now.
+            while let Ok(written) = self.reports.written.try_recv() {
+                harness.apply(vec![Local::Pushed {
+                    worker_id: written.worker_id,
+                    attempts: written.attempts,
+                }]);
+            }
+            let Ok(handed) = self.reports.undelivered.try_recv() else {
                 return Ok(());
             };
             // Undelivered: the worker never held them; hand them back.
@@ -587,10 +638,10 @@ proptest! {
     /// waits while an open session has a credit.
     #[test]
     fn dispatch_is_the_claim_and_credits_are_never_overrun(ops in proptest::collection::vec(stream_op(), 1..80)) {
-        let (hub, undelivered) = crate::work::WorkerHub::new();
+        let (hub, reports) = crate::work::WorkerHub::new();
         let mut workers = StreamWorkers {
             hub: hub.clone(),
-            undelivered,
+            reports,
             sessions: HashMap::new(),
             given: HashMap::new(),
             pushed: HashMap::new(),
@@ -660,6 +711,8 @@ fn quota_harness(settings: &[(&str, &str)]) -> (Harness, Arc<SluiceConfig>) {
     let harness = Harness {
         partition: AdmissionPartition::new(settings, Vec::new(), 0, None, 0),
         now_ms: 1_800_000_000_000,
+        saved: HashMap::new(),
+        saved_seq: 0,
     };
     (harness, config)
 }
@@ -779,4 +832,138 @@ fn a_stored_quota_overrides_the_default_at_once() {
     );
     harness.partition.settings().quotas.set("acme", None);
     assert!(enqueue_one(&mut harness, &config, "acme", "acme-5").is_ok());
+}
+
+/// A stream session of `worker` with `credits`, and what its stream
+/// receives.
+fn stream_session(
+    hub: &Arc<crate::work::WorkerHub>,
+    worker: &str,
+    credits: u32,
+) -> (Arc<crate::work::WorkSession>, Downstream) {
+    let (sender, downstream) = tokio::sync::mpsc::channel(64);
+    let session = hub.open(
+        worker.to_string(),
+        vec!["default".to_string()],
+        sluice_common::auth::JobScope::All,
+        credits,
+        Some(sender),
+    );
+    (session, downstream)
+}
+
+fn heartbeat(harness: &mut Harness, worker: &str, job: usize, attempt: u32) -> i32 {
+    let (reply, mut answer) = oneshot::channel();
+    harness.apply(vec![Local::Heartbeat {
+        scope: sluice_common::auth::JobScope::All,
+        worker_id: worker.to_string(),
+        attempts: vec![(job_id(job), attempt)],
+        ended: None,
+        reply,
+    }]);
+    answer.try_recv().expect("answered")[0].outcome
+}
+
+/// An attempt pushed to a worker that confirmed it with a heartbeat, then
+/// lost it (the worker hung, or abandoned the job), is a lease expiry that
+/// uses an attempt — also when the partition changed owners in between
+/// (issue 29: a takeover reset `confirmed`, so 36 abandoned attempts were
+/// handed back as "lost on their way" without using one).
+#[test]
+fn a_takeover_keeps_a_confirmed_push_confirmed() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let pushed: Vec<usize> = (0..JOBS)
+        .filter(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .collect();
+    assert_eq!(pushed.len(), 1, "one credit, one push");
+    let job = pushed[0];
+    assert!(!harness.state(job).expect("active").confirmed);
+    assert_eq!(
+        heartbeat(&mut harness, "worker-s", job, 1),
+        pb::HeartbeatOutcome::Extended as i32
+    );
+    assert!(harness.state(job).expect("active").confirmed);
+
+    harness.now_ms += 1_000;
+    harness.take_over();
+    let state = harness.state(job).expect("active after the takeover");
+    assert!(state.confirmed, "the takeover forgot the worker's confirmation");
+    // The worker is gone: the lease ends and uses an attempt.
+    harness.now_ms += 31_000;
+    harness.apply(Vec::new());
+    let state = harness.state(job).expect("active");
+    assert_eq!(
+        state.attempts_used, 1,
+        "a confirmed attempt's lease expiry used no attempt"
+    );
+    assert_eq!(
+        state.history.records.last().map(|record| record.outcome.as_str()),
+        Some("lease_expired")
+    );
+}
+
+/// An unconfirmed push whose lease ends was lost on its way: handed back,
+/// no attempt used, also after a takeover (nothing heard anywhere).
+#[test]
+fn an_unconfirmed_push_is_handed_back_after_a_takeover() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let job = (0..JOBS)
+        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .expect("one push");
+    harness.take_over();
+    harness.now_ms += 31_000;
+    harness.apply(Vec::new());
+    let state = harness.state(job).expect("active");
+    assert_eq!(state.attempts_used, 0);
+    assert_eq!(state.attempt, 2, "handed back: a new attempt");
+    assert_eq!(
+        state.history.records.last().map(|record| record.outcome.as_str()),
+        Some("handed_back")
+    );
+}
+
+/// A pushed attempt's lease runs from when its push was written, not from
+/// the claim decided before the commit.
+#[test]
+fn a_pushed_attempt_lease_runs_from_the_push() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    let claimed_at = harness.now_ms;
+    harness.apply(vec![Local::Dispatch]);
+    let job = (0..JOBS)
+        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .expect("one push");
+    let lease_ms = harness.state(job).expect("active").lease_ms;
+    assert_eq!(
+        harness.state(job).expect("active").lease_expires_at_ms,
+        Some(claimed_at + lease_ms)
+    );
+    // The commit took 5 s; then the push was written.
+    harness.now_ms += 5_000;
+    harness.apply(vec![Local::Pushed {
+        worker_id: "worker-s".to_string(),
+        attempts: vec![(job_id(job), 1)],
+    }]);
+    assert_eq!(
+        harness.state(job).expect("active").lease_expires_at_ms,
+        Some(harness.now_ms + lease_ms),
+        "the lease does not run from the push"
+    );
+    // Another worker's report, or an old attempt's, changes nothing.
+    harness.now_ms += 1_000;
+    harness.apply(vec![Local::Pushed {
+        worker_id: "worker-other".to_string(),
+        attempts: vec![(job_id(job), 1)],
+    }]);
+    assert_eq!(
+        harness.state(job).expect("active").lease_expires_at_ms,
+        Some(harness.now_ms - 1_000 + lease_ms)
+    );
 }

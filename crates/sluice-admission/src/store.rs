@@ -165,27 +165,7 @@ impl OwnedStore for AdmissionStore {
             })
             .collect();
         for batch in batches {
-            for change in batch.changes {
-                if change.created {
-                    if let Some(row) = created_rows.remove(&change.job_id) {
-                        rows.insert(change.job_id.clone(), row);
-                    }
-                }
-                if change.removed {
-                    rows.remove(&change.job_id);
-                    continue;
-                }
-                let Some(row) = rows.get_mut(&change.job_id) else {
-                    continue;
-                };
-                if let Some(dynamic) = &change.state {
-                    dynamic.apply_to(&mut row.state);
-                }
-                match change.history {
-                    Some(history) => row.state.history = history,
-                    None => row.state.history.records.extend(change.history_added),
-                }
-            }
+            crate::journal::replay(&mut rows, &mut created_rows, batch);
         }
         let mut loaded = AdmissionPartition::new(
             self.partition_settings(partition),
@@ -329,7 +309,11 @@ impl OwnedStore for AdmissionStore {
                         }
                     }
                 }
-                Local::Describe { .. } | Local::Heartbeat { .. } | Local::Grants(_) | Local::Dispatch => {}
+                Local::Describe { .. }
+                | Local::Heartbeat { .. }
+                | Local::Grants(_)
+                | Local::Dispatch
+                | Local::Pushed { .. } => {}
             }
         }
         let not_active: Vec<String> = job_ids

@@ -36,8 +36,9 @@ pub struct JobState {
     /// heartbeat, ...). An attempt pushed on a `Work` stream is not, until
     /// the worker heartbeats: one whose lease ends unconfirmed was lost on
     /// its way (with an admission instance or the stream) and never ran, so
-    /// it is handed back instead of using up an attempt. Kept in memory only:
-    /// a new owner confirms nothing until the workers heartbeat.
+    /// it is handed back instead of using up an attempt. Saved (the first
+    /// heartbeat's batch journals it before it is answered), so a takeover
+    /// keeps it.
     pub confirmed: bool,
     /// When the running attempt's worker was last heard from (its claim, a
     /// heartbeat), by this owner's clock. In memory only, like `confirmed`.

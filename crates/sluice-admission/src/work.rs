@@ -153,6 +153,24 @@ pub struct UndeliveredPush {
     pub attempts: Vec<(String, u32)>,
 }
 
+/// Attempts just written to a worker's stream: their leases run from now
+/// (the job partition that claimed them moves their lease ends there).
+#[derive(Debug, PartialEq)]
+pub struct PushWritten {
+    pub partition: i32,
+    pub worker_id: String,
+    pub attempts: Vec<(String, u32)>,
+}
+
+/// What the hub reports about pushes, for the instance to act on.
+#[derive(Debug)]
+pub struct PushReports {
+    /// Pushes that could not be written: hand their attempts back.
+    pub undelivered: mpsc::UnboundedReceiver<UndeliveredPush>,
+    /// Pushes written: tell their partitions when.
+    pub written: mpsc::UnboundedReceiver<PushWritten>,
+}
+
 #[derive(Default)]
 struct GroupSessions {
     sessions: Vec<Arc<WorkSession>>,
@@ -168,6 +186,7 @@ pub struct WorkerHub {
     groups: RwLock<HashMap<String, Mutex<GroupSessions>>>,
     next_session: AtomicU64,
     undelivered: mpsc::UnboundedSender<UndeliveredPush>,
+    written: mpsc::UnboundedSender<PushWritten>,
 }
 
 impl std::fmt::Debug for WorkerHub {
@@ -177,18 +196,24 @@ impl std::fmt::Debug for WorkerHub {
 }
 
 impl WorkerHub {
-    /// A hub, and where the attempts of undelivered pushes come out (the
-    /// instance hands them back; at most one entry per pushed batch, so the
-    /// channel is bounded by the credits workers gave).
-    pub fn new() -> (Arc<WorkerHub>, mpsc::UnboundedReceiver<UndeliveredPush>) {
-        let (undelivered, receiver) = mpsc::unbounded_channel();
+    /// A hub, and where its reports come out: the attempts of undelivered
+    /// pushes (the instance hands them back) and of written ones (their
+    /// partitions start their leases). At most one entry per pushed batch,
+    /// so the channels are bounded by the credits workers gave.
+    pub fn new() -> (Arc<WorkerHub>, PushReports) {
+        let (undelivered, undelivered_receiver) = mpsc::unbounded_channel();
+        let (written, written_receiver) = mpsc::unbounded_channel();
         (
             Arc::new(WorkerHub {
                 groups: RwLock::new(HashMap::new()),
                 next_session: AtomicU64::new(1),
                 undelivered,
+                written,
             }),
-            receiver,
+            PushReports {
+                undelivered: undelivered_receiver,
+                written: written_receiver,
+            },
         )
     }
 
@@ -343,6 +368,8 @@ impl WorkerHub {
 pub struct Push {
     hub: Arc<WorkerHub>,
     session: Arc<WorkSession>,
+    /// The job partition that claimed the jobs.
+    partition: i32,
     jobs: Vec<pb::DispatchedJob>,
     /// Set by a crash-point fault hook: lost with the instance, as a crash
     /// after the commit loses it (nothing given or handed back).
@@ -350,10 +377,11 @@ pub struct Push {
 }
 
 impl Push {
-    pub fn new(hub: Arc<WorkerHub>, session: Arc<WorkSession>) -> Self {
+    pub fn new(hub: Arc<WorkerHub>, session: Arc<WorkSession>, partition: i32) -> Self {
         Push {
             hub,
             session,
+            partition,
             jobs: Vec::new(),
             lost: false,
         }
@@ -381,12 +409,33 @@ impl Push {
         self.lost = true;
     }
 
-    /// Write the jobs to the worker's stream (after the commit).
+    /// Write the jobs to the worker's stream (after the commit). Their
+    /// leases run from now, the push (docs/worker-protocol.md §7): the
+    /// commit, and whatever waited before it, does not eat into them. The
+    /// partition hears of it and moves its own lease ends as far.
     pub fn send(mut self) {
-        let jobs = std::mem::take(&mut self.jobs);
-        if let Err(jobs) = self.session.write(jobs) {
-            self.jobs = jobs;
-            // Dropped now: undelivered.
+        let mut jobs = std::mem::take(&mut self.jobs);
+        let now_ms = sluice_common::clock::wall_clock_ms();
+        for dispatched in &mut jobs {
+            let lease_ms = dispatched
+                .job
+                .as_ref()
+                .map_or(0, |job| i64::try_from(job.lease_ms).unwrap_or(i64::MAX));
+            dispatched.lease_expires_at_ms = dispatched.lease_expires_at_ms.max(now_ms.saturating_add(lease_ms));
+        }
+        let attempts = attempts_of(&jobs);
+        match self.session.write(jobs) {
+            Ok(()) => {
+                let _ = self.hub.written.send(PushWritten {
+                    partition: self.partition,
+                    worker_id: self.session.worker_id.clone(),
+                    attempts,
+                });
+            }
+            Err(jobs) => {
+                self.jobs = jobs;
+                // Dropped now: undelivered.
+            }
         }
     }
 
@@ -396,16 +445,19 @@ impl Push {
             return;
         }
         self.session.give_credits(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
-        let attempts = jobs
-            .into_iter()
-            .filter_map(|dispatched| dispatched.job)
-            .map(|job| (job.job_id, job.attempt))
-            .collect();
+        let attempts = attempts_of(&jobs);
         let _ = self.hub.undelivered.send(UndeliveredPush {
             worker_id: self.session.worker_id.clone(),
             attempts,
         });
     }
+}
+
+fn attempts_of(jobs: &[pb::DispatchedJob]) -> Vec<(String, u32)> {
+    jobs.iter()
+        .filter_map(|dispatched| dispatched.job.as_ref())
+        .map(|job| (job.job_id.clone(), job.attempt))
+        .collect()
 }
 
 impl Drop for Push {
@@ -433,7 +485,7 @@ mod tests {
 
     #[test]
     fn a_session_takes_only_the_jobs_of_its_tenants() {
-        let (hub, _undelivered) = WorkerHub::new();
+        let (hub, _reports) = WorkerHub::new();
         let scoped = JobScope::Tenants(Arc::new(["a".to_string()].into_iter().collect()));
         let session = hub.open("w".into(), vec!["g".into()], scoped, 1, None);
         assert!(hub.has_sessions("g", "a"));
@@ -477,13 +529,13 @@ mod tests {
 
     #[test]
     fn a_push_to_a_gone_stream_is_handed_back_with_its_credit() {
-        let (hub, mut undelivered) = WorkerHub::new();
+        let (hub, mut reports) = WorkerHub::new();
         let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
         assert!(hub.take("g", "t").is_some());
-        let mut push = Push::new(hub.clone(), session.clone());
+        let mut push = Push::new(hub.clone(), session.clone(), 0);
         push.add(dispatched("j1"));
         push.send();
-        let handed = undelivered.try_recv().unwrap();
+        let handed = reports.undelivered.try_recv().unwrap();
         assert_eq!(handed.worker_id, "w");
         assert_eq!(handed.attempts, vec![("j1".to_string(), 1)]);
         assert_eq!(session.credits(), 1, "the credit came back");
@@ -491,37 +543,75 @@ mod tests {
 
     #[test]
     fn a_push_written_to_an_open_stream_is_not_handed_back() {
-        let (hub, mut undelivered) = WorkerHub::new();
+        let (hub, mut reports) = WorkerHub::new();
         let (sender, mut receiver) = mpsc::channel(4);
         let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, Some(sender));
         assert!(hub.take("g", "t").is_some());
-        let mut push = Push::new(hub.clone(), session.clone());
+        let mut push = Push::new(hub.clone(), session.clone(), 0);
         push.add(dispatched("j1"));
         push.send();
         let written = receiver.try_recv().unwrap().unwrap();
         assert!(matches!(written.message, Some(pb::work_response::Message::Jobs(_))));
-        assert!(undelivered.try_recv().is_err());
+        assert!(reports.undelivered.try_recv().is_err());
+        assert_eq!(
+            reports.written.try_recv().unwrap(),
+            PushWritten {
+                partition: 0,
+                worker_id: "w".to_string(),
+                attempts: vec![("j1".to_string(), 1)],
+            },
+            "the partition hears when its push was written"
+        );
         assert_eq!(session.credits(), 0);
+    }
+
+    /// The lease of a pushed job runs from the push, not from the claim
+    /// decided before the commit (issue 29: pushes arrived 5 s into their
+    /// leases).
+    #[test]
+    fn a_pushed_lease_starts_when_the_push_is_written() {
+        let (hub, _reports) = WorkerHub::new();
+        let (sender, mut receiver) = mpsc::channel(4);
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, Some(sender));
+        let mut push = Push::new(hub.clone(), session.clone(), 0);
+        let mut claimed_long_ago = dispatched("j1");
+        if let Some(job) = claimed_long_ago.job.as_mut() {
+            job.lease_ms = 30_000;
+        }
+        // Claimed at 1,000 ms (decided, then a slow commit).
+        claimed_long_ago.lease_expires_at_ms = 1_000 + 30_000;
+        push.add(claimed_long_ago);
+        let before = sluice_common::clock::wall_clock_ms();
+        push.send();
+        let after = sluice_common::clock::wall_clock_ms();
+        let Some(pb::work_response::Message::Jobs(jobs)) = receiver.try_recv().unwrap().unwrap().message else {
+            panic!("no jobs written");
+        };
+        let lease_end = jobs.jobs[0].lease_expires_at_ms;
+        assert!(
+            (before + 30_000..=after + 30_000).contains(&lease_end),
+            "lease end {lease_end} not a lease from the push ({before}..{after})"
+        );
     }
 
     #[test]
     fn a_lost_push_neither_returns_credit_nor_hands_back() {
-        let (hub, mut undelivered) = WorkerHub::new();
+        let (hub, mut reports) = WorkerHub::new();
         let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
         assert!(hub.take("g", "t").is_some());
-        let mut push = Push::new(hub.clone(), session.clone());
+        let mut push = Push::new(hub.clone(), session.clone(), 0);
         push.add(dispatched("j1"));
         push.lose();
-        assert!(undelivered.try_recv().is_err());
+        assert!(reports.undelivered.try_recv().is_err());
         assert_eq!(session.credits(), 0);
     }
 
     #[test]
     fn a_closed_stream_names_the_attempts_written_to_it_and_not_completed() {
-        let (hub, _undelivered) = WorkerHub::new();
+        let (hub, _reports) = WorkerHub::new();
         let (sender, _receiver) = mpsc::channel(4);
         let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 3, Some(sender));
-        let mut push = Push::new(hub.clone(), session.clone());
+        let mut push = Push::new(hub.clone(), session.clone(), 0);
         push.add(dispatched("j1"));
         push.add(dispatched("j2"));
         push.send();
@@ -529,7 +619,7 @@ mod tests {
         session.completed([("j1", 1), ("j2", 7)]);
         assert_eq!(hub.close(&session), vec![("j2".to_string(), 1)]);
         // Nothing is written, or carried, after the end.
-        let mut late = Push::new(hub.clone(), session.clone());
+        let mut late = Push::new(hub.clone(), session.clone(), 0);
         late.add(dispatched("j3"));
         late.send();
         assert!(hub.close(&session).is_empty());
