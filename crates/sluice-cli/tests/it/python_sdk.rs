@@ -31,6 +31,12 @@ fn pytest_command(
         .current_dir(sdk_dir())
         .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
         .args(tests)
+        // e.g. `-k limit_of_two -x`, to run part of a suite by hand.
+        .args(
+            std::env::var("SLUICE_PYTEST_ARGS")
+                .unwrap_or_default()
+                .split_whitespace(),
+        )
         .env("PYTHONPATH", sdk_dir().join("src"))
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .env_remove("SLUICE_ADMISSION_ENDPOINT")
