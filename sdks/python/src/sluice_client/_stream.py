@@ -204,6 +204,7 @@ class StreamCore:
         self.flush_scheduled = False
         self.tasks: set[asyncio.Task[None]] = set()
         self.seed_channel = _grpc.aio_channel(seed, options.tls)
+        self.snapshot = self.take_snapshot()
         self.instances_call = _grpc.aio_unary(
             self.seed_channel,
             _grpc.ADMISSION + "Instances",
@@ -236,6 +237,10 @@ class StreamCore:
             self.loop.call_soon(self.flush)
 
     def status(self) -> WorkerStatus:
+        """The snapshot taken at the last flush: safe to read from any thread."""
+        return self.snapshot
+
+    def take_snapshot(self) -> WorkerStatus:
         return WorkerStatus(
             worker_id=self.worker_id,
             streams=sum(1 for session in self.sessions.values() if session.confirmed),
@@ -629,6 +634,7 @@ class StreamCore:
         for endpoint, batch in completions.items():
             for start in range(0, len(batch), MAX_PER_MESSAGE):
                 self.send(_Pending("complete", endpoint, completions=batch[start : start + MAX_PER_MESSAGE]))
+        self.snapshot = self.take_snapshot()
 
     def send(self, request: _Pending) -> None:
         """Send one request on its preferred stream when open, else on any;
@@ -693,6 +699,7 @@ class StreamCore:
         for session in list(self.sessions.values()):
             self.withdraw_all(session)
         self.changed.set()
+        self.schedule_flush()
 
     def stop_now(self) -> None:
         """End the shutdown grace at once: stop every handler, hand back."""
@@ -735,6 +742,7 @@ class StreamCore:
             tick.cancel()
             discover.cancel()
             await self.close()
+            self.snapshot = self.take_snapshot()
 
     async def close(self) -> None:
         sessions = list(self.sessions.values())
