@@ -4,8 +4,10 @@
 # outside the repository:
 #
 #   $SLUICE_TOOLS_DIR/python       a Python venv with examples/python/requirements.txt
-#                                  (grpcio, grpcio-tools, protobuf, confluent-kafka)
-#                                  and jsonschema
+#                                  (grpcio, grpcio-tools, protobuf, confluent-kafka),
+#                                  jsonschema, and what the Python SDK's tests need
+#                                  (sdks/python/requirements-dev.txt: pytest, mypy,
+#                                  typing stubs)
 #   $SLUICE_TOOLS_DIR/bin/kcat     a wrapper that runs Debian's kcat with the
 #                                  librdkafka bundled in the confluent-kafka wheel:
 #                                  Debian's own librdkafka (2.0.2) cannot talk to
@@ -22,6 +24,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS_DIR="${SLUICE_TOOLS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/sluice/tools}"
 VENV="$TOOLS_DIR/python"
 REQUIREMENTS="$REPO/examples/python/requirements.txt"
+SDK_REQUIREMENTS="$REPO/sdks/python/requirements-dev.txt"
 JSONSCHEMA="jsonschema==4.26.0"
 
 log() { printf 'install-python-tools: %s\n' "$*" >&2; }
@@ -41,11 +44,11 @@ sudo_if_needed() {
 # Every pinned requirement installed at its version (pip's own check, offline).
 venv_ok() {
     [ -x "$VENV/bin/python" ] &&
-        "$VENV/bin/python" - "$REQUIREMENTS" "$JSONSCHEMA" <<'EOF' 2>/dev/null
+        "$VENV/bin/python" - "$REQUIREMENTS" "$SDK_REQUIREMENTS" "$JSONSCHEMA" <<'EOF' 2>/dev/null
 import importlib.metadata as metadata
 import sys
 
-lines = open(sys.argv[1]).read().splitlines() + [sys.argv[2]]
+lines = open(sys.argv[1]).read().splitlines() + open(sys.argv[2]).read().splitlines() + [sys.argv[3]]
 for line in lines:
     line = line.split("#", 1)[0].strip()
     if not line:
@@ -62,8 +65,9 @@ install_venv() {
         log "python3 cannot create a venv; on Debian/Ubuntu: apt-get install python3-venv"
         exit 1
     fi
-    log "installing $(grep -v '^#' "$REQUIREMENTS" | tr '\n' ' ')$JSONSCHEMA"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$REQUIREMENTS" "$JSONSCHEMA"
+    log "installing $(grep -hv '^#' "$REQUIREMENTS" "$SDK_REQUIREMENTS" | tr '\n' ' ')$JSONSCHEMA"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        -r "$REQUIREMENTS" -r "$SDK_REQUIREMENTS" "$JSONSCHEMA"
 }
 
 system_kcat() {

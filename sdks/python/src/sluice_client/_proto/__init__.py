@@ -1,0 +1,2 @@
+"""Protobuf messages generated from the repository's ``proto/`` (see
+``sluice_client._codegen``). Import them through ``sluice_client.proto``."""
