@@ -742,6 +742,9 @@ impl InMsg {
 #[derive(Clone)]
 pub struct OffsetStore {
     consumer: std::sync::Weak<StreamConsumer<RebalanceContext>>,
+    /// A client configuration without a group, for reading one offset of
+    /// the partition (`holds_offset`).
+    probe: Arc<ClientConfig>,
     topic: Arc<str>,
     partition: i32,
     /// The last offset stored (next to read), -1 before the first store: where
@@ -787,6 +790,126 @@ impl OffsetStore {
             Err(_join) => None,
         }
     }
+}
+
+impl OffsetStore {
+    /// Whether the partition's log still holds `offset` (or a later one:
+    /// the log goes on past it), read with a consumer of its own that
+    /// starts there. `Some(false)`: the log ends at or before it, starts
+    /// after it, or gave nothing from there within `timeout`. `None`: the
+    /// read failed.
+    ///
+    /// A broker's high watermark alone is not proof: tansu reports its last
+    /// batch's base offset + 1, below messages it holds.
+    pub async fn holds_offset(&self, offset: i64, timeout: Duration) -> Option<bool> {
+        let probe = self.probe.clone();
+        let topic = self.topic.clone();
+        let partition = self.partition;
+        log_holds_offset(probe, topic, partition, offset, timeout).await
+    }
+}
+
+/// Whether `topic`/`partition`'s log holds `offset` (or a later one), read
+/// with a consumer of `probe_config` (`OffsetStore::holds_offset`).
+pub async fn log_holds_offset(
+    probe: Arc<ClientConfig>,
+    topic: Arc<str>,
+    partition: i32,
+    offset: i64,
+    timeout: Duration,
+) -> Option<bool> {
+    let reading = topic.clone();
+    let read = tokio::task::spawn_blocking(move || read_at(&probe, &reading, partition, offset, timeout)).await;
+    match read {
+        Ok(Ok(holds)) => holds,
+        Ok(Err(error)) => {
+            tracing::warn!(%topic, partition, offset, %error, "reading the partition at an offset failed");
+            None
+        }
+        Err(_join) => None,
+    }
+}
+
+/// Read `topic`/`partition` from `offset` with a consumer of no group that
+/// neither commits nor resets its position.
+fn read_at(
+    probe: &ClientConfig,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    timeout: Duration,
+) -> Result<Option<bool>, KafkaError> {
+    use rdkafka::consumer::BaseConsumer;
+    let consumer: BaseConsumer<ProbeContext> = probe.create_with_context(ProbeContext::default())?;
+    let mut list = TopicPartitionList::new();
+    list.add_partition_offset(topic, partition, Offset::Offset(offset))?;
+    consumer.assign(&list)?;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            // Nothing at or after it (brokers do not always say "end of
+            // partition" for an empty fetch).
+            return Ok(Some(false));
+        }
+        let polled = consumer.poll(left.min(Duration::from_millis(100)));
+        if consumer
+            .context()
+            .past_the_end
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Ok(Some(false));
+        }
+        match polled {
+            Some(Ok(message)) => return Ok(Some(message.offset() >= offset)),
+            Some(Err(error)) if is_past_the_end(&error) => return Ok(Some(false)),
+            Some(Err(error)) => return Err(error),
+            None => {}
+        }
+    }
+}
+
+/// The end of the partition, or an offset out of its range.
+fn is_past_the_end(error: &KafkaError) -> bool {
+    matches!(error, KafkaError::PartitionEOF(_))
+        || matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::PartitionEOF | RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset
+            )
+        )
+}
+
+/// Notes what librdkafka reports about a probed offset as a client error
+/// (the end of the partition, an offset out of range) instead of logging it.
+#[derive(Default)]
+struct ProbeContext {
+    past_the_end: std::sync::atomic::AtomicBool,
+}
+
+impl ClientContext for ProbeContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if is_past_the_end(&error) {
+            self.past_the_end.store(true, std::sync::atomic::Ordering::Release);
+        } else {
+            tracing::debug!(%error, reason, "kafka client error while reading an offset");
+        }
+    }
+}
+
+impl ConsumerContext for ProbeContext {}
+
+/// The configuration of `holds_offset`'s consumers.
+pub fn probe_config(kafka: &KafkaConfig) -> ClientConfig {
+    let mut client = client_config(kafka);
+    client
+        .set("group.id", format!("sluice-probe-{}", uuid::Uuid::new_v4()))
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "error")
+        .set("enable.partition.eof", "true")
+        .set("fetch.wait.max.ms", kafka.fetch_wait_max_ms.to_string());
+    client
 }
 
 /// The messages of one assigned partition, in offset order. Bounded by bytes
@@ -1052,16 +1175,13 @@ enum MemberEnd {
     MembershipLost,
 }
 
-/// A partition whose task gave it up to a newer owner while the consumer
-/// still has it assigned is taken over again after a delay: the first time
-/// `RETAKE_FIRST`, doubling for each fence within `RETAKE_FORGET` of the
-/// last, up to `RETAKE_MAX`. During a rebalance two members can both hold
-/// a partition for seconds; taken over again at once, each fenced the other
-/// every few hundred milliseconds (chaos: 7 s of that after a whole service
-/// restarted), each time reloading and sending its callers elsewhere. The
-/// member that keeps the assignment wins once the other's is revoked; one
-/// whose row was taken by an instance that let it go gets it back within
-/// the first delay.
+/// A partition whose task ended while the consumer still has it assigned
+/// is started again after a delay: the first time `RETAKE_FIRST`, doubling
+/// for each end within `RETAKE_FORGET` of the last, up to `RETAKE_MAX`.
+/// (A task fenced by a newer owner does not end: it stands by until that
+/// owner lets the partition go, `owner.rs`, so two members that both hold a
+/// partition during an overlapping rebalance do not take it from each other
+/// back and forth.)
 const RETAKE_FIRST: Duration = Duration::from_millis(500);
 const RETAKE_MAX: Duration = Duration::from_secs(8);
 const RETAKE_FORGET: Duration = Duration::from_secs(30);
@@ -1201,6 +1321,7 @@ struct Member<'a> {
     assigned: Arc<Mutex<HashSet<i32>>>,
     lost_since: Arc<Mutex<Option<std::time::Instant>>>,
     buffer_bytes: usize,
+    probe: Arc<ClientConfig>,
     running: HashMap<i32, Running>,
     restarts: HashMap<i32, Restart>,
     fence_retakes: FenceRetakes,
@@ -1243,6 +1364,7 @@ async fn consume_as_member(
         assigned,
         lost_since,
         buffer_bytes: kafka.consumer_buffer_bytes.max(1),
+        probe: Arc::new(probe_config(kafka)),
         running: HashMap::new(),
         restarts: HashMap::new(),
         fence_retakes: FenceRetakes::default(),
@@ -1303,6 +1425,7 @@ impl Member<'_> {
             stop: stop.clone(),
             offsets: OffsetStore {
                 consumer: Arc::downgrade(&self.consumer),
+                probe: self.probe.clone(),
                 topic: self.topic.clone(),
                 partition,
                 stored: stored.clone(),
@@ -1377,15 +1500,15 @@ impl Member<'_> {
                 );
             }
             Ok(()) => {
-                // Revoked (the next reconcile forgets it), or fenced by a
-                // newer owner: if the partition is still assigned here, a
-                // reconcile after the retake delay takes it over again,
-                // from what this task had stored.
+                // Revoked (the next reconcile forgets it), or its input
+                // ended: if the partition is still assigned here, a
+                // reconcile after the retake delay starts it again, from
+                // what this task had stored.
                 let entry = self.running.remove(&partition)?;
                 if !entry.stop.is_cancelled() {
                     let now = tokio::time::Instant::now();
                     let delay = self.fence_retakes.delay(partition, now);
-                    tracing::info!(topic = %self.topic, partition, ?delay, "partition given up to a newer owner; taking it over again after the delay if still assigned here");
+                    tracing::info!(topic = %self.topic, partition, ?delay, "partition task ended while assigned; starting it again after the delay");
                     self.restarts.entry(partition).or_insert(Restart {
                         at: now + delay,
                         backoff: Duration::ZERO,

@@ -316,7 +316,7 @@ pub async fn bump_epoch(
         "INSERT INTO owners (partition, epoch, owner_id, endpoint) VALUES ($1, 1, $2, $3)
          ON CONFLICT (partition) DO UPDATE
             SET epoch = owners.epoch + 1, owner_id = EXCLUDED.owner_id, endpoint = EXCLUDED.endpoint,
-                owned_since = now(), updated_at = now()
+                owned_since = now(), updated_at = now(), released = false
          RETURNING epoch, applied_offset",
     )
     .bind(partition)
@@ -367,6 +367,44 @@ pub async fn lookup_owner(pool: &PgPool, partition: i32) -> Result<Option<(Strin
         .bind(partition)
         .fetch_optional(pool)
         .await
+}
+
+/// Why the owner of `partition` let it go, if it did: it released it, or
+/// its row has not moved for `silent_after`. `None`: it holds it.
+pub async fn owner_let_go(
+    pool: &PgPool,
+    partition: i32,
+    silent_after: Duration,
+) -> Result<Option<String>, sqlx::Error> {
+    let silent_ms = i64::try_from(silent_after.as_millis()).unwrap_or(i64::MAX);
+    let row: Option<(bool, i64)> = sqlx::query_as(
+        "SELECT released, (extract(epoch FROM now() - updated_at) * 1000)::bigint FROM owners WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_optional(pool)
+    .await?;
+    Ok(match row {
+        None => Some("no owner".to_string()),
+        Some((true, _)) => Some("its owner released it".to_string()),
+        Some((false, silent_for_ms)) if silent_for_ms >= silent_ms => {
+            Some(format!("its owner has been silent for {silent_for_ms} ms"))
+        }
+        Some(_) => None,
+    })
+}
+
+/// Mark `partition` released by the owner of `epoch` (given up in order):
+/// a member standing by for it takes it at once. Best effort: a member
+/// otherwise takes it once the row has been silent long enough.
+async fn release(pool: &PgPool, partition: i32, epoch: i64) {
+    let released = sqlx::query("UPDATE owners SET released = true WHERE partition = $1 AND epoch = $2")
+        .bind(partition)
+        .bind(epoch)
+        .execute(pool)
+        .await;
+    if let Err(error) = released {
+        tracing::debug!(partition, %error, "marking the partition released failed");
+    }
 }
 
 /// Set input aside: its bytes and the reason, in the service's `quarantine`
@@ -694,6 +732,15 @@ struct PartitionTask<S: OwnedStore> {
 /// it after a rebalance that overlapped), nobody serves it: its callers are
 /// sent to the newer owner's row, which has given it up.
 const FENCE_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// How often a fenced task that still has the partition assigned looks at
+/// whether the newer owner let it go.
+const STANDBY_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// An owner whose row has not moved for this long (no commit, no idle
+/// touch, which comes every `FENCE_CHECK_EVERY`) is gone: a member standing
+/// by takes the partition over. The group reassigns a dead member's
+/// partitions sooner (its session timeout); this covers a member that
+/// still holds an assignment the group already gave away.
+const OWNER_SILENT_AFTER: Duration = Duration::from_secs(15);
 /// How often an owned partition publishes its keys for per-key metrics.
 const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
 /// How long reading a partition's watermarks may take.
@@ -702,6 +749,14 @@ const WATERMARKS_TIMEOUT: Duration = Duration::from_secs(5);
 enum Step<T> {
     Done(T),
     Stop,
+}
+
+/// How one ownership of a partition ended.
+enum Ownership {
+    /// Revoked, or the service stops.
+    Ended,
+    /// A newer owner took it over.
+    Fenced,
 }
 
 /// Whether `messages` go back to or before an offset received earlier,
@@ -728,12 +783,22 @@ enum BatchEnd {
 }
 
 impl<S: OwnedStore> PartitionTask<S> {
-    /// Whether the owner row names a newer epoch than `epoch` (a newer owner
-    /// took the partition over while this one had no input). The task then
-    /// stops, and its consumer takes the partition over again if it is
-    /// still assigned here. A failed read is not a fence.
-    async fn fenced_while_idle(&self, partition: i32, epoch: i64) -> bool {
+    /// Say this owner is alive (its row's `updated_at`, which commits move
+    /// too), and whether a newer owner took the partition over while this
+    /// one had no input. The task then stands by. A failed read is not a
+    /// fence.
+    async fn alive_or_fenced(&self, partition: i32, epoch: i64) -> bool {
         if self.faults.hit(FaultPoint::OwnerIdleFenceCheckMissed) {
+            return false;
+        }
+        let touched: Result<Option<i64>, sqlx::Error> = sqlx::query_scalar(
+            "UPDATE owners SET updated_at = now() WHERE partition = $1 AND epoch = $2 RETURNING epoch",
+        )
+        .bind(partition)
+        .bind(epoch)
+        .fetch_optional(&self.pool)
+        .await;
+        if !matches!(touched, Ok(None)) {
             return false;
         }
         match lookup_owner(&self.pool, partition).await {
@@ -744,7 +809,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                     ours = epoch,
                     current,
                     %endpoint,
-                    "fenced by a newer owner while idle; giving the partition up"
+                    "fenced by a newer owner while idle"
                 );
                 true
             }
@@ -752,15 +817,72 @@ impl<S: OwnedStore> PartitionTask<S> {
         }
     }
 
+    /// Own the partition while it is assigned here: take it over, serve
+    /// it, and when a newer owner fences this one, stand by until that
+    /// owner lets it go (or the group moves it away), then take it over
+    /// again. Ownership moves only when the group moves the partition or
+    /// its owner is gone, never back and forth between two members that
+    /// both believe they hold it (an overlapping rebalance): the fenced one
+    /// waits instead of fencing back.
     async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
+        let mut carried: Vec<InMsg> = Vec::new();
+        loop {
+            match self.own(&mut input, &mut carried).await? {
+                Ownership::Ended => return Ok(()),
+                Ownership::Fenced => {
+                    if !self.stand_by(&input).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Wait while a newer owner holds the partition. True when it let the
+    /// partition go (released it, or went silent: no commit and no touch of
+    /// its row for `OWNER_SILENT_AFTER`) and this task should take it over
+    /// again; false when the partition was revoked here or the service
+    /// stops.
+    async fn stand_by(&self, input: &PartitionInput) -> bool {
+        let partition = input.partition;
+        tracing::info!(
+            service = self.settings.service,
+            partition,
+            "a newer owner holds the partition: standing by until it lets it go or the group moves it"
+        );
+        let mut check = tokio::time::interval(STANDBY_CHECK_EVERY);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = input.stop.cancelled() => return false,
+                _ = check.tick() => {}
+            }
+            match owner_let_go(&self.pool, partition, OWNER_SILENT_AFTER).await {
+                Ok(Some(why)) => {
+                    tracing::info!(service = self.settings.service, partition, %why, "taking the partition over again");
+                    return true;
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(service = self.settings.service, partition, %error, "reading the owner row failed; standing by");
+                }
+            }
+        }
+    }
+
+    /// One ownership of the partition: take it over, then decide batch after
+    /// batch until the partition is revoked (`Ended`) or a newer owner
+    /// fences this one (`Fenced`; the input of the batch it was deciding is
+    /// left in `carried`, to decide again if it takes the partition back).
+    async fn own(&self, input: &mut PartitionInput, carried: &mut Vec<InMsg>) -> Result<Ownership, PartitionTaskError> {
         let partition = input.partition;
         self.registry.set_condition(partition, "loading");
         let loading = self.registry.begin_loading(partition);
-        let (context, mut state, mut applied_offset) = match self.take_over(&input).await {
+        let (context, mut state, mut applied_offset) = match self.take_over(input).await {
             Step::Done(loaded) => loaded,
             Step::Stop => {
                 self.registry.clear_condition(partition);
-                return Ok(());
+                return Ok(self.fenced_unless_stopped(input));
             }
         };
         self.registry.clear_condition(partition);
@@ -768,7 +890,7 @@ impl<S: OwnedStore> PartitionTask<S> {
         let (local_sender, mut local_receiver) = mpsc::channel(1024);
         self.registry.register(partition, context.epoch, local_sender.clone());
         drop(loading);
-        tracing::info!(
+        tracing::debug!(
             service = self.settings.service,
             partition,
             epoch = context.epoch,
@@ -782,52 +904,60 @@ impl<S: OwnedStore> PartitionTask<S> {
         fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         fence_check.tick().await;
         let outcome = loop {
-            let mut messages: Vec<InMsg> = Vec::new();
+            let mut messages: Vec<InMsg> = std::mem::take(carried);
             let mut locals = Vec::new();
-            let wakeup = state.next_wakeup_ms().map(|at| context.clock.instant_at(at));
-            let sleep = async {
-                match wakeup {
-                    Some(at) => tokio::time::sleep_until(at.into()).await,
-                    None => futures::future::pending::<()>().await,
-                }
-            };
-            tokio::select! {
-                biased;
-                _ = input.stop.cancelled() => break Ok(()),
-                received = input.messages.recv() => match received {
-                    Some(message) => messages.push(message),
-                    None => break Ok(()),
-                },
-                Some(local) = local_receiver.recv() => locals.push(local),
-                _ = sleep => {}
-                _ = fence_check.tick() => {
-                    if self.fenced_while_idle(partition, context.epoch).await {
-                        break Ok(());
+            if messages.is_empty() {
+                let wakeup = state.next_wakeup_ms().map(|at| context.clock.instant_at(at));
+                let sleep = async {
+                    match wakeup {
+                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        None => futures::future::pending::<()>().await,
                     }
-                    continue;
+                };
+                tokio::select! {
+                    biased;
+                    _ = input.stop.cancelled() => break Ok(Ownership::Ended),
+                    received = input.messages.recv() => match received {
+                        Some(message) => messages.push(message),
+                        None => break Ok(Ownership::Ended),
+                    },
+                    Some(local) = local_receiver.recv() => locals.push(local),
+                    _ = sleep => {}
+                    _ = fence_check.tick() => {
+                        if self.alive_or_fenced(partition, context.epoch).await {
+                            break Ok(Ownership::Fenced);
+                        }
+                        continue;
+                    }
                 }
             }
-            self.fill_batch(&mut input, &mut local_receiver, &mut messages, &mut locals);
+            self.fill_batch(input, &mut local_receiver, &mut messages, &mut locals);
             // The consumer only goes back when its position was reset (the
             // log it read is gone): see whether the log was lost.
             if went_back(&mut last_received, &messages) {
                 match self
-                    .adopt_if_log_lost(&context, &mut state, &mut applied_offset, &input)
+                    .adopt_if_log_lost(&context, &mut state, &mut applied_offset, input)
                     .await
                 {
                     Step::Done(()) => {}
-                    Step::Stop => break Ok(()),
+                    Step::Stop => {
+                        *carried = messages;
+                        break Ok(self.fenced_unless_stopped(input));
+                    }
                 }
             }
             let last_offset = messages.last().map(|message| message.offset);
             messages.retain(|message| message.offset > applied_offset);
 
             match self
-                .process_batch(&context, &mut state, &mut applied_offset, &messages, locals, &input)
+                .process_batch(&context, &mut state, &mut applied_offset, &messages, locals, input)
                 .await
             {
                 Ok(Step::Done(())) => {}
-                Ok(Step::Stop) => break Ok(()),
+                Ok(Step::Stop) => {
+                    *carried = messages;
+                    break Ok(self.fenced_unless_stopped(input));
+                }
                 Err(error) => break Err(error),
             }
             if let Some(offset) = last_offset {
@@ -841,13 +971,28 @@ impl<S: OwnedStore> PartitionTask<S> {
         crate::metrics::metrics().publish_keys(self.settings.service, partition, None);
         self.registry.unregister(partition, &local_sender);
         self.registry.clear_condition(partition);
-        tracing::info!(
+        if matches!(outcome, Ok(Ownership::Ended)) {
+            // Given up in order (revoked, stopping): a member standing by
+            // for it may take it at once.
+            release(&self.pool, partition, context.epoch).await;
+        }
+        tracing::debug!(
             service = self.settings.service,
             partition,
             epoch = context.epoch,
             "partition released"
         );
         outcome
+    }
+
+    /// A batch or takeover gave the partition up: revoked or stopping, or
+    /// fenced by a newer owner.
+    fn fenced_unless_stopped(&self, input: &PartitionInput) -> Ownership {
+        if input.stop.is_cancelled() {
+            Ownership::Ended
+        } else {
+            Ownership::Fenced
+        }
     }
 
     /// Add to a batch what is already waiting, without waiting: messages up
@@ -974,6 +1119,35 @@ impl<S: OwnedStore> PartitionTask<S> {
         };
         if high > *applied_offset {
             return Step::Done(());
+        }
+        // A log end at or below what was applied says the log was lost, or
+        // the broker's high watermark is off (tansu's is): read the log at
+        // that offset to know.
+        match input.offsets.holds_offset(*applied_offset, WATERMARKS_TIMEOUT).await {
+            Some(false) => {}
+            Some(true) => {
+                tracing::debug!(
+                    service = self.settings.service,
+                    topic = %input.topic,
+                    partition = context.partition,
+                    applied_offset = *applied_offset,
+                    log_end = high,
+                    "the broker's log end is below an offset it still holds; nothing was lost"
+                );
+                return Step::Done(());
+            }
+            None => {
+                tracing::warn!(
+                    service = self.settings.service,
+                    topic = %input.topic,
+                    partition = context.partition,
+                    applied_offset = *applied_offset,
+                    log_end = high,
+                    "the broker's log end is below the applied offset and reading the log there failed; \
+                     keeping the applied offset (checked again if the consumer goes back)"
+                );
+                return Step::Done(());
+            }
         }
         let adopted = low.max(0) - 1;
         tracing::warn!(

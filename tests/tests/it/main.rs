@@ -20,6 +20,7 @@ mod introspection;
 mod jobs_api;
 mod limits;
 mod membership;
+mod ownership;
 mod quota;
 mod rate;
 mod reflection;

@@ -125,3 +125,48 @@ async fn a_consumer_whose_group_session_was_lost_processes_everything_afterwards
     let _ = tokio::time::timeout(Duration::from_secs(30), consumer).await;
     Ok(())
 }
+
+/// Whether a partition's log was lost is read from the log itself, not
+/// from the broker's high watermark alone: ten messages written in one
+/// batch (tansu then reports the batch's base offset + 1 as the log end,
+/// below messages it holds) are all there, and the offset after the last
+/// one is not. An owner that had applied offset 5 saw "the broker lost the
+/// log" (and replayed it) although nothing was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_is_lost_only_when_the_offset_is_not_there() -> anyhow::Result<()> {
+    init_logging();
+    let config = test_config("logprobe", &[])?;
+    let topic_name = config.topic("probed");
+    let topic: Arc<str> = Arc::from(topic_name.as_str());
+    ensure_topics(
+        &config.kafka,
+        &[TopicSpec {
+            name: topic_name.clone(),
+            partitions: 1,
+            internal: false,
+        }],
+        true,
+    )
+    .await?;
+    let publisher = Publisher::new(&config.kafka)?;
+    let messages = (0..10)
+        .map(|index| OutMsg {
+            topic: topic.clone(),
+            partition: Some(0),
+            key: None,
+            payload: format!("m-{index}").into_bytes(),
+            headers: Vec::new(),
+        })
+        .collect();
+    publisher.send_all(messages).await?;
+    let probe = Arc::new(sluice_common::kafka::probe_config(&config.kafka));
+    let holds = |offset: i64| {
+        sluice_common::kafka::log_holds_offset(probe.clone(), topic.clone(), 0, offset, Duration::from_secs(3))
+    };
+    assert_eq!(holds(0).await, Some(true));
+    assert_eq!(holds(5).await, Some(true), "offset 5 is in the log");
+    assert_eq!(holds(9).await, Some(true));
+    assert_eq!(holds(10).await, Some(false), "the log ends at 10");
+    assert_eq!(holds(5_000).await, Some(false));
+    Ok(())
+}
