@@ -204,6 +204,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let moved = if expose { Vec::new() } else { loopback_only(&mut config) };
             let config = Arc::new(config);
             let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
+            config.warn_removed_settings();
             if !moved.is_empty() {
                 let moved: Vec<String> = moved
                     .iter()
@@ -222,6 +223,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Migrate => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
+            config.warn_removed_settings();
             sluice_admission::migrate(&config).await?;
             sluice_limit_grant::migrate(&config).await?;
             sluice_rate_window::migrate(&config).await?;
@@ -238,6 +240,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
+            config.warn_removed_settings();
             let counts = ensure_topics(&config.kafka, &all_topics(&config), true).await?;
             let mut topics: Vec<TopicOut> = counts
                 .into_iter()

@@ -8,6 +8,7 @@
 mod broker_loss;
 mod cli;
 mod json_requests;
+mod old_config;
 mod python_worker;
 mod readme_examples;
 mod support;
