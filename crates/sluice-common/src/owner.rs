@@ -1,5 +1,5 @@
-//! The owner runtime of DESIGN.md, written once for limit-grant, rate-window
-//! and refresh-dispatcher.
+//! The owner runtime (docs/architecture.md, "Ownership and fencing"),
+//! written once for limit-grant, rate-window and refresh-dispatcher.
 //!
 //! Instances of a service share a consumer group on the service's input topic;
 //! the partitions a member is assigned are the keys it owns. For each assigned
