@@ -927,16 +927,16 @@ mod tests {
         assert!(zero.to_string().contains("admission.claim_timeout"), "{zero}");
     }
 
-    /// Every key of `default.toml` has a row in the README's configuration
-    /// table (a row may name several: `section.a` / `b`).
+    /// Every key of `default.toml` has a row in the settings table of
+    /// docs/configuration.md (a row may name several: `section.a` / `b`).
     #[test]
-    fn every_setting_has_a_row_in_the_readme_configuration_table() {
-        let readme = include_str!("../../../README.md");
-        let table = readme
-            .split("\n## Configuration\n")
+    fn every_setting_has_a_row_in_the_configuration_page() {
+        let page = include_str!("../../../docs/configuration.md");
+        let table = page
+            .split("\n## Settings\n")
             .nth(1)
             .and_then(|rest| rest.split("\n## ").next())
-            .expect("a Configuration section");
+            .expect("a Settings section");
         let mut documented = std::collections::BTreeSet::new();
         for line in table.lines().filter(|line| line.starts_with("| `")) {
             let first_cell = line.split('|').nth(1).unwrap_or_default();
@@ -982,7 +982,7 @@ mod tests {
         }
         assert!(
             missing.is_empty(),
-            "README's configuration table has no row for {missing:?}"
+            "docs/configuration.md's settings table has no row for {missing:?}"
         );
     }
 
