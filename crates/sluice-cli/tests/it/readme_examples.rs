@@ -97,7 +97,10 @@ async fn the_documented_kcat_example_produces_a_job_that_runs_and_a_typo_that_is
         .env("SLUICE_BROKERS", &stack.config.kafka.brokers)
         .env("SLUICE_TOPIC_PREFIX", &stack.config.kafka.topic_prefix);
     let ran = tokio::time::timeout(Duration::from_secs(60), run(command)).await??;
-    assert!(ran.status.success(), "the kcat example of docs/producing-jobs.md failed: {ran}");
+    assert!(
+        ran.status.success(),
+        "the kcat example of docs/producing-jobs.md failed: {ran}"
+    );
     assert!(
         ran.stdout.contains(
             "sluice-deadletter-reason=limits[0].concurrency.max_concurency: unknown field (expected one of: key, max_concurrency, shadow)"
