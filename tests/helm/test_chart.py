@@ -867,6 +867,18 @@ class ConfigContractTest(ChartTestCase):
                     layered = deep_merge(tomllib.loads(DEFAULT_TOML.read_text()), config)
                     self.assertEqual(missing_required_fields(layered), [])
 
+    def test_values_an_earlier_chart_read_are_accepted_and_named(self):
+        """Values chart 0.2.0 had (the grants topic) still render, are left
+        out of sluice.toml, and the release notes name them."""
+        documents = render("--set", "kafka.partitions.grants=12", "--set", "topics.grants=sluice.grants")
+        config_maps = [c for c in of_kind(documents, "ConfigMap") if "sluice.toml" in c.get("data", {})]
+        self.assertTrue(config_maps)
+        for config_map in config_maps:
+            self.assertNotIn("grants", config_map["data"]["sluice.toml"])
+        notes = (CHART / "templates" / "NOTES.txt").read_text()
+        for key in ("kafka.partitions.grants", "topics.grants"):
+            self.assertIn(f"WARNING: {key} is ignored", notes)
+
     def test_payload_limit_fits_the_message_size(self):
         """The services refuse to start when admission.max_payload_bytes plus
         the admitted message's envelope does not fit in
