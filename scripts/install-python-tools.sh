@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the Python worker example, the README's JSON producer examples
+# Installs what the Python worker example, the documented JSON producer examples
 # and their tests need, only when it is missing, into a cache directory
 # outside the repository:
 #

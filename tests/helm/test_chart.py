@@ -867,6 +867,37 @@ class ConfigContractTest(ChartTestCase):
                     layered = deep_merge(tomllib.loads(DEFAULT_TOML.read_text()), config)
                     self.assertEqual(missing_required_fields(layered), [])
 
+    def test_values_an_earlier_chart_read_are_accepted_and_named(self):
+        """Values chart 0.2.0 had (the grants topic) still render, are left
+        out of sluice.toml, and the release notes name them."""
+        documents = render("--set", "kafka.partitions.grants=12", "--set", "topics.grants=sluice.grants")
+        config_maps = [c for c in of_kind(documents, "ConfigMap") if "sluice.toml" in c.get("data", {})]
+        self.assertTrue(config_maps)
+        for config_map in config_maps:
+            self.assertNotIn("grants", config_map["data"]["sluice.toml"])
+        notes = (CHART / "templates" / "NOTES.txt").read_text()
+        for key in ("kafka.partitions.grants", "topics.grants"):
+            self.assertIn(f"WARNING: {key} is ignored", notes)
+
+    def test_payload_limit_fits_the_message_size(self):
+        """The services refuse to start when admission.max_payload_bytes plus
+        the admitted message's envelope does not fit in
+        kafka.max_message_bytes (SluiceConfig::admitted_envelope_bytes in
+        config.rs: ids, task group, key, trace headers, record overhead);
+        0 means the largest that fits."""
+        for name, args in self.ALL_VALUE_SETS.items():
+            with self.subTest(values=name):
+                for config_map in of_kind(render(*args), "ConfigMap"):
+                    if "sluice.toml" not in config_map.get("data", {}):
+                        continue
+                    config = tomllib.loads(config_map["data"]["sluice.toml"])
+                    payload = config["admission"]["max_payload_bytes"]
+                    envelope = 2 * (200 + 16) + 200 + config["admission"]["max_key_bytes"] + 512 + 256 + 512
+                    self.assertTrue(
+                        payload == 0 or payload + envelope <= config["kafka"]["max_message_bytes"],
+                        f"{payload} + {envelope} > {config['kafka']['max_message_bytes']}",
+                    )
+
     # Fields the chart leaves to default.toml on purpose: credentials come
     # from Secrets through the environment; OwnerServiceConfig's per-service
     # extras only mean something in one section each.

@@ -1,11 +1,12 @@
 //! Validating a job request and building its acquisition chain.
 //!
 //! A job acquires its limits in one global order, whatever order it lists
-//! them in (DESIGN.md): its own concurrency and floating keys sorted by
-//! (tenant, key), then its task group's caps, then rate limits. Caps live in
-//! a key namespace no job can name (`cap:` keys; tenant `*` for global caps),
-//! so "own keys before caps" is itself a total order over keys, and no two
-//! jobs can hold each other's next key.
+//! them in (docs/architecture.md, "Limit kinds and the acquisition order"):
+//! its own concurrency and floating keys sorted by (tenant, key), then its
+//! task group's caps, then rate limits. Caps live in a key namespace no job
+//! can name (`cap:` keys; tenant `*` for global caps), so "own keys before
+//! caps" is itself a total order over keys, and no two jobs can hold each
+//! other's next key.
 
 use std::collections::HashSet;
 

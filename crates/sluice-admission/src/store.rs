@@ -175,7 +175,7 @@ impl OwnedStore for AdmissionStore {
             journal_bytes,
         );
         loaded.grant_lease_grace(context.clock.now_ms());
-        tracing::info!(
+        tracing::debug!(
             partition,
             active_jobs = loaded.active_jobs(),
             journal_seq,

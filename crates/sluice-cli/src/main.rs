@@ -204,11 +204,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let moved = if expose { Vec::new() } else { loopback_only(&mut config) };
             let config = Arc::new(config);
             let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
-            for (setting, configured, bound) in &moved {
+            config.warn_removed_settings();
+            if !moved.is_empty() {
+                let moved: Vec<String> = moved
+                    .iter()
+                    .map(|(setting, configured, bound)| format!("{setting} {configured} -> {bound}"))
+                    .collect();
                 tracing::info!(
-                    setting,
-                    configured,
-                    bound,
+                    moved = %moved.join(", "),
                     "sluice dev binds to loopback: authentication is off (--expose keeps all interfaces)"
                 );
             }
@@ -220,6 +223,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Migrate => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
+            config.warn_removed_settings();
             sluice_admission::migrate(&config).await?;
             sluice_limit_grant::migrate(&config).await?;
             sluice_rate_window::migrate(&config).await?;
@@ -236,6 +240,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
+            config.warn_removed_settings();
             let counts = ensure_topics(&config.kafka, &all_topics(&config), true).await?;
             let mut topics: Vec<TopicOut> = counts
                 .into_iter()
@@ -443,18 +448,95 @@ async fn dev(config: Arc<SluiceConfig>, telemetry: &telemetry::TelemetryGuard) -
         "console",
         sluice_console::run(Arc::new(console_config), console, shutdown.clone()),
     );
+    // The endpoints come last, once every partition is owned, so the
+    // startup's log lines do not scroll them away. A service that fails
+    // meanwhile ends the wait: the supervisor reports it.
+    let listening = DevAddresses {
+        services: addresses,
+        console: console_address,
+        metrics,
+    };
+    let supervised = supervisor.wait();
+    tokio::pin!(supervised);
+    tokio::select! {
+        outcome = &mut supervised => return outcome.map_err(|error| anyhow::anyhow!(error)),
+        still_missing = wait_until_owned(&config, &shutdown) => {
+            if !shutdown.is_triggered() {
+                print_endpoints(&config, &listening, &still_missing);
+            }
+        }
+    }
+    supervised.await.map_err(|error| anyhow::anyhow!(error))
+}
+
+/// Where `sluice dev` listens.
+struct DevAddresses {
+    services: [(&'static str, std::net::SocketAddr); 4],
+    console: std::net::SocketAddr,
+    metrics: Option<std::net::SocketAddr>,
+}
+
+fn print_endpoints(config: &SluiceConfig, endpoints: &DevAddresses, still_missing: &[String]) {
     println!("sluice dev: all four services in one process; authentication is off (dev only)");
-    for (name, address) in addresses {
+    for (name, address) in endpoints.services {
         println!("  {name:<20} grpc://{address}");
     }
-    println!("  console              http://{console_address}/");
-    if let Some(metrics) = metrics {
+    println!("  console              http://{}/", endpoints.console);
+    if let Some(metrics) = endpoints.metrics {
         println!("  metrics              http://{metrics}/metrics");
     }
     println!("  kafka brokers        {}", config.kafka.brokers);
     println!("  job requests topic   {}", config.topic(&config.topics.requested));
+    if !still_missing.is_empty() {
+        println!(
+            "  still taking over    {} (another member of the consumer group may hold the rest)",
+            still_missing.join(", ")
+        );
+    }
+    let program = std::env::current_exe().map_or_else(|_| "sluice".to_string(), |path| path.display().to_string());
+    println!("try it from another terminal (30 jobs on one key limited to 2 at a time):");
+    println!("  {program} try --jobs 30 --limit 2");
     println!("press ctrl-c to stop");
-    supervisor.wait().await.map_err(|error| anyhow::anyhow!(error))
+}
+
+/// How long `sluice dev` waits for its partitions before it prints its
+/// endpoints anyway.
+const OWNED_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Waits until this process owns every partition of each owner service (in
+/// `sluice dev` one instance owns them all), for at most `OWNED_WAIT` or
+/// until the shutdown; returns the services still short of theirs.
+async fn wait_until_owned(config: &SluiceConfig, shutdown: &Shutdown) -> Vec<String> {
+    let counts = &config.kafka.partitions;
+    let expected = [
+        (sluice_admission::SERVICE, counts.jobs),
+        (sluice_limit_grant::SERVICE, counts.limit_commands),
+        (sluice_rate_window::SERVICE, counts.rate_commands),
+        (sluice_refresh_dispatcher::SERVICE, counts.refresh_due),
+    ];
+    let missing = |owned: &std::collections::BTreeMap<&'static str, i64>| -> Vec<String> {
+        expected
+            .iter()
+            .filter_map(|(service, count)| {
+                let have = owned.get(service).copied().unwrap_or_default();
+                (have < i64::from(*count)).then(|| format!("{service} {have}/{count}"))
+            })
+            .collect()
+    };
+    let mut owned = sluice_common::metrics::metrics().watch_owned_partitions();
+    let deadline = tokio::time::sleep(OWNED_WAIT);
+    tokio::pin!(deadline);
+    loop {
+        let now_missing = missing(&owned.borrow_and_update());
+        if now_missing.is_empty() {
+            return now_missing;
+        }
+        tokio::select! {
+            changed = owned.changed() => if changed.is_err() { return now_missing },
+            () = &mut deadline => return now_missing,
+            () = shutdown.cancelled() => return now_missing,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,11 @@
 //! Layered configuration: embedded `default.toml`, then an optional file, then
-//! `SLUICE__SECTION__KEY` environment variables. Unknown keys are refused, and
-//! `validate()` runs after loading.
+//! `SLUICE__SECTION__KEY` environment variables. Unknown keys are refused,
+//! except settings an earlier release read (`removed`: ignored, with a
+//! warning), and `validate()` runs after loading.
+
+mod removed;
+
+pub use removed::RemovedSetting;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -10,6 +15,10 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer};
 
 const DEFAULT_TOML: &str = include_str!("default.toml");
+
+/// The largest payload when `admission.max_payload_bytes` is 0 and
+/// `kafka.max_message_bytes` leaves room for it (960 KiB).
+const DEFAULT_MAX_PAYLOAD_BYTES: usize = 983_040;
 
 /// What `sluice dev` changes in the defaults (a file or the environment
 /// still wins).
@@ -98,6 +107,9 @@ pub struct SluiceConfig {
     pub console: ConsoleConfig,
     pub tls: TlsConfig,
     pub auth: AuthConfig,
+    /// Settings of an earlier release found while loading (ignored).
+    #[serde(skip)]
+    removed_settings: Vec<RemovedSetting>,
 }
 
 /// `[auth]`: who may call the services (see `auth.rs`).
@@ -395,6 +407,8 @@ pub struct AdmissionConfig {
     pub limit_grant_endpoint: String,
     pub rate_window_endpoint: String,
     pub default_priority: u32,
+    /// Largest job payload; 0 in the file means the largest that fits
+    /// (`DEFAULT_MAX_PAYLOAD_BYTES` at most), resolved at load.
     pub max_payload_bytes: usize,
     pub max_limits_per_job: usize,
     pub max_key_bytes: usize,
@@ -603,9 +617,44 @@ impl SluiceConfig {
         for (key, value) in overrides {
             builder = builder.set_override(*key, *value)?;
         }
-        let loaded: SluiceConfig = builder.build()?.try_deserialize()?;
+        let mut built = builder.build()?;
+        let removed_settings = removed::take_removed(&mut built.cache, file);
+        let mut loaded: SluiceConfig = built.try_deserialize()?;
+        loaded.removed_settings = removed_settings;
+        if loaded.admission.max_payload_bytes == 0 {
+            // Follows kafka.max_message_bytes: a file of 0.1.0 that sets
+            // only that (900000) keeps starting.
+            let room = loaded
+                .kafka
+                .max_message_bytes
+                .saturating_sub(loaded.admitted_envelope_bytes());
+            loaded.admission.max_payload_bytes = DEFAULT_MAX_PAYLOAD_BYTES.min(room);
+        }
         loaded.validate()?;
         Ok(loaded)
+    }
+
+    /// Settings an earlier release read that the file or the environment
+    /// set; this release ignores them.
+    pub fn removed_settings(&self) -> &[RemovedSetting] {
+        &self.removed_settings
+    }
+
+    /// A warning per removed setting that was set, naming it, where it was
+    /// set and what replaced it. Called once logging is up (loading comes
+    /// before it).
+    pub fn warn_removed_settings(&self) {
+        for removed in &self.removed_settings {
+            tracing::warn!(
+                setting = removed.key,
+                set_in = %removed.set_in,
+                removed_in = removed.removed_in,
+                replaced_by = removed.replaced_by,
+                "ignoring {}, a setting removed in {}: remove it from the configuration",
+                removed.key,
+                removed.removed_in
+            );
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -820,6 +869,40 @@ fn is_task_group_name(text: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// A file and an environment written for 0.1.0 (which had a grants
+    /// topic) load: the removed settings are ignored and reported, where
+    /// they were set; a key no release had is still refused.
+    #[test]
+    fn settings_a_release_removed_load_and_are_reported_unknown_ones_are_refused() {
+        let file = std::env::temp_dir().join(format!("sluice-removed-{}.toml", std::process::id()));
+        std::fs::write(&file, "[kafka.partitions]\ngrants = 2\njobs = 4\n").unwrap();
+        let environment = config::Map::from([("SLUICE__TOPICS__GRANTS".to_string(), "old.grants".to_string())]);
+        let loaded = SluiceConfig::load_from(Some(&file), Some(environment), &[]).unwrap();
+        assert_eq!(loaded.kafka.partitions.jobs, 4, "the rest of the file applies");
+        let found: Vec<(&str, &str)> = loaded
+            .removed_settings()
+            .iter()
+            .map(|removed| (removed.key, removed.set_in.as_str()))
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("kafka.partitions.grants", file.to_str().unwrap()),
+                ("topics.grants", "environment variable SLUICE__TOPICS__GRANTS"),
+            ]
+        );
+        assert!(loaded.removed_settings()[0].replaced_by.contains("link streams"));
+        assert!(SluiceConfig::load_from(None, None, &[])
+            .unwrap()
+            .removed_settings()
+            .is_empty());
+
+        std::fs::write(&file, "[kafka.partitions]\ngrant = 2\n").unwrap();
+        let refused = SluiceConfig::load_from(Some(&file), None, &[]).unwrap_err();
+        assert!(refused.to_string().contains("grant"), "{refused}");
+        std::fs::remove_file(&file).unwrap();
+    }
+
     #[test]
     fn resend_and_claim_timers_follow_the_session_timeout_unless_set() {
         let defaults = SluiceConfig::load_from(None, None, &[]).unwrap();
@@ -844,16 +927,16 @@ mod tests {
         assert!(zero.to_string().contains("admission.claim_timeout"), "{zero}");
     }
 
-    /// Every key of `default.toml` has a row in the README's configuration
-    /// table (a row may name several: `section.a` / `b`).
+    /// Every key of `default.toml` has a row in the settings table of
+    /// docs/configuration.md (a row may name several: `section.a` / `b`).
     #[test]
-    fn every_setting_has_a_row_in_the_readme_configuration_table() {
-        let readme = include_str!("../../../README.md");
-        let table = readme
-            .split("\n## Configuration\n")
+    fn every_setting_has_a_row_in_the_configuration_page() {
+        let page = include_str!("../../../docs/configuration.md");
+        let table = page
+            .split("\n## Settings\n")
             .nth(1)
             .and_then(|rest| rest.split("\n## ").next())
-            .expect("a Configuration section");
+            .expect("a Settings section");
         let mut documented = std::collections::BTreeSet::new();
         for line in table.lines().filter(|line| line.starts_with("| `")) {
             let first_cell = line.split('|').nth(1).unwrap_or_default();
@@ -899,7 +982,7 @@ mod tests {
         }
         assert!(
             missing.is_empty(),
-            "README's configuration table has no row for {missing:?}"
+            "docs/configuration.md's settings table has no row for {missing:?}"
         );
     }
 
@@ -947,6 +1030,13 @@ mod tests {
         .to_string();
         assert!(error.contains("admission.max_payload_bytes"), "{error}");
         assert!(error.contains("kafka.max_message_bytes (900000)"), "{error}");
+        // Unset, the payload limit follows a smaller message size.
+        let smaller = SluiceConfig::load_with(None, &[("kafka.max_message_bytes", "900000")]).unwrap();
+        assert_eq!(
+            smaller.admission.max_payload_bytes,
+            900_000 - smaller.admitted_envelope_bytes()
+        );
+        assert_eq!(defaults.admission.max_payload_bytes, DEFAULT_MAX_PAYLOAD_BYTES);
         // Exactly the room there is is fine.
         let room = defaults.kafka.max_message_bytes - defaults.admitted_envelope_bytes();
         let room = room.to_string();

@@ -1121,7 +1121,7 @@ impl ConsumerContext for RebalanceContext {
                 assigned.insert(element.partition());
                 progress.entry(element.partition()).or_default();
             }
-            tracing::info!(topic = %self.topic, assigned = list.count(), "partitions assigned");
+            tracing::debug!(topic = %self.topic, assigned = list.count(), "partitions assigned");
         }
     }
 }

@@ -7,7 +7,7 @@
 //! waiting, then holders) plus keys matching `telemetry.key_metrics_patterns`
 //! are exported.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, OnceLock, RwLock};
 
 use opentelemetry::metrics::{Counter, Histogram, Meter};
@@ -102,6 +102,9 @@ pub struct SluiceMetrics {
     selection: RwLock<KeySelection>,
     key_stats: Mutex<KeyStats>,
     consumer_lag: Mutex<HashMap<(String, i32), i64>>,
+    /// Partitions the owner runtimes of this process own, by service
+    /// (`sluice dev` prints its endpoints once every one is owned).
+    owned_partitions: tokio::sync::watch::Sender<BTreeMap<&'static str, i64>>,
 }
 
 static METRICS: OnceLock<SluiceMetrics> = OnceLock::new();
@@ -227,6 +230,7 @@ impl SluiceMetrics {
             selection: RwLock::new(KeySelection::default()),
             key_stats: Mutex::new(KeyStats::default()),
             consumer_lag: Mutex::new(HashMap::new()),
+            owned_partitions: tokio::sync::watch::Sender::new(BTreeMap::new()),
         };
         register_observers(meter);
         created
@@ -347,6 +351,18 @@ impl SluiceMetrics {
         chosen
     }
 
+    /// A partition of `service` became owned here (`delta` 1) or was let go (-1).
+    pub fn partitions_owned_changed(&self, service: &'static str, delta: i64) {
+        self.owned_partitions.send_modify(|owned| {
+            *owned.entry(service).or_default() += delta;
+        });
+    }
+
+    /// How many partitions each service owns in this process, as it changes.
+    pub fn watch_owned_partitions(&self) -> tokio::sync::watch::Receiver<BTreeMap<&'static str, i64>> {
+        self.owned_partitions.subscribe()
+    }
+
     pub fn set_consumer_lag(&self, topic: &str, partition: i32, lag: i64) {
         let mut lags = self
             .consumer_lag
@@ -392,6 +408,18 @@ fn register_observers(meter: &Meter) {
                     let ratio = stat.holders as f64 / max as f64;
                     observer.observe(ratio, &key_attributes(&stat));
                 }
+            }
+        })
+        .build();
+    meter
+        .i64_observable_gauge("sluice_owned_partitions")
+        .with_description(
+            "Partitions this process owns, by service (summed over instances: every partition of the topic)",
+        )
+        .with_callback(|observer| {
+            let owned = metrics().owned_partitions.borrow().clone();
+            for (service, count) in owned {
+                observer.observe(count, &[KeyValue::new("service", service)]);
             }
         })
         .build();

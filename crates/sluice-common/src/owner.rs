@@ -1,5 +1,5 @@
-//! The owner runtime of DESIGN.md, written once for limit-grant, rate-window
-//! and refresh-dispatcher.
+//! The owner runtime (docs/architecture.md, "Ownership and fencing"),
+//! written once for limit-grant, rate-window and refresh-dispatcher.
 //!
 //! Instances of a service share a consumer group on the service's input topic;
 //! the partitions a member is assigned are the keys it owns. For each assigned
@@ -619,15 +619,57 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         self.readiness.set(self.condition(partition), reason);
     }
 
+    /// Loading is part of every start and rebalance, not a fault.
+    fn set_loading(&self, partition: i32) {
+        self.readiness.set_expected(self.condition(partition), "loading");
+    }
+
     fn clear_condition(&self, partition: i32) {
         self.readiness.clear(&self.condition(partition));
     }
 
-    fn register(&self, partition: i32, epoch: i64, sender: mpsc::Sender<L>) {
+    /// Whether the partition was not registered already.
+    fn register(&self, partition: i32, epoch: i64, sender: mpsc::Sender<L>) -> bool {
         let mut partitions = self.partitions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        partitions.insert(partition, OwnedPartitionHandle { sender, epoch });
+        let newly_owned = partitions
+            .insert(partition, OwnedPartitionHandle { sender, epoch })
+            .is_none();
         drop(partitions);
         self.started.notify_waiters();
+        newly_owned
+    }
+
+    /// A partition's takeover is done. Once no partition is loading here
+    /// (after a start or a rebalance), one line says how many partitions
+    /// this instance owns and at which epochs; each partition's own lines
+    /// are at debug. The partition is counted in the metrics after that
+    /// line, so `sluice dev`, which prints its endpoints once every
+    /// partition counts, prints them after it.
+    fn taken_over(&self, newly_owned: bool) {
+        self.log_owned_when_settled();
+        if newly_owned {
+            crate::metrics::metrics().partitions_owned_changed(self.service, 1);
+        }
+    }
+
+    fn log_owned_when_settled(&self) {
+        let loading = self
+            .loading
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .len();
+        if loading > 0 {
+            return;
+        }
+        let owned = self.owned_with_epochs();
+        let lowest = owned.iter().map(|(_, epoch)| *epoch).min().unwrap_or_default();
+        let highest = owned.iter().map(|(_, epoch)| *epoch).max().unwrap_or_default();
+        let epochs = if lowest == highest {
+            lowest.to_string()
+        } else {
+            format!("{lowest}-{highest}")
+        };
+        tracing::info!(service = self.service, partitions = owned.len(), %epochs, "partitions owned");
     }
 
     /// The partitions this instance owns, with the epoch it owns each at.
@@ -648,6 +690,7 @@ impl<L: Send + 'static> OwnerRegistry<L> {
             .is_some_and(|handle| handle.sender.same_channel(sender))
         {
             partitions.remove(&partition);
+            crate::metrics::metrics().partitions_owned_changed(self.service, -1);
         }
     }
 }
@@ -876,7 +919,7 @@ impl<S: OwnedStore> PartitionTask<S> {
     /// left in `carried`, to decide again if it takes the partition back).
     async fn own(&self, input: &mut PartitionInput, carried: &mut Vec<InMsg>) -> Result<Ownership, PartitionTaskError> {
         let partition = input.partition;
-        self.registry.set_condition(partition, "loading");
+        self.registry.set_loading(partition);
         let loading = self.registry.begin_loading(partition);
         let (context, mut state, mut applied_offset) = match self.take_over(input).await {
             Step::Done(loaded) => loaded,
@@ -888,7 +931,7 @@ impl<S: OwnedStore> PartitionTask<S> {
         self.registry.clear_condition(partition);
 
         let (local_sender, mut local_receiver) = mpsc::channel(1024);
-        self.registry.register(partition, context.epoch, local_sender.clone());
+        let newly_owned = self.registry.register(partition, context.epoch, local_sender.clone());
         drop(loading);
         tracing::debug!(
             service = self.settings.service,
@@ -897,6 +940,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             applied_offset,
             "partition owned"
         );
+        self.registry.taken_over(newly_owned);
 
         let mut last_received: Option<i64> = None;
         let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
@@ -1049,7 +1093,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                         Step::Done(()) => {}
                         Step::Stop => return Step::Stop,
                     }
-                    tracing::info!(
+                    tracing::debug!(
                         service = self.settings.service,
                         partition,
                         resent,

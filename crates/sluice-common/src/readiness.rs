@@ -12,8 +12,16 @@ use tokio::sync::watch;
 
 #[derive(Clone, Debug)]
 pub struct Readiness {
-    conditions: Arc<Mutex<BTreeMap<String, String>>>,
+    conditions: Arc<Mutex<BTreeMap<String, Condition>>>,
     ready: Arc<watch::Sender<bool>>,
+}
+
+#[derive(Debug)]
+struct Condition {
+    reason: String,
+    /// Part of normal work (a partition loading at start or after a
+    /// rebalance): logged at debug, where a fault is a warning.
+    expected: bool,
 }
 
 impl Default for Readiness {
@@ -31,16 +39,36 @@ impl Readiness {
         }
     }
 
-    /// Not ready while `name` holds (replaces its reason if already set).
+    /// Not ready while `name` holds (replaces its reason if already set):
+    /// a fault, logged as a warning when it starts.
     pub fn set(&self, name: impl Into<String>, reason: impl Into<String>) {
-        let name = name.into();
-        let reason = reason.into();
-        let newly_set = {
+        self.insert(name.into(), reason.into(), false);
+    }
+
+    /// Not ready while `name` holds, as part of normal work (a partition
+    /// loading): logged at debug, so a start is not a page of warnings.
+    pub fn set_expected(&self, name: impl Into<String>, reason: impl Into<String>) {
+        self.insert(name.into(), reason.into(), true);
+    }
+
+    fn insert(&self, name: String, reason: String, expected: bool) {
+        let was_expected = {
             let mut conditions = self.conditions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            conditions.insert(name.clone(), reason.clone()).is_none()
+            let was_expected = conditions.get(&name).map(|previous| previous.expected);
+            // A fault stays one until cleared, so its clearing is logged
+            // at the level its start was.
+            let condition = Condition {
+                reason: reason.clone(),
+                expected: expected && was_expected.unwrap_or(true),
+            };
+            conditions.insert(name.clone(), condition);
+            was_expected
         };
-        if newly_set {
-            tracing::warn!(condition = %name, %reason, "not ready");
+        match (was_expected, expected) {
+            (None, true) => tracing::debug!(condition = %name, %reason, "not ready"),
+            // New, or what was expected turned into a fault.
+            (None | Some(true), false) => tracing::warn!(condition = %name, %reason, "not ready"),
+            (Some(_), _) => {}
         }
         self.publish();
     }
@@ -49,10 +77,12 @@ impl Readiness {
     pub fn clear(&self, name: &str) {
         let removed = {
             let mut conditions = self.conditions.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            conditions.remove(name).is_some()
+            conditions.remove(name).map(|condition| condition.expected)
         };
-        if removed {
-            tracing::info!(condition = %name, "condition cleared");
+        match removed {
+            Some(true) => tracing::debug!(condition = %name, "condition cleared"),
+            Some(false) => tracing::info!(condition = %name, "condition cleared"),
+            None => {}
         }
         self.publish();
     }
@@ -70,7 +100,7 @@ impl Readiness {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .iter()
-            .map(|(name, reason)| (name.clone(), reason.clone()))
+            .map(|(name, condition)| (name.clone(), condition.reason.clone()))
             .collect()
     }
 

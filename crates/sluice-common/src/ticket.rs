@@ -1,4 +1,4 @@
-//! The identity of a ticket (DESIGN: identity and idempotency), shared by the
+//! The identity of a ticket (docs/architecture.md, "Identity and idempotency"), shared by the
 //! owners that keep tickets: one step of one attempt of one job.
 
 use std::sync::Arc;

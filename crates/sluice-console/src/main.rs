@@ -13,6 +13,7 @@ async fn main() -> anyhow::Result<()> {
     let args = ServiceArgs::parse();
     let config = Arc::new(args.load_config()?);
     let telemetry_guard = telemetry::init(&config.telemetry, "sluice-console")?;
+    config.warn_removed_settings();
     match args.command.unwrap_or_default() {
         // The console owns no tables: nothing to migrate.
         ServiceCommand::Migrate => Ok(()),

@@ -1,7 +1,7 @@
-//! How a partition's tickets are kept in PostgreSQL (docs/hot-path.md, step
-//! 4): one journal row per committed batch holding the batch's ticket
-//! changes, and a snapshot of the partition's live tickets written when the
-//! journal since the last one has outgrown it. A ticket is no longer a row
+//! How a partition's tickets are kept in PostgreSQL (docs/hot-path.md,
+//! "Tickets journaled"): one journal row per committed batch holding the
+//! batch's ticket changes, and a snapshot of the partition's live tickets
+//! written when the journal since the last one has outgrown it. A ticket is no longer a row
 //! written three times (acquired, granted, released). Storage formats, not
 //! messages between services.
 

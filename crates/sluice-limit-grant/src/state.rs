@@ -1,5 +1,6 @@
 //! The pure core of limit-grant: for each key of one partition, its holders
-//! and its waiting queue, and the grant decision (guarantee 1 of DESIGN.md).
+//! and its waiting queue, and the grant decision (docs/architecture.md,
+//! guarantee 1, "No overrun").
 //! No I/O: decisions go into a write set and an outbox that the owner runtime
 //! commits and publishes.
 

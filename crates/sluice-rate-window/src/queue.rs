@@ -1,5 +1,5 @@
 //! The waiting queue of one rate key: the pure core behind guarantees 2 and 6
-//! of DESIGN.md for rate limits. A job whose grant is not legal yet waits here;
+//! of docs/architecture.md for rate limits. A job whose grant is not legal yet waits here;
 //! it is deferred, never rejected.
 //!
 //! Waiters are ordered by priority (lower first), then enqueue time, then

@@ -1,5 +1,5 @@
 //! The sliding rate window of one rate key: the pure core behind guarantee 5
-//! of DESIGN.md ("rate windows hold at every instant"). No I/O, no async: the
+//! of docs/architecture.md ("rate windows hold at every instant"). No I/O, no async: the
 //! clock is injected and every method takes `now_ms` (unix milliseconds).
 //!
 //! # The promise

@@ -11,6 +11,7 @@ async fn main() -> anyhow::Result<()> {
     let args = ServiceArgs::parse();
     let config = Arc::new(args.load_config()?);
     let telemetry_guard = telemetry::init(&config.telemetry, "sluice-refresh-dispatcher")?;
+    config.warn_removed_settings();
     match args.command.unwrap_or_default() {
         ServiceCommand::Migrate => sluice_refresh_dispatcher::migrate(&config).await?,
         ServiceCommand::Run => {

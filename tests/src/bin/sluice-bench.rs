@@ -28,7 +28,7 @@ use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
 
-/// Kafka hops on one job's path before contract v3 (request, acquire, grant,
+/// Kafka hops on one job's path before the hot path moved to links (request, acquire, grant,
 /// admitted, release): the relay is kept as a fixed reference of what the
 /// broker alone moves through that many hops. Today a job crosses the broker
 /// once with stream workers (its request) and twice with Kafka workers

@@ -10,6 +10,7 @@ mod broker_reset;
 mod consumer_buffer;
 mod crash;
 mod deadletter;
+mod docs;
 mod edge;
 mod fairness;
 mod fencing;

@@ -1,7 +1,7 @@
-//! The README's JSON producer examples, run exactly as written against a
-//! stack: the kcat block and the Python block are taken from README.md (the
-//! fenced block after each `<!-- example: NAME` marker), so the documented
-//! commands are the ones tested.
+//! The documented JSON producer examples, run exactly as written against a
+//! stack: the kcat block from docs/producing-jobs.md and the Python block
+//! of the README's tour (the fenced block after each `<!-- example: NAME`
+//! marker), so the documented commands are the ones tested.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,14 +12,15 @@ use sluice_proto::v1 as pb;
 
 use crate::support::{python_tools, repo_root, run, LOW_CONNECTIONS};
 
-/// The body of the fenced code block that follows `<!-- example: NAME`.
-fn readme_example(name: &str) -> anyhow::Result<String> {
-    let readme = std::fs::read_to_string(repo_root().join("README.md"))?;
+/// The body of the fenced code block that follows `<!-- example: NAME` in
+/// `file` (relative to the repository).
+fn documented_example(file: &str, name: &str) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(repo_root().join(file))?;
     let marker = format!("<!-- example: {name} ");
-    let after_marker = readme
+    let after_marker = text
         .split_once(&marker)
         .map(|(_, rest)| rest)
-        .ok_or_else(|| anyhow::anyhow!("README.md has no {marker:?} marker"))?;
+        .ok_or_else(|| anyhow::anyhow!("{file} has no {marker:?} marker"))?;
     let mut lines = after_marker.lines().skip(1);
     let fence = lines.next().unwrap_or_default();
     anyhow::ensure!(
@@ -82,9 +83,9 @@ async fn payload_of(recorder: &Recorder, job_id: &str) -> anyhow::Result<String>
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_readme_kcat_example_produces_a_job_that_runs_and_a_typo_that_is_dead_lettered() -> anyhow::Result<()> {
+async fn the_documented_kcat_example_produces_a_job_that_runs_and_a_typo_that_is_dead_lettered() -> anyhow::Result<()> {
     let tools = python_tools()?;
-    let block = readme_example("json-kcat")?;
+    let block = documented_example("docs/producing-jobs.md", "json-kcat")?;
     let stack = Stack::start(test_config("readmekcat", LOW_CONNECTIONS)?, 1).await?;
     let stop = Shutdown::new();
     let recorder = start_worker(&stack, &stop);
@@ -96,7 +97,10 @@ async fn the_readme_kcat_example_produces_a_job_that_runs_and_a_typo_that_is_dea
         .env("SLUICE_BROKERS", &stack.config.kafka.brokers)
         .env("SLUICE_TOPIC_PREFIX", &stack.config.kafka.topic_prefix);
     let ran = tokio::time::timeout(Duration::from_secs(60), run(command)).await??;
-    assert!(ran.status.success(), "the README's kcat example failed: {ran}");
+    assert!(
+        ran.status.success(),
+        "the kcat example of docs/producing-jobs.md failed: {ran}"
+    );
     assert!(
         ran.stdout.contains(
             "sluice-deadletter-reason=limits[0].concurrency.max_concurency: unknown field (expected one of: key, max_concurrency, shadow)"
@@ -153,7 +157,7 @@ for line in sys.argv[2:]:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_python_example_produces_a_job_that_runs() -> anyhow::Result<()> {
     let tools = python_tools()?;
-    let block = readme_example("json-python")?;
+    let block = documented_example("README.md", "json-python")?;
     let stack = Stack::start(test_config("readmepython", LOW_CONNECTIONS)?, 1).await?;
     let stop = Shutdown::new();
     let recorder = start_worker(&stack, &stop);
@@ -167,7 +171,7 @@ async fn the_readme_python_example_produces_a_job_that_runs() -> anyhow::Result<
         .env("SLUICE_TOPIC_PREFIX", &stack.config.kafka.topic_prefix);
     let ran = tokio::time::timeout(Duration::from_secs(60), run(command)).await??;
     let _ = std::fs::remove_file(&script);
-    assert!(ran.status.success(), "the README's Python example failed: {ran}");
+    assert!(ran.status.success(), "the README's Python producer failed: {ran}");
 
     let view = wait_succeeded(&stack, "invoice-7").await?;
     assert_eq!(view.priority, 10);

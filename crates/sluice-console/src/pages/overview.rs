@@ -2,7 +2,7 @@
 //! utilisation (holders against max), admitted jobs per second and dead
 //! letters per second.
 //!
-//! Where each figure comes from (the README says the same):
+//! Where each figure comes from (docs/console.md says the same):
 //! - keys, holders, waiting: `ListKeys` pages of the tenant, at most
 //!   `console.overview_scan_keys` keys per refresh;
 //! - the top keys' max: `DescribeKey` of each (its effective max);
