@@ -1489,8 +1489,10 @@ impl AdmissionPartition {
     /// then costs one grace period, not a slot for ever).
     pub fn stand_behind(&self, now_ms: i64, outbox: &mut Outbox) {
         let routes = &self.settings.routes;
-        let mut by_partition: Vec<Vec<pb::TicketId>> =
-            vec![Vec::new(); usize::try_from(routes.limit_partitions).unwrap_or_default()];
+        let partitions = usize::try_from(routes.limit_partitions).unwrap_or_default();
+        let mut by_partition: Vec<Vec<pb::TicketId>> = vec![Vec::new(); partitions];
+        // The tickets whose grant the job waits for now.
+        let mut waiting_by_partition: Vec<Vec<pb::TicketId>> = vec![Vec::new(); partitions];
         for active in self.jobs.values() {
             let state = &active.row.state;
             let held_through = match state.status {
@@ -1505,25 +1507,35 @@ impl AdmissionPartition {
                 }
                 let partition =
                     sluice_common::partition::key_partition(&step.tenant, &step.key, routes.limit_partitions);
-                if let Some(tickets) = by_partition.get_mut(usize::try_from(partition).unwrap_or(usize::MAX)) {
-                    tickets.push(pb::TicketId {
-                        job_id: state.job_id.clone(),
-                        attempt: state.attempt,
-                        step: index,
-                    });
+                let slot = usize::try_from(partition).unwrap_or(usize::MAX);
+                let ticket = pb::TicketId {
+                    job_id: state.job_id.clone(),
+                    attempt: state.attempt,
+                    step: index,
+                };
+                if state.status == Status::Waiting && index == state.step {
+                    if let Some(waiting) = waiting_by_partition.get_mut(slot) {
+                        waiting.push(ticket.clone());
+                    }
+                }
+                if let Some(tickets) = by_partition.get_mut(slot) {
+                    tickets.push(ticket);
                 }
             }
         }
         const TICKETS_PER_PART: usize = 10_000;
         let sweep_id = format!("{}-{}-{now_ms}", self.settings.partition, self.journal_seq);
         let covered = vec![u32::try_from(self.settings.partition).unwrap_or_default()];
-        for (partition, tickets) in by_partition.into_iter().enumerate() {
+        for (partition, (tickets, waiting)) in by_partition.into_iter().zip(waiting_by_partition).enumerate() {
             let chunks: Vec<Vec<pb::TicketId>> = if tickets.is_empty() {
                 vec![Vec::new()]
             } else {
                 tickets.chunks(TICKETS_PER_PART).map(<[pb::TicketId]>::to_vec).collect()
             };
             let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
+            // The waiting tickets go with the first part (a ticket of
+            // theirs in another part is still known: parts are one sweep).
+            let mut waiting = Some(waiting);
             for (part, chunk) in chunks.into_iter().enumerate() {
                 let command = pb::LimitCommand {
                     trace: None,
@@ -1536,6 +1548,7 @@ impl AdmissionPartition {
                         parts,
                         tickets: chunk,
                         grace_ms: u64::try_from(self.settings.ticket_grace_ms).unwrap_or_default(),
+                        waiting: waiting.take().unwrap_or_default(),
                     })),
                 };
                 outbox.push_link(Link::LimitGrant, i32::try_from(partition).unwrap_or_default(), &command);

@@ -1250,6 +1250,30 @@ impl LimitPartition {
         outbox.push_link(Link::Admission, partition, &event);
     }
 
+    /// Admission waits for the grant of these tickets, and this owner holds
+    /// them as granted: their grants were lost on the way (a stream that
+    /// broke, a grant sent to an instance that had just lost the job's
+    /// partition). Sent again; a re-send, not a new decision (not
+    /// observed).
+    fn resend_lost_grants(&self, waiting: &[pb::TicketId], outbox: &mut Outbox) {
+        for ticket in waiting {
+            let ticket = TicketKey::from_proto(ticket);
+            let Some(place) = self.ticket_keys.get(&ticket) else {
+                continue;
+            };
+            let Some(state) = self.keys.get(&*place.key_id) else {
+                continue;
+            };
+            let Some(holder) = state.holders.get(&ticket) else {
+                continue;
+            };
+            let max = i64::from(state.max_for(&holder.record));
+            let kind = state.record.grant_kind(&holder.record);
+            tracing::debug!(job_id = %ticket.job_id, attempt = ticket.attempt, step = ticket.step, "admission still waits for a grant this owner made: sending it again");
+            self.emit_grant(&holder.record, kind, state.holders.len(), max, outbox);
+        }
+    }
+
     /// Admission states the tickets it stands behind. When every part of a
     /// sweep has arrived, tickets of the covered jobs that nobody confirmed
     /// within the grace before the sweep's snapshot expire.
@@ -1262,6 +1286,7 @@ impl LimitPartition {
         counts: &mut BatchCounts,
     ) {
         let snapshot = stand_behind.snapshot_at_ms;
+        self.resend_lost_grants(&stand_behind.waiting, outbox);
         for ticket in &stand_behind.tickets {
             let ticket = TicketKey::from_proto(ticket);
             let Some(place) = self.ticket_keys.get(&ticket) else {
@@ -2108,6 +2133,7 @@ mod tests {
                     })
                     .collect(),
                 grace_ms: 30_000,
+                waiting: Vec::new(),
             })),
             ..Default::default()
         };
@@ -2122,6 +2148,50 @@ mod tests {
             attempt: 1,
             step: 0
         }));
+    }
+
+    /// A grant lost on its way to admission (issue 29: keys idle with jobs
+    /// waiting until a timer re-sent their acquires) is sent again as soon
+    /// as admission's next sweep says the job still waits for it; a ticket
+    /// that waits here, or one admission no longer waits for, is not.
+    #[test]
+    fn a_grant_admission_still_waits_for_is_sent_again_at_its_sweep() {
+        let mut state = partition();
+        let (granted, _) = run(
+            &mut state,
+            vec![acquire("a", "k", 50, 1, 1), acquire("b", "k", 50, 2, 1)],
+        );
+        assert_eq!(granted, vec!["a"], "a holds the key; b waits");
+        let ticket = |job: &str| pb::TicketId {
+            job_id: job.to_string(),
+            attempt: 1,
+            step: 0,
+        };
+        let sweep = |waiting: Vec<&str>| pb::LimitCommand {
+            command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+                sweep_id: format!("s-{}", waiting.join("-")),
+                snapshot_at_ms: 1_000,
+                job_partitions: vec![0],
+                part: 0,
+                parts: 1,
+                tickets: vec![ticket("a"), ticket("b")],
+                grace_ms: 30_000,
+                waiting: waiting.into_iter().map(ticket).collect(),
+            })),
+            ..Default::default()
+        };
+        // a's grant never reached admission: it still waits for it.
+        let (granted, writes) = run(&mut state, vec![sweep(vec!["a", "b"])]);
+        assert_eq!(
+            granted,
+            vec!["a"],
+            "the held ticket's grant is sent again; b still waits"
+        );
+        assert!(writes.deletes.is_empty());
+        assert_eq!(state.holders_of("t", "k"), 1);
+        // Once admission has it, the sweep lists it as held, not waited for.
+        let (granted, _) = run(&mut state, vec![sweep(vec!["b"])]);
+        assert!(granted.is_empty());
     }
 
     #[test]
