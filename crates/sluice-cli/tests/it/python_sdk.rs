@@ -302,3 +302,54 @@ async fn the_python_sdk_type_checks_and_builds_a_wheel_with_its_stubs() -> anyho
     std::fs::remove_dir_all(scratch)?;
     Ok(())
 }
+
+/// The README's Python SDK worker, run as written: it runs a job enqueued
+/// for it and drains on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_python_worker_runs_a_job() -> anyhow::Result<()> {
+    let stack = Stack::start(test_config("pyreadme", &[LOW_CONNECTIONS[0]])?, 1).await?;
+    let script = crate::readme_examples::documented_example("README.md", "python-sdk-worker")?;
+    let scratch = std::env::temp_dir().join(format!("sluice-readme-worker-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch)?;
+    let path = scratch.join("worker.py");
+    std::fs::write(&path, script)?;
+    let tools = python_tools()?;
+    let mut worker = tokio::process::Command::new(&tools.python)
+        .arg(&path)
+        .env("PYTHONPATH", sdk_dir().join("src"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("SLUICE_ADMISSION_ENDPOINT", &stack.admissions[0].endpoint)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting the README's worker")?;
+    let admission = stack.admission_client().await?;
+    let mut request = concurrency_job("acme", "readme", 1, 0, "hello from the README");
+    request.job_id = Some("readme-python-1".to_string());
+    enqueue_with_id(&admission, "readme-python-1", request).await?;
+    wait_status(
+        &admission,
+        "readme-python-1",
+        sluice_proto::v1::JobStatus::Succeeded,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let pid = worker.id().context("the worker's pid")?;
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .context("sending SIGTERM")?;
+    let output = tokio::time::timeout(Duration::from_secs(60), worker.wait_with_output())
+        .await
+        .context("the worker did not stop within a minute of SIGTERM")??;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    anyhow::ensure!(
+        stdout.contains("running readme-python-1 hello from the README"),
+        "the handler did not print the job: {stdout}"
+    );
+    std::fs::remove_dir_all(scratch)?;
+    stack.stop().await;
+    Ok(())
+}

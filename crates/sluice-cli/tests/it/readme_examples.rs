@@ -14,7 +14,7 @@ use crate::support::{python_tools, repo_root, run, LOW_CONNECTIONS};
 
 /// The body of the fenced code block that follows `<!-- example: NAME` in
 /// `file` (relative to the repository).
-fn documented_example(file: &str, name: &str) -> anyhow::Result<String> {
+pub fn documented_example(file: &str, name: &str) -> anyhow::Result<String> {
     let text = std::fs::read_to_string(repo_root().join(file))?;
     let marker = format!("<!-- example: {name} ");
     let after_marker = text
