@@ -128,6 +128,19 @@ impl Outbox {
         Self::default()
     }
 
+    /// Add `other`'s entries, messages and observations after this one's.
+    pub fn append(&mut self, other: Outbox) {
+        for (key, chunks) in other.batches {
+            self.batches.entry(key).or_default().extend(chunks);
+        }
+        self.messages.extend(other.messages);
+        for (key, entries) in other.links {
+            self.links.entry(key).or_default().extend(entries);
+        }
+        self.entries += other.entries;
+        self.observations.0.extend(other.observations.0);
+    }
+
     /// Record `observation` (metrics, spans, logs of a decision) once the
     /// batch is committed; see `Observations`.
     pub fn observe(&mut self, observation: impl FnOnce() + Send + 'static) {
