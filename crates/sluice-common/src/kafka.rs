@@ -78,6 +78,26 @@ pub struct OutMsg {
     pub headers: Vec<(String, Vec<u8>)>,
 }
 
+/// A span to record when a message is sent (not when it is decided: a
+/// batch decided twice sends once), whose context then replaces the
+/// message's trace headers, so that what its consumer does hangs below it.
+/// The message's own trace headers are its parent.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SendSpan {
+    /// The tracer scope (the service's crate).
+    pub scope: &'static str,
+    pub name: &'static str,
+    /// When it started and ended (ms since the epoch); a moment.
+    pub at_ms: i64,
+    pub attributes: Vec<(&'static str, SpanValue)>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum SpanValue {
+    Text(String),
+    Number(i64),
+}
+
 /// Effects to publish after a commit. Internal entries for one (topic,
 /// partition) are packed into batch messages whose field 1 is the repeated
 /// entry (`LimitCommandBatch`, `GrantEventBatch`, ...). Entries for a link
@@ -90,6 +110,9 @@ pub struct Outbox {
     links: crate::link::LinkEntries,
     entries: usize,
     observations: Observations,
+    /// Spans to record when single messages are sent: (index in
+    /// `messages`, span).
+    spans: Vec<(usize, SendSpan)>,
 }
 
 /// What a batch decided, as metrics, spans and logs, recorded only once the
@@ -133,6 +156,9 @@ impl Outbox {
         for (key, chunks) in other.batches {
             self.batches.entry(key).or_default().extend(chunks);
         }
+        let offset = self.messages.len();
+        self.spans
+            .extend(other.spans.into_iter().map(|(index, span)| (index + offset, span)));
         self.messages.extend(other.messages);
         for (key, entries) in other.links {
             self.links.entry(key).or_default().extend(entries);
@@ -175,6 +201,19 @@ impl Outbox {
     pub fn push(&mut self, message: OutMsg) {
         self.messages.push(message);
         self.entries += 1;
+    }
+
+    /// Add one message whose span is recorded when it is sent
+    /// (`SendSpan`).
+    pub fn push_with_span(&mut self, message: OutMsg, span: SendSpan) {
+        self.spans.push((self.messages.len(), span));
+        self.push(message);
+    }
+
+    /// The spans of single messages, by their index in `into_messages`
+    /// (single messages come first there).
+    pub fn take_spans(&mut self) -> Vec<(usize, SendSpan)> {
+        std::mem::take(&mut self.spans)
     }
 
     /// Add one entry for `partition` of `link` (sent on a stream, not Kafka).

@@ -1757,7 +1757,13 @@ impl<S: OwnedStore> PartitionTask<S> {
         if outbox.is_empty() {
             return Step::Done(());
         }
+        let spans = outbox.take_spans();
         let mut pending = outbox.into_messages();
+        for (index, span) in spans {
+            if let Some(message) = pending.get_mut(index) {
+                crate::telemetry::record_send_span(&mut message.headers, &span);
+            }
+        }
         let mut backoff = Backoff::new();
         let condition = format!(
             "{} publishing from partition {}",

@@ -373,6 +373,38 @@ pub fn record_span(
     }
 }
 
+/// Record `span` below the context in `headers` and put the span's
+/// context there instead (a message sent from a decision:
+/// `kafka::SendSpan`).
+pub fn record_send_span(headers: &mut Vec<(String, Vec<u8>)>, span: &crate::kafka::SendSpan) {
+    if !spans_exported() {
+        return;
+    }
+    let text = |name: &str| {
+        headers
+            .iter()
+            .find(|(header, _)| header == name)
+            .map(|(_, value)| String::from_utf8_lossy(value).to_string())
+            .unwrap_or_default()
+    };
+    let parent = TraceContext {
+        traceparent: text("traceparent"),
+        tracestate: text("tracestate"),
+    };
+    let at = crate::clock::system_time_at_ms(span.at_ms);
+    let child = record_span(span.scope, span.name, &parent, at, at, || {
+        span.attributes
+            .iter()
+            .map(|(name, value)| match value {
+                crate::kafka::SpanValue::Text(text) => opentelemetry::KeyValue::new(*name, text.clone()),
+                crate::kafka::SpanValue::Number(number) => opentelemetry::KeyValue::new(*name, *number),
+            })
+            .collect()
+    });
+    headers.retain(|(name, _)| name != "traceparent" && name != "tracestate");
+    headers.extend(trace_headers(&child));
+}
+
 /// Whether a tracer provider with an exporter is installed in this process.
 static SPANS_EXPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
