@@ -16,6 +16,9 @@ pub fn now_ms() -> i64 {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
+    /// The worker is ready for jobs (a stream open to every instance; a
+    /// partition assigned): logged once, with job and attempt 0.
+    Ready,
     /// This worker won the attempt: pushed on a `Work` stream (`push`), a
     /// claim answered CLAIMED (`claim`), or a claim whose answer was lost
     /// and a heartbeat then answered EXTENDED (`heartbeat`).
@@ -57,6 +60,7 @@ impl Line {
     pub fn format(&self) -> String {
         let (kind, rest) = match &self.event {
             Event::Got { via } => ("got", via.clone()),
+            Event::Ready => ("ready", String::new()),
             Event::Confirmed => ("confirmed", String::new()),
             Event::Start => ("start", String::new()),
             Event::End { how } => ("end", how.clone()),
@@ -81,6 +85,7 @@ impl Line {
             "got" => Event::Got {
                 via: fields.next()?.to_string(),
             },
+            "ready" => Event::Ready,
             "confirmed" => Event::Confirmed,
             "start" => Event::Start,
             "end" => Event::End {
@@ -145,6 +150,7 @@ mod tests {
     #[test]
     fn lines_read_back_as_written() {
         for event in [
+            Event::Ready,
             Event::Got {
                 via: "push".to_string(),
             },

@@ -39,8 +39,22 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
         .set("enable.auto.commit", "true")
         .set("session.timeout.ms", config.kafka.session_timeout_ms.to_string())
         .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
-    let consumer: StreamConsumer = client_config.create()?;
+    let consumer: Arc<StreamConsumer> = Arc::new(client_config.create()?);
     consumer.subscribe(&[&config.admitted_topic(TASK_GROUP)])?;
+    {
+        // Ready once the group assigned this worker partitions (the
+        // assignment happens while it waits for a message).
+        let (consumer, log) = (consumer.clone(), log.clone());
+        tokio::spawn(async move {
+            loop {
+                if consumer.assignment().is_ok_and(|assigned| assigned.count() > 0) {
+                    log.write(0, 0, Event::Ready);
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
     let client = admission_client(&settings.admission)?;
     let worker_id: Arc<str> = settings.worker_id.clone().into();
     let slots = Arc::new(tokio::sync::Semaphore::new(settings.slots.max(1)));

@@ -110,12 +110,18 @@ impl WorkerPool {
         };
         let _ = child.start_kill();
         let _ = child.wait().await;
-        let index = self.current[slot];
         if as_fault {
+            let index = self.current[slot];
             self.started[index].1 = Some(now_ms());
         }
+        self.in_flight(slot)
+    }
+
+    /// Handlers the slot's process started and did not end.
+    fn in_flight(&self, slot: usize) -> usize {
+        let Some(index) = self.current.get(slot) else { return 0 };
         let mut running: HashSet<(usize, u32)> = HashSet::new();
-        for line in events::read(&self.started[index].0) {
+        for line in events::read(&self.started[*index].0) {
             match line.event {
                 Event::Start => {
                     running.insert((line.job, line.attempt));
@@ -234,7 +240,6 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
 
     let progress = Arc::new(Progress::default());
     let refreshes: Arc<Mutex<Vec<u32>>> = Arc::default();
-    let started_ms = now_ms();
     let refresher = start_refresh_worker(&base, &admission.endpoint, &refresh.endpoint, refreshes.clone())?;
     let mut pool = WorkerPool {
         exe,
@@ -255,7 +260,32 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
     for slot in 0..spec.worker_processes.max(1) {
         pool.start(slot)?;
     }
+    // Jobs flow once the stack settled (both admission instances own job
+    // partitions) and every worker is ready: the start-up is not measured.
+    let client = AdmissionClient::new(connect(&admission.endpoint).await?);
+    let settled = async {
+        loop {
+            let listed = client
+                .clone()
+                .instances(pb::InstancesRequest {})
+                .await
+                .map_or(0, |response| response.into_inner().endpoints.len());
+            let logs = pool.logs();
+            let ready = logs
+                .iter()
+                .filter(|log| events::read(log).iter().any(|line| line.event == Event::Ready))
+                .count();
+            if listed >= 2 && ready == logs.len() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(60), settled).await.is_err() {
+        eprintln!("chaos: the stack or the workers not ready within 60s; starting anyway");
+    }
     let pool = Arc::new(tokio::sync::Mutex::new(pool));
+    let started_ms = now_ms();
 
     // Faults: every 3-6 s one instance dies and comes back, the broker
     // stops or PostgreSQL pauses; once, both instances of one service go
@@ -343,7 +373,17 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
                     () = tokio::time::sleep(pause) => {}
                 }
                 let mut pool = pool.lock().await;
-                let slot = rand::rng().random_range(0..pool.children.len().max(1));
+                // The worker with the most jobs running, once one has some
+                // (within 5 s), so that jobs are in flight when it dies.
+                let mut slot = rand::rng().random_range(0..pool.children.len().max(1));
+                for _ in 0..250 {
+                    let busiest = (0..pool.children.len()).map(|slot| (pool.in_flight(slot), slot)).max();
+                    if let Some((_, busiest)) = busiest.filter(|(running, _)| *running > 0) {
+                        slot = busiest;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
                 let in_flight = pool.kill(slot, true).await;
                 eprintln!(
                     "chaos: at {:.1}s kill -9 worker {slot} with {in_flight} jobs running",
@@ -363,7 +403,6 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
     };
 
     // Producers: every job once, retried with its id until accepted.
-    let client = AdmissionClient::new(connect(&admission.endpoint).await?);
     let watching = tokio::spawn(watch_slow_jobs(
         client.clone(),
         limit_grant.endpoint.clone(),
@@ -412,41 +451,72 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
         })
     };
 
-    // Until every job succeeded (its completion ACCEPTED, or GetJob says
-    // so), or the deadline; faults go on all along.
-    let mut succeeded: HashSet<usize> = HashSet::new();
-    let deadline_ms = started_ms + i64::try_from(spec.deadline.as_millis()).unwrap_or(i64::MAX);
-    loop {
-        let logs = pool.lock().await.logs();
-        let mut started = HashSet::new();
-        for line in logs.iter().flat_map(|log| events::read(log)) {
-            match &line.event {
-                Event::Start => {
-                    started.insert(line.job);
-                }
-                Event::Complete { answer, .. } if answer == "ACCEPTED" => {
-                    succeeded.insert(line.job);
-                }
-                _ => {}
-            }
-        }
-        *lock(&progress.started) = started;
-        let pending: Vec<usize> = (0..spec.jobs).filter(|job| !succeeded.contains(job)).collect();
-        if producing.is_finished() && pending.len() <= 100 {
-            for job in &pending {
-                if let Ok(view) = job_view(&client, &job_id(*job)).await {
-                    if view.status == pb::JobStatus::Succeeded as i32 {
-                        succeeded.insert(*job);
+    // What the workers' logs say, read every half second.
+    let reading = {
+        let (pool, progress) = (pool.clone(), progress.clone());
+        tokio::spawn(async move {
+            loop {
+                let logs = pool.lock().await.logs();
+                let (mut started, mut succeeded, mut last) = (HashSet::new(), HashSet::new(), 0);
+                for line in logs.iter().flat_map(|log| events::read(log)) {
+                    match &line.event {
+                        Event::Start => {
+                            started.insert(line.job);
+                        }
+                        Event::Complete { answer, .. } if answer == "ACCEPTED" => {
+                            succeeded.insert(line.job);
+                            last = line.at_ms.max(last);
+                        }
+                        _ => {}
                     }
                 }
+                *lock(&progress.started) = started;
+                *lock(&progress.succeeded) = (succeeded, last);
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
-        }
-        if succeeded.len() >= spec.jobs || now_ms() > deadline_ms {
+        })
+    };
+    // Until every job succeeded (its completion ACCEPTED, or GetJob says
+    // so), or the deadline; faults go on all along. Done when the last
+    // success was answered.
+    let mut confirmed: HashSet<usize> = HashSet::new();
+    let mut done_ms = now_ms();
+    let deadline_ms = started_ms + i64::try_from(spec.deadline.as_millis()).unwrap_or(i64::MAX);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (succeeded, last) = lock(&progress.succeeded).clone();
+        let pending: Vec<usize> = (0..spec.jobs)
+            .filter(|job| !succeeded.contains(job) && !confirmed.contains(job))
+            .collect();
+        if pending.is_empty() {
+            done_ms = done_ms.max(last);
             break;
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // A success whose answer its killed worker never logged.
+        if producing.is_finished() && pending.len() <= 100 {
+            let found: Vec<usize> = futures::stream::iter(pending)
+                .map(|job| {
+                    let client = client.clone();
+                    async move {
+                        let view = tokio::time::timeout(Duration::from_secs(5), job_view(&client, &job_id(job))).await;
+                        matches!(view, Ok(Ok(view)) if view.status == pb::JobStatus::Succeeded as i32).then_some(job)
+                    }
+                })
+                .buffer_unordered(8)
+                .filter_map(|job| async move { job })
+                .collect()
+                .await;
+            if !found.is_empty() {
+                done_ms = now_ms();
+            }
+            confirmed.extend(found);
+        }
+        if now_ms() > deadline_ms {
+            done_ms = now_ms();
+            break;
+        }
     }
-    let done_ms = now_ms();
+    reading.abort();
     stop.trigger();
     watching.abort();
     let _ = producing.await;

@@ -107,6 +107,7 @@ struct Worker {
     running: HashMap<Key, Running>,
     sent: HashMap<u64, Sent>,
     next_id: u64,
+    ready: bool,
 }
 
 pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> {
@@ -148,6 +149,7 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
         running: HashMap::new(),
         sent: HashMap::new(),
         next_id: 1,
+        ready: false,
     };
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
@@ -180,6 +182,7 @@ impl Worker {
                         session.opened = true;
                         session.grace_ms = i64::try_from(opened.stream_end_grace_ms).unwrap_or(i64::MAX);
                     }
+                    self.say_ready();
                 }
                 Some(Down::Jobs(jobs)) => {
                     for job in jobs.jobs {
@@ -189,6 +192,21 @@ impl Worker {
                 Some(Down::Answer(answer)) => self.on_answer(answer),
                 None => {}
             },
+        }
+    }
+
+    /// Say once in the log that a stream is open to every instance listed.
+    fn say_ready(&mut self) {
+        if !self.ready
+            && !self.instances.is_empty()
+            && self.instances.iter().all(|endpoint| {
+                self.sessions
+                    .get(endpoint.as_str())
+                    .is_some_and(|session| session.opened)
+            })
+        {
+            self.ready = true;
+            self.log.write(0, 0, Event::Ready);
         }
     }
 
@@ -457,6 +475,9 @@ impl Worker {
                     }
                 }
             }
+            // A completion under way gets its own answer (a heartbeat that
+            // crossed an accepted completion answers LEASE_LOST).
+            pb::HeartbeatOutcome::LeaseLost if running.state == State::Completing => {}
             pb::HeartbeatOutcome::LeaseLost => {
                 self.log.write(
                     running.index,
@@ -465,10 +486,7 @@ impl Worker {
                         held_until_ms: running.held_until,
                     },
                 );
-                // A completion under way gets its own answer.
-                if running.state != State::Completing {
-                    self.finish(&key, "lease_lost");
-                }
+                self.finish(&key, "lease_lost");
             }
             _ => {}
         }

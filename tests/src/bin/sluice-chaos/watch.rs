@@ -22,6 +22,8 @@ pub struct Progress {
     pub enqueued: Mutex<HashMap<usize, i64>>,
     /// Jobs some handler started.
     pub started: Mutex<HashSet<usize>>,
+    /// Jobs whose success was ACCEPTED, and when the last one was.
+    pub succeeded: Mutex<(HashSet<usize>, i64)>,
 }
 
 /// Every 5 s, say on stderr where the jobs on concurrency keys alone that

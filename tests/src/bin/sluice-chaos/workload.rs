@@ -40,7 +40,7 @@ pub fn run_ms(job: usize) -> u64 {
     if is_floating(job) {
         rand::rng().random_range(100..300)
     } else {
-        rand::rng().random_range(10..40)
+        rand::rng().random_range(20..100)
     }
 }
 
