@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # `make chaos`: the four services as separate processes (two of each) on a
-# fresh, dedicated tansu and PostgreSQL, killed with SIGKILL at random while
-# jobs flow; the last line printed is one JSON object (see
-# tests/src/bin/sluice-chaos.rs). CHAOS_KILLS=0 runs the same workload
-# without faults, for the clean figures.
+# fresh, dedicated tansu and PostgreSQL, and worker processes of each kind
+# (Work streams, Kafka + Claim), killed with SIGKILL at random while jobs
+# flow, beside the same runs without faults; one JSON line per run, and the
+# last line printed is one JSON object with them all (see
+# tests/src/bin/sluice-chaos.rs). CHAOS_KILLS=0: only the runs without
+# faults; CHAOS_WORKERS=stream or kafka: one kind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT="${SLUICE_CHAOS_BROKER_PORT:-19292}"

@@ -188,6 +188,8 @@ impl Worker {
                     for job in jobs.jobs {
                         self.on_pushed(&endpoint, generation, job);
                     }
+                    // Soon after a push: the first heartbeat confirms it.
+                    self.send_heartbeats(now_ms());
                 }
                 Some(Down::Answer(answer)) => self.on_answer(answer),
                 None => {}
