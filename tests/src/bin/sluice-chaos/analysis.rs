@@ -225,6 +225,32 @@ pub fn attempts_not_counted(workers: &[WorkerHistory], ends: &HashMap<usize, Job
     (found.len(), examples)
 }
 
+/// Attempts a live worker abandoned after admission confirmed them whose
+/// end (GetJob's history) is not a lease expiry, which uses an attempt:
+/// the count, and a few of them.
+pub fn abandoned_not_expired(runs: &[Run], ends: &HashMap<usize, JobEnd>) -> (usize, Vec<String>) {
+    let mut found: Vec<(usize, u32, String)> = runs
+        .iter()
+        .filter(|run| run.how == "abandoned")
+        .filter_map(|run| {
+            let outcome = ends
+                .get(&run.job)?
+                .history
+                .iter()
+                .find(|(attempt, _, _)| *attempt == run.attempt)
+                .map_or("no record", |(_, outcome, _)| outcome.as_str());
+            (outcome != "lease_expired").then(|| (run.job, run.attempt, outcome.to_string()))
+        })
+        .collect();
+    found.sort_unstable();
+    let examples = found
+        .iter()
+        .take(10)
+        .map(|(job, attempt, outcome)| format!("chaos-{job} attempt {attempt}: {outcome}"))
+        .collect();
+    (found.len(), examples)
+}
+
 /// The most runs of one key at once; `key_of` says which key a job counts
 /// on (`None`: none).
 pub fn max_running(runs: &[Run], key_of: impl Fn(usize) -> Option<usize>) -> usize {
@@ -574,6 +600,39 @@ mod tests {
         assert_eq!(
             attempts_not_counted(&workers, &ends),
             (1, vec!["chaos-1 attempt 1".to_string()])
+        );
+    }
+
+    #[test]
+    fn an_abandoned_attempt_must_end_as_a_lease_expiry() {
+        let abandoned = |job| Run {
+            job,
+            attempt: 1,
+            worker: 0,
+            start: 0,
+            end: 10,
+            how: "abandoned".into(),
+        };
+        let ends: HashMap<usize, JobEnd> = [
+            (
+                1,
+                JobEnd {
+                    succeeded: true,
+                    history: vec![(1, "lease_expired".into(), String::new())],
+                },
+            ),
+            (
+                2,
+                JobEnd {
+                    succeeded: true,
+                    history: vec![(1, "handed_back".into(), String::new())],
+                },
+            ),
+        ]
+        .into();
+        assert_eq!(
+            abandoned_not_expired(&[abandoned(1), abandoned(2)], &ends),
+            (1, vec!["chaos-2 attempt 1: handed_back".to_string()])
         );
     }
 

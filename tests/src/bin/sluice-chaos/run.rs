@@ -691,6 +691,7 @@ fn figures(spec: &Spec, observed: Observed) -> Outcome {
     let lost = spec.jobs - succeeded.len().min(spec.jobs);
     let duplicates = analysis::duplicates(&histories, &runs);
     let (not_counted, not_counted_examples) = analysis::attempts_not_counted(&histories, &ends);
+    let (abandoned_not_expired, abandoned_examples) = analysis::abandoned_not_expired(&runs, &ends);
     let limit = usize::try_from(spec.limit).unwrap_or(usize::MAX);
     let keys = spec.keys.max(1);
     let over_limit = analysis::max_running(&runs, |job| Some(job % keys)).saturating_sub(limit);
@@ -773,6 +774,10 @@ fn figures(spec: &Spec, observed: Observed) -> Outcome {
     check(duplicates.total() > 0, format!("{} duplicated", duplicates.total()));
     check(over_limit > 0, format!("a key {over_limit} over its limit"));
     check(not_counted > 0, format!("{not_counted} confirmed attempts not counted"));
+    check(
+        abandoned_not_expired > 0,
+        format!("{abandoned_not_expired} abandoned attempts did not expire"),
+    );
     check(floating_over_limit > 0, "the floating key over its ceiling".to_string());
     check(refreshes == 0, "no floating-limit refresh".to_string());
     check(over_rate > 0, format!("{over_rate} rate windows exceeded"));
@@ -809,6 +814,10 @@ fn figures(spec: &Spec, observed: Observed) -> Outcome {
         "lease_expiries": outcome_count("lease_expired", ""),
         "unconfirmed_hand_backs": outcome_count("handed_back", "no sign of worker"),
         "abandoned": abandoned,
+        // Abandoned after admission confirmed them, and not ended by a
+        // lease expiry (which uses an attempt).
+        "abandoned_not_expired": abandoned_not_expired,
+        "abandoned_not_expired_jobs": abandoned_examples,
         // A key with waiting jobs and nothing running (rate waits in a
         // full window excepted), per period: p99, max, the worst ones (in
         // seconds into the run: match them with the faults on stderr and
