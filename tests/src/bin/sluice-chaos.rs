@@ -31,7 +31,7 @@
 //! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0: only the runs without faults), CHAOS_CLEAN (1; 0:
 //! only the runs with faults), CHAOS_DEADLINE_S (600 per run), CHAOS_RATE
-//! (100 jobs/s enqueued at most), CHAOS_LEASE (the task group's lease,
+//! (300 jobs/s enqueued at most), CHAOS_LEASE (the task group's lease,
 //! 5s), CHAOS_WORKER_PROCESSES (2), CHAOS_SLOTS (8: jobs at once per
 //! Kafka worker, credits per stream of a stream worker),
 //! CHAOS_SERVICE_LOG (the services' RUST_LOG, `warn`), CHAOS_VICTIMS
@@ -100,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
         jobs: env_number("CHAOS_JOBS", 2000),
         keys: env_number("CHAOS_KEYS", 50),
         limit: env_number("CHAOS_LIMIT", 3),
-        rate: env_number("CHAOS_RATE", 100.0),
+        rate: env_number("CHAOS_RATE", 300.0),
         deadline: Duration::from_secs(env_number("CHAOS_DEADLINE_S", 600)),
         lease: std::env::var("CHAOS_LEASE").unwrap_or_else(|_| "5s".to_string()),
         abandon: env_number("CHAOS_ABANDON", 0.005),
