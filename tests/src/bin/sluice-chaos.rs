@@ -32,8 +32,8 @@
 //! CHAOS_KILLS (1; 0: only the runs without faults), CHAOS_CLEAN (1; 0:
 //! only the runs with faults), CHAOS_DEADLINE_S (600 per run), CHAOS_RATE
 //! (300 jobs/s enqueued at most), CHAOS_LEASE (the task group's lease,
-//! 5s), CHAOS_WORKER_PROCESSES (2), CHAOS_SLOTS (8: jobs at once per
-//! Kafka worker, credits per stream of a stream worker),
+//! 5s), CHAOS_WORKER_PROCESSES (2), CHAOS_SLOTS (16 jobs at once per
+//! worker process),
 //! CHAOS_SERVICE_LOG (the services' RUST_LOG, `warn`), CHAOS_VICTIMS
 //! (`workers`: kill only workers). The service binaries are taken from
 //! this binary's directory (`make chaos` builds them); the configuration
@@ -107,7 +107,7 @@ async fn main() -> anyhow::Result<()> {
         worker_kill_every: Duration::from_secs_f64(env_number("CHAOS_WORKER_KILL_S", 20.0)),
         workers_only: std::env::var("CHAOS_VICTIMS").is_ok_and(|victims| victims == "workers"),
         worker_processes: env_number("CHAOS_WORKER_PROCESSES", 2),
-        slots: env_number("CHAOS_SLOTS", 8),
+        slots: env_number("CHAOS_SLOTS", 16),
         broker_pid: std::env::var("CHAOS_BROKER_PID").ok().and_then(|pid| pid.parse().ok()),
     };
     let mut lines = Vec::new();

@@ -45,7 +45,7 @@ pub struct Spec {
     /// Kill only workers (CHAOS_VICTIMS=workers).
     pub workers_only: bool,
     pub worker_processes: usize,
-    /// Jobs at once per Kafka worker; credits per stream of a stream worker.
+    /// Jobs at once per worker process.
     pub slots: usize,
     pub broker_pid: Option<i32>,
 }

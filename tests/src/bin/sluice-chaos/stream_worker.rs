@@ -2,7 +2,8 @@
 //!
 //! One stream to every instance `Instances` lists (asked every 3 s; a
 //! stream that ends is opened again within a second while its instance is
-//! listed), each opened with `slots` credits, a credit given back to the
+//! listed), each opened with half its slots as credits (there are two
+//! instances), a credit given back to the
 //! stream a job came from when the job is done with. Every pushed attempt
 //! is heartbeaten at once (which confirms it), then every third of
 //! `min(lease, stream end grace)`, on any open stream; a renewal holds for
@@ -138,7 +139,8 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
     }
     let mut worker = Worker {
         worker_id: settings.worker_id.clone(),
-        credits: u32::try_from(settings.slots).unwrap_or(8).max(1),
+        // Its slots shared between the two admission instances' streams.
+        credits: u32::try_from(settings.slots / 2).unwrap_or(8).max(1),
         abandon: settings.abandon.clamp(0.0, 1.0),
         log,
         events,

@@ -37,7 +37,8 @@ pub struct Settings {
     /// The stack's configuration file (brokers, topic prefix).
     pub config: PathBuf,
     pub abandon: f64,
-    /// Jobs run at once (Kafka), or credits per stream (streams).
+    /// Jobs run at once (a stream worker gives each of its two streams
+    /// half as credits).
     pub slots: usize,
 }
 
