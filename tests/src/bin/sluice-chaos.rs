@@ -28,7 +28,7 @@
 //! CHAOS_STRICT_IDLE=1, when a key was idle with waiters longer than
 //! CHAOS_IDLE_BOUND_S, 10).
 //!
-//! Environment: CHAOS_JOBS (2000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
+//! Environment: CHAOS_JOBS (5000), CHAOS_KEYS (50), CHAOS_LIMIT (3),
 //! CHAOS_KILLS (1; 0: only the runs without faults), CHAOS_CLEAN (1; 0:
 //! only the runs with faults), CHAOS_DEADLINE_S (600 per run), CHAOS_RATE
 //! (300 jobs/s enqueued at most), CHAOS_LEASE (the task group's lease,
@@ -97,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
     let base = run::Spec {
         workers: String::new(),
         faults: false,
-        jobs: env_number("CHAOS_JOBS", 2000),
+        jobs: env_number("CHAOS_JOBS", 5000),
         keys: env_number("CHAOS_KEYS", 50),
         limit: env_number("CHAOS_LIMIT", 3),
         rate: env_number("CHAOS_RATE", 300.0),
