@@ -8,6 +8,7 @@
 //! was this worker's. A heartbeat answered LEASE_LOST, or no renewal
 //! holding any more (§3), stops the handler without completing.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,6 +59,11 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
     let client = admission_client(&settings.admission)?;
     let worker_id: Arc<str> = settings.worker_id.clone().into();
     let slots = Arc::new(tokio::sync::Semaphore::new(settings.slots.max(1)));
+    // Attempts this process is dealing with: a second delivery of one of
+    // them is dropped. (A duplicate whose claim failed in transit would
+    // otherwise be resolved by a heartbeat answering EXTENDED, the
+    // attempt being this worker's, and run a second time.)
+    let handling: Arc<std::sync::Mutex<HashSet<(String, u32)>>> = Arc::default();
     loop {
         let slot = slots.clone().acquire_owned().await?;
         let job = match consumer.recv().await {
@@ -69,13 +75,22 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
             }
         };
         let Ok(job) = job else { continue };
-        let (client, worker_id, log) = (client.clone(), worker_id.clone(), log.clone());
+        let attempt = (job.job_id.clone(), job.attempt);
+        if !lock(&handling).insert(attempt.clone()) {
+            continue;
+        }
+        let (client, worker_id, log, handling) = (client.clone(), worker_id.clone(), log.clone(), handling.clone());
         let abandon = rand::rng().random_bool(settings.abandon.clamp(0.0, 1.0));
         tokio::spawn(async move {
             run_job(job, client, &worker_id, &log, abandon).await;
+            lock(&handling).remove(&attempt);
             drop(slot);
         });
     }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn attempt_of(job: &pb::AdmittedJob) -> pb::JobAttempt {
