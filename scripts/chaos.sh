@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # `make chaos`: the four services as separate processes (two of each) on a
-# fresh, dedicated tansu and PostgreSQL, killed with SIGKILL at random while
-# jobs flow; the last line printed is one JSON object (see
-# tests/src/bin/sluice-chaos.rs). CHAOS_KILLS=0 runs the same workload
-# without faults, for the clean figures.
+# fresh, dedicated tansu and PostgreSQL, and worker processes of each kind
+# (Work streams, Kafka + Claim), killed with SIGKILL at random while jobs
+# flow, beside the same runs without faults; one JSON line per run, and the
+# last line printed is one JSON object with them all (see
+# tests/src/bin/sluice-chaos.rs). CHAOS_KILLS=0: only the runs without
+# faults; CHAOS_WORKERS=stream or kafka: one kind.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PORT="${SLUICE_CHAOS_BROKER_PORT:-19292}"
@@ -20,7 +22,19 @@ if (exec 3<>"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null; then
   exit 1
 fi
 SLUICE_BROKER_PORT="$PORT" SLUICE_STATE_DIR="$STATE" scripts/dev-env.sh broker
-trap 'kill "$(cat "$STATE/tansu.pid")" 2>/dev/null || true' EXIT
+# Stop the broker and wait until it is gone, so that a next run finds its
+# port free.
+stop_broker() {
+  local pid
+  pid="$(cat "$STATE/tansu.pid" 2>/dev/null)" || return 0
+  kill "$pid" 2>/dev/null || return 0
+  for _ in $(seq 100); do
+    kill -0 "$pid" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  kill -9 "$pid" 2>/dev/null || true
+}
+trap stop_broker EXIT
 echo "==> building the service binaries and the chaos runner ($PROFILE_DIR)"
 # One invocation, so the crates they share are built once with one feature set.
 cargo build $PROFILE_FLAG --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \

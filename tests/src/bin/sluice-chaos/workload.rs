@@ -1,0 +1,93 @@
+//! The jobs every run enqueues, and how long a worker runs each.
+
+use rand::Rng;
+use sluice_e2e::concurrency_job;
+use sluice_proto::v1 as pb;
+
+/// Every fifth job (but the floating ones) is a chain: its concurrency key,
+/// then one unit of one of `RATE_KEYS` rate limits of `RATE_LIMIT` per
+/// `RATE_WINDOW_MS`. It holds its key's slot while it waits for the rate
+/// (rate limits come last in the acquisition order). Together they let
+/// `RATE_KEYS × RATE_LIMIT` such jobs start per second: more than a fifth of
+/// what the stack runs on two cores, so the rate is rarely what a key waits
+/// for, and a wait on it counts as a stall only once the rate-window has the
+/// step and the window is full (see `analysis`).
+pub const RATE_LIMIT: i64 = 20;
+pub const RATE_WINDOW_MS: i64 = 1000;
+const RATE_KEYS: usize = 2;
+
+pub fn rate_key_of(job: usize) -> Option<String> {
+    (job % 5 == 3).then(|| format!("r{}", (job / 5) % RATE_KEYS))
+}
+
+/// Every twentieth job also takes the floating limit `FLOATING_KEY` (default
+/// max `FLOATING_DEFAULT_MAX`, refreshed every `FLOATING_REFRESH_MS` while it
+/// has waiters) and runs longer, so that it has waiters. The refresh worker
+/// answers a max from 1 to `FLOATING_CEILING`. Few enough that the floating
+/// key (a max of 2 on average) drains as fast as the rest: it is not what
+/// bounds a run's throughput.
+pub const FLOATING_KEY: &str = "f0";
+pub const FLOATING_DEFAULT_MAX: u32 = 2;
+pub const FLOATING_CEILING: u32 = 3;
+const FLOATING_REFRESH_MS: u64 = 1000;
+
+pub fn is_floating(job: usize) -> bool {
+    job % 20 == 1
+}
+
+/// How long a handler runs job `job`.
+pub fn run_ms(job: usize) -> u64 {
+    if is_floating(job) {
+        rand::rng().random_range(100..300)
+    } else {
+        rand::rng().random_range(20..100)
+    }
+}
+
+pub fn job_id(job: usize) -> String {
+    format!("chaos-{job}")
+}
+
+/// The job index of `chaos-<n>`.
+pub fn job_index(job_id: &str) -> Option<usize> {
+    job_id.strip_prefix("chaos-")?.parse().ok()
+}
+
+/// Job `job`: on key `k<job % keys>` of `limit`, some also on a rate limit
+/// or the floating limit, retried up to 100 attempts.
+pub fn chaos_request(job: usize, keys: usize, limit: u32) -> pb::JobRequest {
+    let mut request = concurrency_job("chaos", &format!("k{}", job % keys.max(1)), limit, 0, &job.to_string());
+    request.job_id = Some(job_id(job));
+    if let Some(name) = rate_key_of(job) {
+        request.limits.push(pb::Limit {
+            kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                    name,
+                    unique_key: String::new(),
+                    limit: RATE_LIMIT,
+                    duration_ms: RATE_WINDOW_MS,
+                    cost: 1,
+                })),
+            })),
+        });
+    }
+    if is_floating(job) {
+        request.limits.push(pb::Limit {
+            kind: Some(pb::limit::Kind::Floating(pb::FloatingConcurrencyLimit {
+                key: FLOATING_KEY.to_string(),
+                default_max: FLOATING_DEFAULT_MAX,
+                refresh_interval_ms: FLOATING_REFRESH_MS,
+                metadata: Default::default(),
+            })),
+        });
+    }
+    // A killed or abandoning worker's attempt ends as a lease expiry, which
+    // uses up an attempt: enough of them that faults never fail a job.
+    request.retry = Some(pb::RetryPolicy {
+        max_attempts: 100,
+        initial_backoff: "100ms".to_string(),
+        max_backoff: "1s".to_string(),
+        ..pb::RetryPolicy::default()
+    });
+    request
+}
