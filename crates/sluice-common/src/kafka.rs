@@ -1034,6 +1034,8 @@ pub struct PartitionInput {
     pub offsets: OffsetStore,
     /// The most payload bytes a batch should hold (`kafka.consumer_buffer_bytes`).
     pub max_batch_bytes: usize,
+    /// The group's assignments of partitions to this member.
+    pub assignments: Assignments,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -1102,6 +1104,34 @@ pub struct RebalanceContext {
     /// Since when the group session is lost (librdkafka revoked the
     /// assignment as lost) with no assignment back yet.
     lost_since: Arc<Mutex<Option<std::time::Instant>>>,
+    assignments: Assignments,
+}
+
+/// How many times the group assigned each partition to this member: a task
+/// standing by for a partition (a newer owner fenced it while it stayed
+/// assigned here) takes it over again when the group assigns it here anew.
+#[derive(Clone, Debug, Default)]
+pub struct Assignments(Arc<Mutex<HashMap<i32, u64>>>);
+
+impl Assignments {
+    fn assigned(&self, partition: i32) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .entry(partition)
+            .or_default() += 1;
+    }
+
+    /// How many times `partition` was assigned here so far.
+    pub fn count(&self, partition: i32) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get(&partition)
+            .copied()
+            .unwrap_or_default()
+    }
 }
 
 impl ClientContext for RebalanceContext {
@@ -1172,6 +1202,7 @@ impl ConsumerContext for RebalanceContext {
             for element in list.elements_for_topic(&self.topic) {
                 assigned.insert(element.partition());
                 progress.entry(element.partition()).or_default();
+                self.assignments.assigned(element.partition());
             }
             tracing::debug!(topic = %self.topic, assigned = list.count(), "partitions assigned");
         }
@@ -1364,6 +1395,7 @@ type CaughtUp = (i32, u64, u64);
 /// One membership of the group: the consumer, the partition tasks, and
 /// the dispatch loop's bookkeeping. Nothing in it waits on one partition.
 struct Member<'a> {
+    assignments: Assignments,
     options: &'a ConsumerOptions,
     factory: &'a Arc<dyn PartitionTaskFactory>,
     progress: &'a Arc<ConsumerProgress>,
@@ -1395,17 +1427,20 @@ async fn consume_as_member(
     let topic: Arc<str> = Arc::from(options.topic.as_str());
     let assigned = Arc::new(Mutex::new(HashSet::new()));
     let lost_since = Arc::new(Mutex::new(None));
+    let assignments = Assignments::default();
     let context = RebalanceContext {
         topic: topic.clone(),
         assigned: assigned.clone(),
         progress: progress.clone(),
         lost_since: lost_since.clone(),
+        assignments: assignments.clone(),
     };
     let consumer = Arc::new(member_consumer(kafka, options, context)?);
     consumer.subscribe(&[&options.topic])?;
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<Finished>();
     let (caught_up_sender, mut caught_up) = mpsc::unbounded_channel::<CaughtUp>();
     let mut member = Member {
+        assignments,
         options,
         factory,
         progress,
@@ -1483,6 +1518,7 @@ impl Member<'_> {
                 stored: stored.clone(),
             },
             max_batch_bytes: self.buffer_bytes,
+            assignments: self.assignments.clone(),
         };
         let task = self.factory.start(input);
         // A partition paused for an earlier task that fell behind.

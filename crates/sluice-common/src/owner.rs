@@ -779,11 +779,11 @@ const FENCE_CHECK_EVERY: Duration = Duration::from_secs(2);
 /// whether the newer owner let it go.
 const STANDBY_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// An owner whose row has not moved for this long (no commit, no idle
-/// touch, which comes every `FENCE_CHECK_EVERY`) is gone: a member standing
+/// touch, which comes every `FENCE_CHECK_EVERY`: four of them missed) is gone: a member standing
 /// by takes the partition over. The group reassigns a dead member's
 /// partitions sooner (its session timeout); this covers a member that
 /// still holds an assignment the group already gave away.
-const OWNER_SILENT_AFTER: Duration = Duration::from_secs(15);
+const OWNER_SILENT_AFTER: Duration = Duration::from_secs(8);
 /// How often an owned partition publishes its keys for per-key metrics.
 const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
 /// How long reading a partition's watermarks may take.
@@ -893,12 +893,19 @@ impl<S: OwnedStore> PartitionTask<S> {
             partition,
             "a newer owner holds the partition: standing by until it lets it go or the group moves it"
         );
+        let assigned_before = input.assignments.count(partition);
         let mut check = tokio::time::interval(STANDBY_CHECK_EVERY);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = input.stop.cancelled() => return false,
                 _ = check.tick() => {}
+            }
+            if input.assignments.count(partition) > assigned_before {
+                // The group assigned it here anew (its owner left the group,
+                // say): this member is the one to own it.
+                tracing::info!(service = self.settings.service, partition, "the group assigned the partition here again; taking it over");
+                return true;
             }
             match owner_let_go(&self.pool, partition, OWNER_SILENT_AFTER).await {
                 Ok(Some(why)) => {
