@@ -1768,14 +1768,16 @@ async fn split_partition_queues(
     let probe = consumer.clone();
     let name = topic.to_string();
     let partitions = tokio::task::spawn_blocking(move || {
-        probe.fetch_metadata(Some(&name), Duration::from_secs(10)).map(|metadata| {
-            metadata
-                .topics()
-                .iter()
-                .filter(|found| found.name() == name)
-                .flat_map(|found| found.partitions().iter().map(|partition| partition.id()))
-                .collect::<Vec<i32>>()
-        })
+        probe
+            .fetch_metadata(Some(&name), Duration::from_secs(10))
+            .map(|metadata| {
+                metadata
+                    .topics()
+                    .iter()
+                    .filter(|found| found.name() == name)
+                    .flat_map(|found| found.partitions().iter().map(|partition| partition.id()))
+                    .collect::<Vec<i32>>()
+            })
     })
     .await;
     let partitions = match partitions {

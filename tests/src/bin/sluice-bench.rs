@@ -732,7 +732,10 @@ async fn run_throughput(
     let cpu_before = cpu_times();
     let started = Instant::now();
     producer.send(&requests).await?;
-    eprintln!("bench: {jobs} requests sent in {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "bench: {jobs} requests sent in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
     // A progress line every 10 s, so a run that stalls shows where.
     let mut reported_at = Instant::now();
     eventually(Duration::from_secs(600), "every bench job completed", || {
