@@ -1544,9 +1544,11 @@ impl Member<'_> {
         }
     }
 
-    /// Hand a message to its partition's task without waiting: straight
-    /// into the task's channel when it has room, else through the
-    /// partition's forwarder, pausing the partition (only it waits).
+    /// Hand a message of the shared queue to its partition's task without
+    /// waiting: straight into the task's channel when it has room, else
+    /// through the partition's forwarder, pausing the partition (only it
+    /// waits). Only partitions without a queue of their own come here
+    /// (`split_partition_queues`: the topic grew since the member joined).
     fn dispatch(&mut self, message: BorrowedMessage<'_>) {
         let partition = message.partition();
         let is_assigned = self
