@@ -15,6 +15,7 @@ use futures::FutureExt;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::consumer::stream_consumer::StreamPartitionQueue;
 use rdkafka::consumer::{Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
@@ -1298,6 +1299,10 @@ struct Restart {
     at: tokio::time::Instant,
     backoff: Duration,
     resume_from: Option<i64>,
+    /// The ended task's first offset, read again at the restart when it
+    /// stored none: its partition's reader may have taken a message (and
+    /// let it go) after the task ended.
+    first_offset: Option<Arc<std::sync::atomic::AtomicI64>>,
 }
 
 /// The readiness condition of a failed partition task.
@@ -1364,8 +1369,8 @@ struct Running {
     sender: mpsc::Sender<(InMsg, tokio::sync::OwnedSemaphorePermit)>,
     budget: Arc<tokio::sync::Semaphore>,
     stop: CancellationToken,
-    /// The first offset handed to the task (where it resumed).
-    first_offset: Option<i64>,
+    /// The first offset handed to the task (where it resumed); -1: none yet.
+    first_offset: Arc<std::sync::atomic::AtomicI64>,
     stored: Arc<std::sync::atomic::AtomicI64>,
     started_at: tokio::time::Instant,
     /// Set while the task is behind: the partition is paused in the
@@ -1379,10 +1384,11 @@ impl Running {
     /// first offset this task was given.
     fn resume_point(&self) -> Option<i64> {
         let stored = self.stored.load(std::sync::atomic::Ordering::Relaxed);
+        let first = self.first_offset.load(std::sync::atomic::Ordering::Relaxed);
         if stored >= 0 {
             Some(stored)
         } else {
-            self.first_offset
+            (first >= 0).then_some(first)
         }
     }
 }
@@ -1414,6 +1420,10 @@ struct Member<'a> {
     park_sessions: u64,
     consumed_since_report: u64,
     topic_attribute: [opentelemetry::KeyValue; 1],
+    /// Each partition's own queue in the consumer (`split_partition_queues`).
+    queues: HashMap<i32, Arc<SplitQueue>>,
+    /// The tasks reading them (awaited before the consumer is dropped).
+    readers: Vec<tokio::task::JoinHandle<()>>,
 }
 
 async fn consume_as_member(
@@ -1436,6 +1446,7 @@ async fn consume_as_member(
         assignments: assignments.clone(),
     };
     let consumer = Arc::new(member_consumer(kafka, options, context)?);
+    let queues = split_partition_queues(&consumer, &topic).await;
     consumer.subscribe(&[&options.topic])?;
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<Finished>();
     let (caught_up_sender, mut caught_up) = mpsc::unbounded_channel::<CaughtUp>();
@@ -1459,6 +1470,8 @@ async fn consume_as_member(
         caught_up: caught_up_sender,
         park_sessions: 0,
         consumed_since_report: 0,
+        queues,
+        readers: Vec::new(),
     };
     let mut reconcile_timer = tokio::time::interval(Duration::from_millis(100));
     reconcile_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1523,6 +1536,23 @@ impl Member<'_> {
         let task = self.factory.start(input);
         // A partition paused for an earlier task that fell behind.
         pause_or_resume(&self.consumer, &self.topic, partition, false);
+        let first_offset = Arc::new(std::sync::atomic::AtomicI64::new(-1));
+        if let Some(queue) = self.queues.get(&partition) {
+            self.readers.retain(|reader| !reader.is_finished());
+            self.readers.push(tokio::spawn(read_split_queue(SplitReader {
+                topic: self.topic.clone(),
+                partition,
+                queue: queue.clone(),
+                sender: sender.clone(),
+                budget: budget.clone(),
+                buffer_bytes: self.buffer_bytes,
+                channel_capacity: self.options.channel_capacity.max(1),
+                stop: stop.clone(),
+                first_offset: first_offset.clone(),
+                progress: self.options.track_end.then(|| self.progress.clone()),
+                topic_attribute: self.topic_attribute.clone(),
+            })));
+        }
         let finished = self.finished.clone();
         tokio::spawn(async move {
             let outcome = match std::panic::AssertUnwindSafe(task).catch_unwind().await {
@@ -1541,7 +1571,7 @@ impl Member<'_> {
                 sender,
                 budget,
                 stop,
-                first_offset: None,
+                first_offset,
                 stored,
                 started_at: tokio::time::Instant::now(),
                 parked: None,
@@ -1584,6 +1614,7 @@ impl Member<'_> {
                         at: tokio::time::Instant::now() + backoff,
                         backoff,
                         resume_from,
+                        first_offset: Some(entry.first_offset.clone()),
                     },
                 );
             }
@@ -1601,6 +1632,7 @@ impl Member<'_> {
                         at: now + delay,
                         backoff: Duration::ZERO,
                         resume_from: entry.resume_point(),
+                        first_offset: Some(entry.first_offset.clone()),
                     });
                 }
             }
@@ -1668,7 +1700,12 @@ impl Member<'_> {
             match self.restarts.get_mut(&partition) {
                 Some(restart) if restart.at > now => continue,
                 Some(restart) => {
-                    if let Some(offset) = restart.resume_from.take() {
+                    let late_first = restart
+                        .first_offset
+                        .take()
+                        .map(|first| first.load(std::sync::atomic::Ordering::Relaxed))
+                        .filter(|first| *first >= 0);
+                    if let Some(offset) = restart.resume_from.take().or(late_first) {
                         seek(&self.consumer, &self.topic, partition, offset).await;
                     }
                 }
@@ -1701,9 +1738,11 @@ impl Member<'_> {
         }
     }
 
-    /// Hand a message to its partition's task without waiting: straight
-    /// into the task's channel when it has room, else through the
-    /// partition's forwarder, pausing the partition (only it waits).
+    /// Hand a message of the shared queue to its partition's task without
+    /// waiting: straight into the task's channel when it has room, else
+    /// through the partition's forwarder, pausing the partition (only it
+    /// waits). Only partitions without a queue of their own come here
+    /// (`split_partition_queues`: the topic grew since the member joined).
     fn dispatch(&mut self, message: BorrowedMessage<'_>) {
         let partition = message.partition();
         let is_assigned = self
@@ -1737,8 +1776,16 @@ impl Member<'_> {
         let Some(entry) = self.running.get_mut(&partition) else {
             return;
         };
-        if entry.first_offset.is_none() {
-            entry.first_offset = Some(detached.offset);
+        if entry
+            .first_offset
+            .compare_exchange(
+                -1,
+                detached.offset,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+        {
             tracing::info!(topic = %self.topic, partition, offset = detached.offset, "partition resumed");
         }
         if let Some(parked) = entry.parked.as_mut() {
@@ -1789,6 +1836,8 @@ impl Member<'_> {
             consumer,
             running,
             restarts,
+            queues,
+            readers,
             ..
         } = self;
         for entry in running.values() {
@@ -1814,6 +1863,15 @@ impl Member<'_> {
                 tracing::warn!(topic = %topic, "partition tasks still running {TASKS_END_TIMEOUT:?} after the stop; committing what they stored");
             }
             commit_stored_offsets(&consumer, &topic).await;
+        }
+        // The split queues hold the consumer too: its last reference must
+        // be dropped below, off the runtime.
+        drop(queues);
+        if tokio::time::timeout(TASKS_END_TIMEOUT, futures::future::join_all(readers))
+            .await
+            .is_err()
+        {
+            tracing::warn!(topic = %topic, "partition queue readers still running {TASKS_END_TIMEOUT:?} after the stop");
         }
         consumer.unsubscribe();
         // Closing waits for the group to acknowledge the leave: do it off
@@ -1874,6 +1932,198 @@ struct ParkedTask {
     stop: CancellationToken,
     buffer_bytes: usize,
     caught_up: mpsc::UnboundedSender<(i32, u64, u64)>,
+}
+
+/// A partition's own queue in a member's consumer, read by one task at a
+/// time (the reader of the partition's current task).
+type SplitQueue = tokio::sync::Mutex<StreamPartitionQueue<RebalanceContext>>;
+
+/// Give every partition of `topic` a queue of its own in `consumer`, before
+/// it subscribes: a partition's fetched messages then wait there, not in
+/// the consumer's shared queue, and its task's reader takes them at the
+/// task's pace. librdkafka stops fetching a partition whose own queue holds
+/// `queued.max.messages.kbytes`, and goes on from where its last fetch
+/// ended, so a task that is behind holds up neither the other partitions
+/// nor its own position.
+///
+/// Why not pause the partition instead (what `park` does for a partition
+/// without a queue of its own): a pause drops what librdkafka prefetched,
+/// and the resume fetches again from the next offset to hand over, most
+/// often inside a producer's batch. tansu answers a fetch inside a batch
+/// from the next batch on, so the rest of that batch was never read (its
+/// offsets were stored past it), or, inside the partition's last batch,
+/// answers nothing until more is produced: a burst of 100,000 requests
+/// stopped at about 60,000, and nothing was logged.
+///
+/// A partition the metadata does not list (the topic grew since) has no
+/// queue of its own and goes through the shared queue (`dispatch`).
+async fn split_partition_queues(
+    consumer: &Arc<StreamConsumer<RebalanceContext>>,
+    topic: &Arc<str>,
+) -> HashMap<i32, Arc<SplitQueue>> {
+    let probe = consumer.clone();
+    let name = topic.to_string();
+    let partitions = tokio::task::spawn_blocking(move || {
+        probe
+            .fetch_metadata(Some(&name), Duration::from_secs(10))
+            .map(|metadata| {
+                metadata
+                    .topics()
+                    .iter()
+                    .filter(|found| found.name() == name)
+                    .flat_map(|found| found.partitions().iter().map(|partition| partition.id()))
+                    .collect::<Vec<i32>>()
+            })
+    })
+    .await;
+    let partitions = match partitions {
+        Ok(Ok(partitions)) => partitions,
+        Ok(Err(error)) => {
+            tracing::warn!(topic = %topic, %error, "reading the topic's partitions failed; its partitions share the consumer's queue (paused when their task is behind)");
+            Vec::new()
+        }
+        Err(error) => {
+            tracing::warn!(topic = %topic, %error, "reading the topic's partitions failed; its partitions share the consumer's queue (paused when their task is behind)");
+            Vec::new()
+        }
+    };
+    partitions
+        .into_iter()
+        .filter_map(|partition| {
+            consumer
+                .split_partition_queue(topic, partition)
+                .map(|queue| (partition, Arc::new(tokio::sync::Mutex::new(queue))))
+        })
+        .collect()
+}
+
+/// What the reader of one partition task's queue needs.
+struct SplitReader {
+    topic: Arc<str>,
+    partition: i32,
+    queue: Arc<SplitQueue>,
+    sender: mpsc::Sender<(InMsg, tokio::sync::OwnedSemaphorePermit)>,
+    budget: Arc<tokio::sync::Semaphore>,
+    buffer_bytes: usize,
+    channel_capacity: usize,
+    stop: CancellationToken,
+    first_offset: Arc<std::sync::atomic::AtomicI64>,
+    /// Set when partition ends are reported (`ConsumerOptions::track_end`).
+    progress: Option<Arc<ConsumerProgress>>,
+    topic_attribute: [opentelemetry::KeyValue; 1],
+}
+
+/// Hand the messages of a partition's own queue to its task, in order,
+/// each once the task has room (its byte budget and channel): while it has
+/// none, nothing more is taken from the queue, and librdkafka stops
+/// fetching the partition once the queue is full. The first time the task
+/// is behind, a warning says so with the figures; every time, the counter
+/// `sluice_kafka_partition_behind` goes up.
+async fn read_split_queue(reader: SplitReader) {
+    let SplitReader {
+        topic,
+        partition,
+        queue,
+        sender,
+        budget,
+        buffer_bytes,
+        channel_capacity,
+        stop,
+        first_offset,
+        progress,
+        topic_attribute,
+    } = reader;
+    // The reader of an earlier task of the partition lets go when stopped.
+    let queue = tokio::select! {
+        biased;
+        _ = stop.cancelled() => return,
+        queue = queue.lock() => queue,
+    };
+    let mut warned = false;
+    loop {
+        let received = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            // The task ended (its successor's reader waits for the queue).
+            () = sender.closed() => return,
+            received = queue.recv() => received,
+        };
+        let message = match received {
+            Ok(message) => InMsg::from_borrowed(&message),
+            Err(KafkaError::PartitionEOF(_)) => {
+                if let Some(progress) = &progress {
+                    progress.update(partition, |state| {
+                        state.at_end = true;
+                        state.reached_end_at = Some(std::time::Instant::now());
+                    });
+                }
+                continue;
+            }
+            Err(error) => {
+                tracing::warn!(topic = %topic, partition, %error, "consumer error");
+                continue;
+            }
+        };
+        if let Some(progress) = &progress {
+            progress.update(partition, |state| state.at_end = false);
+        }
+        crate::metrics::metrics().consumed.add(1, &topic_attribute);
+        if first_offset
+            .compare_exchange(
+                -1,
+                message.offset,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            tracing::info!(topic = %topic, partition, offset = message.offset, "partition resumed");
+        }
+        let cost = message_cost(&message, buffer_bytes);
+        let permit = match budget.clone().try_acquire_many_owned(cost) {
+            Ok(permit) => Some(permit),
+            Err(tokio::sync::TryAcquireError::Closed) => return,
+            Err(tokio::sync::TryAcquireError::NoPermits) => None,
+        };
+        let behind = permit.is_none() || sender.capacity() == 0;
+        if behind {
+            crate::metrics::metrics().partition_behind.add(1, &topic_attribute);
+            if !warned {
+                warned = true;
+                tracing::warn!(
+                    topic = %topic,
+                    partition,
+                    offset = message.offset,
+                    waiting_messages = channel_capacity.saturating_sub(sender.capacity()),
+                    channel_capacity,
+                    waiting_bytes = buffer_bytes.saturating_sub(budget.available_permits()),
+                    buffer_bytes,
+                    "the partition's task is behind: its buffer is full (kafka.consumer_buffer_bytes, or the \
+                     channel), so the partition is fetched as the task catches up (said once per task; counted \
+                     in sluice_kafka_partition_behind)"
+                );
+            }
+        }
+        let permit = match permit {
+            Some(permit) => permit,
+            None => tokio::select! {
+                biased;
+                _ = stop.cancelled() => return,
+                permit = budget.clone().acquire_many_owned(cost) => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => return,
+                },
+            },
+        };
+        let sent = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return,
+            sent = sender.send((message, permit)) => sent,
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
 }
 
 /// A message's share of its partition's byte budget.

@@ -96,6 +96,7 @@ pub struct SluiceMetrics {
     pub link_grants_unrouted: Counter<u64>,
     pub transient_faults: Counter<u64>,
     pub consumed: Counter<u64>,
+    pub partition_behind: Counter<u64>,
     pub produced: Counter<u64>,
     pub commit_seconds: Histogram<f64>,
     pub publish_seconds: Histogram<f64>,
@@ -210,6 +211,12 @@ impl SluiceMetrics {
             consumed: meter
                 .u64_counter("sluice_kafka_consumed_messages")
                 .with_description("Kafka messages consumed, by topic")
+                .build(),
+            partition_behind: meter
+                .u64_counter("sluice_kafka_partition_behind")
+                .with_description(
+                    "Messages a partition's task had no room for when fetched (its buffer, kafka.consumer_buffer_bytes, was full): the partition is then fetched as the task catches up, by topic",
+                )
                 .build(),
             produced: meter
                 .u64_counter("sluice_kafka_produced_messages")

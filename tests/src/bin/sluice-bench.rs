@@ -5,7 +5,9 @@
 //! Environment: BENCH_JOBS (20000), BENCH_KEYS (1000), BENCH_LIMIT (5),
 //! BENCH_FETCH_WAIT_MS (5), BENCH_LATENCY_JOBS (300), BENCH_HOT_JOBS (3000),
 //! BENCH_WIDE_JOBS (20000, over 100,000 keys), BENCH_BROKER_PID (the broker's
-//! process, for its CPU time; `scripts/bench.sh` sets it).
+//! process, for its CPU time; `scripts/bench.sh` sets it), BENCH_BACKLOG
+//! (100000: waiting jobs for `BENCH_ONLY=backlog`, resident memory per
+//! waiting job).
 //!
 //! CPU time per job is split by process: `sluice` is this process (the four
 //! services, and the bench's own producer and workers), `postgres` every
@@ -281,6 +283,13 @@ fn run_grants_by_flows() -> anyhow::Result<serde_json::Value> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    if only == "backlog" {
+        let overrides = [("kafka.partitions.limit_commands", "8"), ("kafka.partitions.jobs", "8")];
+        let figures = run_backlog_memory(&overrides, env_number("BENCH_BACKLOG", 100_000)).await?;
+        println!("{figures}");
+        return Ok(());
+    }
     let waiter_count = env_number("BENCH_WAITERS", 200_000);
     eprintln!("bench: memory per waiting job in limit-grant ({waiter_count} waiters on one key)");
     let bytes_per_waiter = run_waiter_memory(waiter_count);
@@ -319,7 +328,6 @@ async fn main() -> anyhow::Result<()> {
 
     let hot_jobs = env_number("BENCH_HOT_JOBS", 3_000);
     let wide_jobs = env_number("BENCH_WIDE_JOBS", 20_000);
-    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     if only == "hot" {
         let stream = run_hot_key(&overrides, hot_jobs, limit, Workers::Stream).await?;
         let kafka = run_hot_key(&overrides, hot_jobs, limit, Workers::Kafka).await?;
@@ -724,9 +732,22 @@ async fn run_throughput(
     let cpu_before = cpu_times();
     let started = Instant::now();
     producer.send(&requests).await?;
+    eprintln!(
+        "bench: {jobs} requests sent in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    // A progress line every 10 s, so a run that stalls shows where.
+    let mut reported_at = Instant::now();
     eventually(Duration::from_secs(600), "every bench job completed", || {
-        let completed = completed.clone();
-        async move { Ok(completed.load(Ordering::Relaxed) >= jobs) }
+        let done = completed.load(Ordering::Relaxed);
+        if reported_at.elapsed() >= Duration::from_secs(10) {
+            reported_at = Instant::now();
+            eprintln!(
+                "bench: {done} of {jobs} jobs completed after {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        async move { Ok(done >= jobs) }
     })
     .await?;
     let elapsed = started.elapsed().as_secs_f64();
@@ -741,6 +762,69 @@ async fn run_throughput(
             broker_us: per_job(cpu_before.broker_us, cpu_after.broker_us),
         },
     })
+}
+
+/// Resident memory per waiting job (`BENCH_ONLY=backlog`): `jobs` jobs on
+/// one key limited to 1, enqueued over gRPC with no worker, so all but one
+/// wait (in admission's job partitions and in limit-grant's key queue).
+/// The growth of this process's resident memory (the four services) from
+/// before the enqueue to when limit-grant holds them all, divided by the
+/// jobs. Run in a fresh process (`BENCH_ONLY=waiters` gives limit-grant's
+/// core alone, in a process of its own).
+async fn run_backlog_memory(overrides: &[(&str, &str)], jobs: u64) -> anyhow::Result<serde_json::Value> {
+    let stack = Stack::start(bench_config("benchbacklog", overrides)?, 1).await?;
+    let mut admission = stack.admission_client().await?;
+    let resident_before = resident_bytes();
+    let started = Instant::now();
+    let mut index = 0u64;
+    while index < jobs {
+        let end = (index + 1_000).min(jobs);
+        let requests: Vec<pb::JobRequest> = (index..end)
+            .map(|job| concurrency_job("bench", "backlog", 1, 50, &format!("backlog-{job}")))
+            .collect();
+        admission
+            .enqueue_batch(pb::EnqueueBatchRequest { jobs: requests })
+            .await
+            .context("enqueue backlog jobs")?;
+        index = end;
+    }
+    let limits = stack.limits_client().await?;
+    eventually(Duration::from_secs(600), "limit-grant holds every backlog job", || {
+        let mut limits = limits.clone();
+        async move {
+            let state = limits
+                .describe_key(pb::DescribeKeyRequest {
+                    key: Some(pb::KeyRef {
+                        tenant: "bench".to_string(),
+                        key: "backlog".to_string(),
+                    }),
+                    ticket: None,
+                    first_waiters: 1,
+                })
+                .await?
+                .into_inner()
+                .state
+                .unwrap_or_default();
+            Ok(u64::from(state.waiting) + u64::try_from(state.holders.len())? == jobs)
+        }
+    })
+    .await?;
+    let enqueued_s = started.elapsed().as_secs_f64();
+    let resident_after = resident_bytes();
+    let stack_bytes_per_job = to_f64(resident_after.saturating_sub(resident_before)) / to_f64(jobs);
+    eprintln!(
+        "bench: {jobs} waiting jobs in {enqueued_s:.1} s; resident memory {:.0} MB -> {:.0} MB: {stack_bytes_per_job:.0} bytes per waiting job",
+        to_f64(resident_before) / 1e6,
+        to_f64(resident_after) / 1e6,
+    );
+    let config = stack.config.clone();
+    let pool = stack.pool.clone();
+    stack.stop().await;
+    cleanup(&config, &pool).await;
+    Ok(serde_json::json!({
+        "waiting_jobs": jobs,
+        "resident_bytes_per_waiting_job": stack_bytes_per_job.round(),
+    }))
 }
 
 /// The saturated key's jobs (limit 1), enqueued and all queued.
@@ -1049,7 +1133,8 @@ async fn run_relay(config: &SluiceConfig, messages: u64) -> anyhow::Result<f64> 
 }
 
 /// The tests' configuration with production-like producer batching: the
-/// benchmark runs on a fresh broker and never resumes mid-batch.
+/// benchmark runs on a fresh broker, and its consumers never fetch from
+/// inside a batch (a task that is behind is not paused: issue 30).
 fn bench_config(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<sluice_common::SluiceConfig> {
     let mut config = test_config(name, overrides)?;
     config.kafka.producer_properties.clear();
