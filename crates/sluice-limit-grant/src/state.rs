@@ -7,22 +7,21 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
+use sluice_common::core::{checked_trace, CompactTraceContext, Core, Decisions, KeyStat, Query};
 use sluice_common::kafka::{InMsg, Outbox};
-use sluice_common::link::{Link, LinkInput};
-use sluice_common::owner::{apply_entries, OwnedState, Rejected, Reply, WriteSet};
+use sluice_common::link::Link;
+use sluice_common::owner::{apply_entries, Rejected, WriteSet};
 use sluice_common::partition::{job_partition, key_partition};
-use sluice_common::telemetry::CompactTraceContext;
 use sluice_common::validate::{
     check_adaptive_values, check_floating_values, check_key_ref, check_text, check_ticket, check_u32, check_u64,
     FieldError, InputLimits, MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_ID_BYTES,
 };
 use sluice_proto::v1 as pb;
-use tokio::sync::oneshot;
 
-use crate::adaptive::{Adaptive, AdaptiveSettings, Outcome};
+use crate::adaptive::{Adaptive, AdaptiveSettings, Change, Outcome};
 use crate::flows::{self, Flows};
 use crate::journal::{StoredTicket, TicketBatch, TicketSnapshot};
-use crate::shadow::ShadowSim;
+use crate::shadow::{ShadowSim, WouldHaveWaited};
 
 /// (tenant, key).
 pub type KeyId = (String, String);
@@ -309,18 +308,34 @@ fn observed_run(release: &pb::ReleaseTicket) -> Option<(i64, Outcome)> {
     Some((run_ms, outcome))
 }
 
-/// Log and count a change of an adaptive key's computed max.
-fn record_adaptive_change(partition: i32, key_id: &KeyId, change: &crate::adaptive::Change) {
-    tracing::info!(
-        partition,
-        tenant = %key_id.0,
-        key = %key_id.1,
-        from = change.from,
-        to = change.to,
-        reason = %change.reason,
-        "adaptive max changed"
-    );
-    sluice_common::metrics::metrics().record_adaptive_change(&key_id.0, &key_id.1, change.reason.label(), change.to);
+/// What a batch decided: its writes, what it sends, the answers to its
+/// queries and its effects.
+pub type Decided = Decisions<LimitWrites, LimitAnswer, LimitEffect>;
+
+/// What a decision records once its batch is committed, each once however
+/// often it is sent again (`crate::observe` carries it out).
+#[derive(Clone, Debug, PartialEq)]
+pub enum LimitEffect {
+    /// A new grant (not a re-send): the grant counter, the wait histogram
+    /// and the `limit-grant.grant` span.
+    Granted {
+        record: TicketRecord,
+        kind: pb::LimitKind,
+        holders: usize,
+        max: i64,
+    },
+    /// A shadow-mode key's simulated grant: the would-have-waited metric,
+    /// and a `limit-grant.shadow` span on the job's trace.
+    ShadowWaited {
+        key_id: Arc<KeyId>,
+        simulated: WouldHaveWaited,
+    },
+    /// A grant in shadow mode took the key's holders over its max.
+    ShadowExceeded { key_id: Arc<KeyId> },
+    /// An adaptive key's computed max changed (logged and counted).
+    AdaptiveChanged { key_id: Arc<KeyId>, change: Change },
+    /// A ticket nobody stood behind was reclaimed (logged).
+    TicketReclaimed { key_id: Arc<KeyId>, ticket: TicketKey },
 }
 
 /// The writes of one batch, collapsed per row.
@@ -381,32 +396,49 @@ pub struct PartitionSettings {
     pub input: InputLimits,
 }
 
-/// Requests from this instance's gRPC handlers.
-pub enum LocalRequest {
+/// What this instance's gRPC handlers and admission's links ask of a
+/// partition.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LimitQuery {
+    /// Answered with `LimitAnswer::KeyState`.
     SetLimit {
         tenant: String,
         key: String,
         change: LimitChange,
-        reply: oneshot::Sender<pb::KeyState>,
     },
+    /// Answered with `LimitAnswer::Described`.
     DescribeKey {
         tenant: String,
         key: String,
         ticket: Option<TicketKey>,
         first_waiters: usize,
-        reply: oneshot::Sender<pb::DescribeKeyResponse>,
     },
-    /// Limit commands, or a grant re-send, from admission's link (the hot path).
-    Link(LinkInput),
     /// The partition's keys of `tenant` starting with `prefix`, after `after`
     /// in key order, at most `limit` (`ListKeys` gathers every partition's).
+    /// Answered with `LimitAnswer::Keys`.
     ListKeys {
         tenant: String,
         prefix: String,
         after: String,
         limit: usize,
-        reply: oneshot::Sender<Vec<pb::KeySummary>>,
     },
+    /// Limit commands from admission's link (the hot path), from the
+    /// admission instance `client`. Answered `Applied` (after the commit).
+    Link { commands: Vec<Vec<u8>>, client: Arc<str> },
+    /// A stream now takes the grants of these job partitions: send again
+    /// the grants of every ticket held for their jobs. Answered `Applied`.
+    ResendGrants { job_partitions: Vec<i32> },
+}
+
+/// The answer to a `LimitQuery`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LimitAnswer {
+    /// The key after a `SetLimit`.
+    KeyState(pb::KeyState),
+    Described(pb::DescribeKeyResponse),
+    Keys(Vec<pb::KeySummary>),
+    /// Link commands applied (and, once the answer arrives, committed).
+    Applied,
 }
 
 /// A change to a key's settings (`SetLimit`).
@@ -449,13 +481,6 @@ pub struct LimitPartition {
 /// The journal may grow to the last snapshot's size, and at least this much,
 /// before a new snapshot replaces it.
 const MIN_JOURNAL_BEFORE_SNAPSHOT: usize = 1 << 20;
-
-/// Summary of what a batch did, for metrics and tests.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct BatchCounts {
-    pub grants: u32,
-    pub expired: u32,
-}
 
 impl LimitPartition {
     pub fn new(settings: PartitionSettings, epoch: i64) -> Self {
@@ -618,52 +643,43 @@ impl LimitPartition {
     }
 
     /// Apply one decoded command.
-    pub fn apply_command(
-        &mut self,
-        now_ms: i64,
-        command: pb::LimitCommand,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) -> Result<(), String> {
+    pub fn apply_command(&mut self, now_ms: i64, command: pb::LimitCommand, out: &mut Decided) -> Result<(), String> {
         self.check_command(&command)?;
-        let trace = sluice_common::telemetry::checked(&command.trace.unwrap_or_default());
+        let trace = checked_trace(&command.trace.unwrap_or_default());
         let Some(inner) = command.command else {
             return Err("limit command without a command".to_string());
         };
         match inner {
-            pb::limit_command::Command::Acquire(acquire) => {
-                self.acquire(now_ms, acquire, trace, writes, outbox, counts)
-            }
+            pb::limit_command::Command::Acquire(acquire) => self.acquire(now_ms, acquire, trace, out),
             pb::limit_command::Command::Release(release) => {
                 let key_id = self.checked_key(release.key.as_ref())?;
                 let observed = observed_run(&release);
                 let ticket = TicketKey::from_proto(&release.ticket.unwrap_or_default());
-                self.release(now_ms, &key_id, &ticket, observed, writes, outbox, counts);
+                self.release(now_ms, &key_id, &ticket, observed, out);
                 Ok(())
             }
             pb::limit_command::Command::StandBehind(stand_behind) => {
-                self.stand_behind(now_ms, stand_behind, writes, outbox, counts);
+                self.stand_behind(now_ms, stand_behind, out);
                 Ok(())
             }
             pb::limit_command::Command::SetOverride(set_override) => {
                 let key_id = self.checked_key(set_override.key.as_ref())?;
-                self.set_override(now_ms, &key_id, set_override.max, writes, outbox, counts);
+                self.set_override(now_ms, &key_id, set_override.max, out);
                 Ok(())
             }
             pb::limit_command::Command::SetFloatingMax(set_max) => {
                 let key_id = self.checked_key(set_max.key.as_ref())?;
-                self.set_floating_max(now_ms, &key_id, set_max.max, &set_max.task_id, writes, outbox, counts);
+                self.set_floating_max(now_ms, &key_id, set_max.max, &set_max.task_id, out);
                 Ok(())
             }
             pb::limit_command::Command::DeleteFloating(delete) => {
                 let key_id = self.checked_key(delete.key.as_ref())?;
                 if let Some(state) = self.keys.get_mut(&key_id) {
                     if state.record.floating.take().is_some() {
-                        writes.keys.insert(key_id.clone(), Some(state.record.clone()));
+                        out.writes.keys.insert(key_id.clone(), Some(state.record.clone()));
                     }
                 }
-                self.grant_waiters_that_fit(now_ms, &key_id, writes, outbox, counts);
+                self.grant_waiters_that_fit(now_ms, &key_id, out);
                 Ok(())
             }
         }
@@ -767,9 +783,7 @@ impl LimitPartition {
         now_ms: i64,
         acquire: pb::AcquireTicket,
         trace: pb::TraceContext,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
+        out: &mut Decided,
     ) -> Result<(), String> {
         let key_id = self.checked_key(acquire.key.as_ref())?;
         let ticket = TicketKey::from_proto(&acquire.ticket.unwrap_or_default());
@@ -782,7 +796,7 @@ impl LimitPartition {
                     let record = holder.record.clone();
                     let max = i64::from(state.max_for(&record));
                     let kind = state.record.grant_kind(&record);
-                    self.emit_grant(&record, kind, holders, max, outbox);
+                    self.emit_grant(&record, kind, holders, max, &mut out.sends);
                 }
             }
             return Ok(());
@@ -801,7 +815,7 @@ impl LimitPartition {
             if state.record.adaptive.is_none() {
                 // The first job creates the shared state; later jobs' values are ignored.
                 state.record.adaptive = Some(Adaptive::new(settings));
-                writes.save_key(&key_id, &state.record);
+                out.writes.save_key(&key_id, &state.record);
             }
         }
         if let Some(spec) = &floating_spec {
@@ -816,7 +830,7 @@ impl LimitPartition {
                     last_set_ms: None,
                     last_task_id: None,
                 });
-                writes.keys.insert(key_id.clone(), Some(state.record.clone()));
+                out.writes.keys.insert(key_id.clone(), Some(state.record.clone()));
             }
         }
         let record = TicketRecord {
@@ -846,7 +860,7 @@ impl LimitPartition {
             position_at_enqueue: u32::try_from(ahead).unwrap_or(u32::MAX),
             ..record
         };
-        writes.upsert(record.clone());
+        out.writes.upsert(record.clone());
         let place = TicketPlace::of(&record);
         if is_shadow(&state.record, &record) {
             state.shadow_job_max = record.job_max.max(1);
@@ -862,23 +876,20 @@ impl LimitPartition {
             confirmed_at_ms: now_ms,
         });
         self.ticket_keys.insert(ticket, place);
-        self.grant_waiters_that_fit(now_ms, &key_id, writes, outbox, counts);
-        self.refresh_if_due(now_ms, &key_id, &trace_for_refresh, writes, outbox);
+        self.grant_waiters_that_fit(now_ms, &key_id, out);
+        self.refresh_if_due(now_ms, &key_id, &trace_for_refresh, out);
         Ok(())
     }
 
     /// Free a held ticket or remove a waiting one. `observed`: how long a
     /// held ticket's attempt ran and how it ended, for an adaptive key.
-    #[allow(clippy::too_many_arguments)]
     fn release(
         &mut self,
         now_ms: i64,
         key_id: &KeyId,
         ticket: &TicketKey,
         observed: Option<(i64, Outcome)>,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
+        out: &mut Decided,
     ) {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
@@ -892,18 +903,20 @@ impl LimitPartition {
         }
         if let (true, Some((run_ms, outcome)), Some(adaptive)) = (was_held, observed, state.record.adaptive.as_mut()) {
             if let Some(change) = adaptive.observe(now_ms, ticket, run_ms, outcome) {
-                writes.save_key(key_id, &state.record);
-                let (partition, key_id) = (self.settings.partition, key_id.clone());
-                outbox.observe(move || record_adaptive_change(partition, &key_id, &change));
+                out.writes.save_key(key_id, &state.record);
+                out.effect(LimitEffect::AdaptiveChanged {
+                    key_id: state.id.clone(),
+                    change,
+                });
             }
         }
         if let Some(shadow) = state.shadow.as_mut() {
             shadow.release(ticket, now_ms);
         }
         self.ticket_keys.remove(ticket);
-        writes.delete(ticket);
-        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
-        self.refresh_if_due(now_ms, key_id, &pb::TraceContext::default(), writes, outbox);
+        out.writes.delete(ticket);
+        self.grant_waiters_that_fit(now_ms, key_id, out);
+        self.refresh_if_due(now_ms, key_id, &pb::TraceContext::default(), out);
     }
 
     /// A floating key's refresh is due when a job using it is enqueued or
@@ -912,14 +925,7 @@ impl LimitPartition {
     /// waiter triggers the first refresh). The refresh-dispatcher keeps at
     /// most one refresh in flight per key and ignores a due event it has
     /// already seen (same `due_at_ms`), so re-sending one is harmless.
-    fn refresh_if_due(
-        &mut self,
-        now_ms: i64,
-        key_id: &KeyId,
-        trace: &pb::TraceContext,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-    ) {
+    fn refresh_if_due(&mut self, now_ms: i64, key_id: &KeyId, trace: &pb::TraceContext, out: &mut Decided) {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
         };
@@ -939,8 +945,8 @@ impl LimitPartition {
         }
         floating.last_due_ms = Some(now_ms);
         let floating = floating.clone();
-        writes.keys.insert(key_id.clone(), Some(state.record.clone()));
-        self.emit_refresh_due(key_id, &floating, waiting, trace, outbox);
+        out.writes.keys.insert(key_id.clone(), Some(state.record.clone()));
+        self.emit_refresh_due(key_id, &floating, waiting, trace, &mut out.sends);
     }
 
     fn emit_refresh_due(
@@ -976,19 +982,11 @@ impl LimitPartition {
         );
     }
 
-    fn set_override(
-        &mut self,
-        now_ms: i64,
-        key_id: &KeyId,
-        max: Option<u32>,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) {
+    fn set_override(&mut self, now_ms: i64, key_id: &KeyId, max: Option<u32>, out: &mut Decided) {
         let state = self.key_state(key_id);
         state.record.override_max = max;
-        writes.save_key(key_id, &state.record);
-        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
+        out.writes.save_key(key_id, &state.record);
+        self.grant_waiters_that_fit(now_ms, key_id, out);
     }
 
     /// Store a flow's weight (`None`, or the default: forget it). It counts
@@ -1014,15 +1012,7 @@ impl LimitPartition {
     /// every waiter; to enforce, the next grants wait for room (holders
     /// granted in shadow mode keep their slots, as after a lowered max) and
     /// the simulation stops (its totals stay).
-    fn set_mode(
-        &mut self,
-        now_ms: i64,
-        key_id: &KeyId,
-        mode: Option<pb::LimitMode>,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) {
+    fn set_mode(&mut self, now_ms: i64, key_id: &KeyId, mode: Option<pb::LimitMode>, out: &mut Decided) {
         let state = self.key_state(key_id);
         state.record.mode = mode;
         if mode == Some(pb::LimitMode::Enforce) {
@@ -1030,21 +1020,11 @@ impl LimitPartition {
                 shadow.stop();
             }
         }
-        writes.save_key(key_id, &state.record);
-        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
+        out.writes.save_key(key_id, &state.record);
+        self.grant_waiters_that_fit(now_ms, key_id, out);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn set_floating_max(
-        &mut self,
-        now_ms: i64,
-        key_id: &KeyId,
-        max: u32,
-        task_id: &str,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) {
+    fn set_floating_max(&mut self, now_ms: i64, key_id: &KeyId, max: u32, task_id: &str, out: &mut Decided) {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
         };
@@ -1057,21 +1037,14 @@ impl LimitPartition {
         floating.current_max = max;
         floating.last_set_ms = Some(now_ms);
         floating.last_task_id = Some(task_id.to_string());
-        writes.keys.insert(key_id.clone(), Some(state.record.clone()));
-        self.grant_waiters_that_fit(now_ms, key_id, writes, outbox, counts);
+        out.writes.keys.insert(key_id.clone(), Some(state.record.clone()));
+        self.grant_waiters_that_fit(now_ms, key_id, out);
     }
 
     /// The grant decision: grant the next waiter (by flow, then queue
     /// order) while it fits under the max. A flow's head is never overtaken:
     /// if it does not fit, nobody is granted.
-    fn grant_waiters_that_fit(
-        &mut self,
-        now_ms: i64,
-        key_id: &KeyId,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) {
+    fn grant_waiters_that_fit(&mut self, now_ms: i64, key_id: &KeyId, out: &mut Decided) {
         let Some(state) = self.keys.get_mut(key_id) else {
             return;
         };
@@ -1091,7 +1064,7 @@ impl LimitPartition {
             let mut record = waiting.record;
             record.held = true;
             record.granted_at_ms = Some(now_ms);
-            writes.upsert(record.clone());
+            out.writes.upsert(record.clone());
             state.holders.insert(
                 record.ticket.clone(),
                 Holder {
@@ -1110,8 +1083,9 @@ impl LimitPartition {
                     .get_or_insert_with(ShadowSim::default)
                     .real_grant(state.holders.len(), max);
                 if exceeded {
-                    let (tenant, key) = key_id.clone();
-                    outbox.observe(move || sluice_common::metrics::metrics().record_shadow_exceeded(&tenant, &key));
+                    out.effect(LimitEffect::ShadowExceeded {
+                        key_id: state.id.clone(),
+                    });
                 }
             }
             if let Some(adaptive) = state.record.adaptive.as_mut() {
@@ -1132,94 +1106,25 @@ impl LimitPartition {
             .map(|shadow| shadow.pump(shadow_max))
             .unwrap_or_default();
         let idle = state.is_idle();
+        let shared_id = state.id.clone();
         for (record, kind, holders, max) in granted {
-            counts.grants += 1;
-            self.observe_grant(&record, kind, holders, max, outbox);
-            self.emit_grant(&record, kind, holders, max, outbox);
+            self.emit_grant(&record, kind, holders, max, &mut out.sends);
+            out.effect(LimitEffect::Granted {
+                record,
+                kind,
+                holders,
+                max,
+            });
         }
         for simulated in would_have_waited {
-            self.observe_shadow_wait(key_id, simulated, outbox);
+            out.effect(LimitEffect::ShadowWaited {
+                key_id: shared_id.clone(),
+                simulated,
+            });
         }
         if idle {
             self.keys.remove(key_id);
         }
-    }
-
-    /// A shadow-mode key's simulated grant, once committed: the
-    /// would-have-waited metric, and a span on the job's trace with
-    /// `sluice.shadow_wait` (ms).
-    fn observe_shadow_wait(&self, key_id: &KeyId, simulated: crate::shadow::WouldHaveWaited, outbox: &mut Outbox) {
-        let (tenant, key) = key_id.clone();
-        let partition = self.settings.partition;
-        outbox.observe(move || {
-            sluice_common::metrics::metrics().record_shadow_wait(&tenant, &key, simulated.waited_ms);
-            let at = sluice_common::clock::system_time_at_ms;
-            sluice_common::telemetry::record_span(
-                "sluice-limit-grant",
-                "limit-grant.shadow",
-                &simulated.trace.to_context(),
-                at(simulated.granted_at_ms - simulated.waited_ms),
-                at(simulated.granted_at_ms),
-                || {
-                    vec![
-                        opentelemetry::KeyValue::new("sluice.job_id", simulated.ticket.job_id.to_string()),
-                        opentelemetry::KeyValue::new("sluice.tenant", tenant.clone()),
-                        opentelemetry::KeyValue::new("sluice.key", key.clone()),
-                        opentelemetry::KeyValue::new("sluice.shadow_wait", simulated.waited_ms),
-                        opentelemetry::KeyValue::new("sluice.partition", i64::from(partition)),
-                    ]
-                },
-            );
-        });
-    }
-
-    /// A new grant, once committed: the grant counter, the wait histogram
-    /// and the `limit-grant.grant` span. Not for re-sends (`emit_grant`
-    /// alone), so each grant counts once whatever is sent again.
-    fn observe_grant(
-        &self,
-        record: &TicketRecord,
-        limit_kind: pb::LimitKind,
-        holders: usize,
-        max: i64,
-        outbox: &mut Outbox,
-    ) {
-        let record = record.clone();
-        let partition = self.settings.partition;
-        outbox.observe(move || {
-            let kind = match limit_kind {
-                pb::LimitKind::Floating => "floating",
-                pb::LimitKind::Adaptive => "adaptive",
-                _ => "concurrency",
-            };
-            let granted_at_ms = record.granted_at_ms.unwrap_or_default();
-            sluice_common::metrics::metrics().record_grant(
-                "limit-grant",
-                kind,
-                record.tenant(),
-                record.key(),
-                granted_at_ms - record.waiting_since_ms,
-            );
-            let at = sluice_common::clock::system_time_at_ms;
-            sluice_common::telemetry::record_span(
-                "sluice-limit-grant",
-                "limit-grant.grant",
-                &record.trace.to_context(),
-                at(granted_at_ms),
-                at(granted_at_ms),
-                || {
-                    vec![
-                        opentelemetry::KeyValue::new("sluice.job_id", record.ticket.job_id.clone()),
-                        opentelemetry::KeyValue::new("sluice.tenant", record.tenant().to_string()),
-                        opentelemetry::KeyValue::new("sluice.key", record.key().to_string()),
-                        opentelemetry::KeyValue::new("sluice.limit_kind", kind),
-                        opentelemetry::KeyValue::new("sluice.holders", i64::try_from(holders).unwrap_or(i64::MAX)),
-                        opentelemetry::KeyValue::new("sluice.max", max),
-                        opentelemetry::KeyValue::new("sluice.partition", i64::from(partition)),
-                    ]
-                },
-            );
-        });
     }
 
     /// The grant event to admission (a new grant, or one sent again).
@@ -1277,16 +1182,9 @@ impl LimitPartition {
     /// Admission states the tickets it stands behind. When every part of a
     /// sweep has arrived, tickets of the covered jobs that nobody confirmed
     /// within the grace before the sweep's snapshot expire.
-    fn stand_behind(
-        &mut self,
-        now_ms: i64,
-        stand_behind: pb::StandBehind,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) {
+    fn stand_behind(&mut self, now_ms: i64, stand_behind: pb::StandBehind, out: &mut Decided) {
         let snapshot = stand_behind.snapshot_at_ms;
-        self.resend_lost_grants(&stand_behind.waiting, outbox);
+        self.resend_lost_grants(&stand_behind.waiting, &mut out.sends);
         for ticket in &stand_behind.tickets {
             let ticket = TicketKey::from_proto(ticket);
             let Some(place) = self.ticket_keys.get(&ticket) else {
@@ -1325,7 +1223,7 @@ impl LimitPartition {
         pending.seen_parts.insert(stand_behind.part);
         if u32::try_from(pending.seen_parts.len()).unwrap_or(u32::MAX) >= pending.parts {
             if let Some(complete) = self.sweeps.remove(&stand_behind.sweep_id) {
-                self.expire_unconfirmed(now_ms, &complete, writes, outbox, counts);
+                self.expire_unconfirmed(now_ms, &complete, out);
             }
         }
         // A sweep whose parts never all arrive (its sender died) is dropped.
@@ -1333,18 +1231,11 @@ impl LimitPartition {
         self.sweeps.retain(|_, sweep| sweep.received_at_ms >= horizon);
     }
 
-    fn expire_unconfirmed(
-        &mut self,
-        now_ms: i64,
-        sweep: &PendingSweep,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        counts: &mut BatchCounts,
-    ) {
+    fn expire_unconfirmed(&mut self, now_ms: i64, sweep: &PendingSweep, out: &mut Decided) {
         let cutoff = sweep.snapshot_at_ms - sweep.grace_ms;
         let grants_partitions = self.settings.grants_partitions;
-        let mut expired: Vec<(KeyId, TicketKey)> = Vec::new();
-        for (key_id, state) in &self.keys {
+        let mut expired: Vec<(Arc<KeyId>, TicketKey)> = Vec::new();
+        for state in self.keys.values() {
             let covered = |ticket: &TicketKey| {
                 sweep
                     .job_partitions
@@ -1352,27 +1243,21 @@ impl LimitPartition {
             };
             for (ticket, holder) in &state.holders {
                 if holder.confirmed_at_ms < cutoff && covered(ticket) {
-                    expired.push((key_id.clone(), ticket.clone()));
+                    expired.push((state.id.clone(), ticket.clone()));
                 }
             }
             for (_, _, waiting) in state.waiters.iter() {
                 if waiting.confirmed_at_ms < cutoff && covered(&waiting.record.ticket) {
-                    expired.push((key_id.clone(), waiting.record.ticket.clone()));
+                    expired.push((state.id.clone(), waiting.record.ticket.clone()));
                 }
             }
         }
         for (key_id, ticket) in expired {
-            tracing::warn!(
-                partition = self.settings.partition,
-                tenant = %key_id.0,
-                key = %key_id.1,
-                job_id = %ticket.job_id,
-                attempt = ticket.attempt,
-                step = ticket.step,
-                "reclaiming a ticket nobody stands behind"
-            );
-            counts.expired += 1;
-            self.release(now_ms, &key_id, &ticket, None, writes, outbox, counts);
+            out.effect(LimitEffect::TicketReclaimed {
+                key_id: key_id.clone(),
+                ticket: ticket.clone(),
+            });
+            self.release(now_ms, &key_id, &ticket, None, out);
         }
     }
 
@@ -1505,112 +1390,83 @@ impl LimitPartition {
         }
     }
 
-    // The same outputs as `OwnedState::apply`, which it serves.
-    #[allow(clippy::too_many_arguments)]
-    fn apply_local(
-        &mut self,
-        now_ms: i64,
-        local: LocalRequest,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        replies: &mut Vec<Reply>,
-        rejected: &mut Vec<Rejected>,
-        counts: &mut BatchCounts,
-    ) {
-        match local {
-            LocalRequest::Link(LinkInput::ResendGrants { job_partitions }) => {
-                self.resend_grants(&job_partitions, outbox);
+    /// Apply limit commands from admission's link: each one that can never
+    /// be applied is set aside alone, with the reason.
+    fn apply_link_commands(&mut self, now_ms: i64, commands: Vec<Vec<u8>>, client: &str, out: &mut Decided) {
+        for entry in commands {
+            let outcome = <pb::LimitCommand as prost::Message>::decode(entry.as_slice())
+                .map_err(|error| format!("undecodable limit command: {error}"))
+                .and_then(|command| self.apply_command(now_ms, command, out));
+            if let Err(reason) = outcome {
+                out.rejected.push(Rejected {
+                    offset: -1,
+                    entry,
+                    reason: format!("from admission {client} over its link: {reason}"),
+                });
             }
-            LocalRequest::Link(LinkInput::Commands(batch)) => {
-                for entry in &batch.commands {
-                    let outcome = <pb::LimitCommand as prost::Message>::decode(entry.as_slice())
-                        .map_err(|error| format!("undecodable limit command: {error}"))
-                        .and_then(|command| self.apply_command(now_ms, command, writes, outbox, counts));
-                    if let Err(reason) = outcome {
-                        rejected.push(Rejected {
-                            offset: -1,
-                            entry: entry.clone(),
-                            reason: format!("from admission {} over its link: {reason}", batch.client),
-                        });
-                    }
-                }
-                let applied = batch.applied;
-                replies.push(Box::new(move || {
-                    let _ = applied.send(());
-                }));
+        }
+    }
+
+    /// Apply one query and answer it.
+    fn apply_query(&mut self, now_ms: i64, query: Query<LimitQuery>, out: &mut Decided) {
+        let answer = match query.body {
+            LimitQuery::ResendGrants { job_partitions } => {
+                self.resend_grants(&job_partitions, &mut out.sends);
+                LimitAnswer::Applied
             }
-            LocalRequest::SetLimit {
-                tenant,
-                key,
-                change,
-                reply,
-            } => {
-                let key_id = (tenant.clone(), key.clone());
+            LimitQuery::Link { commands, client } => {
+                self.apply_link_commands(now_ms, commands, &client, out);
+                LimitAnswer::Applied
+            }
+            LimitQuery::SetLimit { tenant, key, change } => {
+                let key_id = (tenant, key);
                 match change {
-                    LimitChange::Max(max) => self.set_override(now_ms, &key_id, max, writes, outbox, counts),
+                    LimitChange::Max(max) => self.set_override(now_ms, &key_id, max, out),
                     LimitChange::FlowWeight { fairness_key, weight } => {
-                        self.set_flow_weight(&key_id, fairness_key, weight, writes);
+                        self.set_flow_weight(&key_id, fairness_key, weight, &mut out.writes);
                     }
-                    LimitChange::Mode(mode) => self.set_mode(now_ms, &key_id, mode, writes, outbox, counts),
+                    LimitChange::Mode(mode) => self.set_mode(now_ms, &key_id, mode, out),
                 }
-                let described = self.describe(&tenant, &key, 10);
-                replies.push(Box::new(move || {
-                    let _ = reply.send(described);
-                }));
+                LimitAnswer::KeyState(self.describe(&key_id.0, &key_id.1, 10))
             }
-            LocalRequest::DescribeKey {
+            LimitQuery::DescribeKey {
                 tenant,
                 key,
                 ticket,
                 first_waiters,
-                reply,
-            } => {
-                let described = self.describe_with_ticket(&tenant, &key, ticket.as_ref(), first_waiters);
-                replies.push(Box::new(move || {
-                    let _ = reply.send(described);
-                }));
-            }
-            LocalRequest::ListKeys {
+            } => LimitAnswer::Described(self.describe_with_ticket(&tenant, &key, ticket.as_ref(), first_waiters)),
+            LimitQuery::ListKeys {
                 tenant,
                 prefix,
                 after,
                 limit,
-                reply,
-            } => {
-                let keys = self.list_keys(&tenant, &prefix, &after, limit);
-                replies.push(Box::new(move || {
-                    let _ = reply.send(keys);
-                }));
-            }
-        }
+            } => LimitAnswer::Keys(self.list_keys(&tenant, &prefix, &after, limit)),
+        };
+        out.answer(query.id, answer);
     }
 }
 
-impl OwnedState for LimitPartition {
-    type Local = LocalRequest;
+impl Core for LimitPartition {
+    type Query = LimitQuery;
+    type Answer = LimitAnswer;
     type Writes = LimitWrites;
+    type Effect = LimitEffect;
     type Prepared = ();
 
-    fn apply(
-        &mut self,
-        now_ms: i64,
-        messages: &[InMsg],
-        locals: Vec<LocalRequest>,
-        writes: &mut LimitWrites,
-        outbox: &mut Outbox,
-        replies: &mut Vec<Reply>,
-        rejected: &mut Vec<Rejected>,
-    ) {
-        let mut counts = BatchCounts::default();
+    fn apply(&mut self, now_ms: i64, messages: &[InMsg], queries: Vec<Query<LimitQuery>>) -> Decided {
+        let mut out = Decided::new();
+        let mut rejected = Vec::new();
         for message in messages {
-            apply_entries(message, "limit command", rejected, |command: pb::LimitCommand| {
-                self.apply_command(now_ms, command, writes, outbox, &mut counts)
+            apply_entries(message, "limit command", &mut rejected, |command: pb::LimitCommand| {
+                self.apply_command(now_ms, command, &mut out)
             });
         }
-        for local in locals {
-            self.apply_local(now_ms, local, writes, outbox, replies, rejected, &mut counts);
+        out.rejected.append(&mut rejected);
+        for query in queries {
+            self.apply_query(now_ms, query, &mut out);
         }
-        self.close_batch(writes);
+        self.close_batch(&mut out.writes);
+        out
     }
 
     fn resend_all(&self, _now_ms: i64, outbox: &mut Outbox) {
@@ -1637,14 +1493,14 @@ impl OwnedState for LimitPartition {
         None
     }
 
-    fn key_stats(&self) -> Vec<sluice_common::metrics::KeyStat> {
+    fn key_stats(&self) -> Vec<KeyStat> {
         self.keys
             .iter()
             .map(|((tenant, key), state)| {
                 let reference = state
                     .any_waiter()
                     .or_else(|| state.holders.values().next().map(|holder| &holder.record));
-                sluice_common::metrics::KeyStat {
+                KeyStat {
                     tenant: tenant.clone(),
                     key: key.clone(),
                     kind: if state.record.floating.is_some() {
@@ -1766,15 +1622,11 @@ mod tests {
     }
 
     fn run(state: &mut LimitPartition, commands: Vec<pb::LimitCommand>) -> (Vec<String>, LimitWrites) {
-        let mut writes = LimitWrites::default();
-        let mut outbox = Outbox::new();
-        let mut counts = BatchCounts::default();
+        let mut out = Decided::new();
         for command in commands {
-            state
-                .apply_command(1_000, command, &mut writes, &mut outbox, &mut counts)
-                .unwrap();
+            state.apply_command(1_000, command, &mut out).unwrap();
         }
-        (granted_jobs(outbox), writes)
+        (granted_jobs(out.sends), out.writes)
     }
 
     #[test]
@@ -1832,14 +1684,11 @@ mod tests {
         now_ms: i64,
         commands: Vec<pb::LimitCommand>,
     ) -> (Vec<String>, Vec<pb::RefreshDue>) {
-        let mut writes = LimitWrites::default();
-        let mut outbox = Outbox::new();
-        let mut counts = BatchCounts::default();
+        let mut out = Decided::new();
         for command in commands {
-            state
-                .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
-                .unwrap();
+            state.apply_command(now_ms, command, &mut out).unwrap();
         }
+        let mut outbox = out.sends;
         let granted = grants(&mut outbox)
             .into_iter()
             .map(|event| event.ticket.unwrap().job_id)
@@ -1998,13 +1847,9 @@ mod tests {
                 }
                 _ => break,
             };
-            let mut writes = LimitWrites::default();
-            let mut outbox = Outbox::new();
-            let mut counts = BatchCounts::default();
-            state
-                .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
-                .unwrap();
-            for grant in grants(&mut outbox) {
+            let mut out = Decided::new();
+            state.apply_command(now_ms, command, &mut out).unwrap();
+            for grant in grants(&mut out.sends) {
                 let job = grant.ticket.unwrap().job_id;
                 let index: usize = job.trim_start_matches('j').parse().unwrap();
                 waits[index] = grant.granted_at_ms - grant.waiting_since_ms;
@@ -2041,24 +1886,18 @@ mod tests {
     #[test]
     fn switching_a_key_from_shadow_to_enforce_applies_at_once() {
         let mut state = partition();
-        let mode = |mode: pb::LimitMode| LocalRequest::SetLimit {
-            tenant: "t".to_string(),
-            key: "m".to_string(),
-            change: LimitChange::Mode(Some(mode)),
-            reply: oneshot::channel().0,
+        let mode = |mode: pb::LimitMode| Query {
+            id: 1,
+            body: LimitQuery::SetLimit {
+                tenant: "t".to_string(),
+                key: "m".to_string(),
+                change: LimitChange::Mode(Some(mode)),
+            },
         };
-        let apply_local = |state: &mut LimitPartition, local: LocalRequest| {
-            let (mut writes, mut outbox) = (LimitWrites::default(), Outbox::new());
-            state.apply(
-                0,
-                &[],
-                vec![local],
-                &mut writes,
-                &mut outbox,
-                &mut Vec::new(),
-                &mut Vec::new(),
-            );
-            (writes, outbox)
+        let apply_local = |state: &mut LimitPartition, query: Query<LimitQuery>| {
+            let decided = state.apply(0, &[], vec![query]);
+            assert!(matches!(decided.answers.as_slice(), [(1, LimitAnswer::KeyState(_))]));
+            (decided.writes, decided.sends)
         };
         let (writes, _) = apply_local(&mut state, mode(pb::LimitMode::Shadow));
         assert_eq!(
@@ -2213,16 +2052,8 @@ mod tests {
             .map(|index| format!("k{index}"))
             .find(|name| key_partition("t", name, 64) != 0)
             .unwrap();
-        let mut writes = LimitWrites::default();
-        let mut outbox = Outbox::new();
         let error = state
-            .apply_command(
-                0,
-                acquire("a", &misrouted, 50, 1, 1),
-                &mut writes,
-                &mut outbox,
-                &mut BatchCounts::default(),
-            )
+            .apply_command(0, acquire("a", &misrouted, 50, 1, 1), &mut Decided::new())
             .unwrap_err();
         assert!(error.contains("hashes to partition"), "{error}");
     }
@@ -2282,13 +2113,9 @@ mod tests {
         let mut running: BinaryHeap<Reverse<(i64, String, i64)>> = BinaryHeap::new();
         let mut maxes = Vec::new();
         let apply = |state: &mut LimitPartition, command: pb::LimitCommand, now_ms: i64| {
-            let mut writes = LimitWrites::default();
-            let mut outbox = Outbox::new();
-            let mut counts = BatchCounts::default();
-            state
-                .apply_command(now_ms, command, &mut writes, &mut outbox, &mut counts)
-                .unwrap();
-            grants(&mut outbox)
+            let mut out = Decided::new();
+            state.apply_command(now_ms, command, &mut out).unwrap();
+            grants(&mut out.sends)
         };
         for (downstream, completions) in phases {
             for _ in 0..*completions {
@@ -2386,20 +2213,17 @@ mod tests {
         let mut holders = Vec::new();
         for index in 0..40 {
             let job = format!("job-{index}");
-            let mut writes = LimitWrites::default();
-            let mut outbox = Outbox::new();
-            let mut counts = BatchCounts::default();
-            state
-                .apply_command(0, acquire_adaptive(&job, &spec), &mut writes, &mut outbox, &mut counts)
-                .unwrap();
+            let mut out = Decided::new();
+            state.apply_command(0, acquire_adaptive(&job, &spec), &mut out).unwrap();
             holders.extend(
-                grants(&mut outbox)
+                grants(&mut out.sends)
                     .into_iter()
                     .map(|grant| grant.ticket.unwrap().job_id),
             );
             if index == 0 {
                 // The first job creates the key's state, saved with the key.
-                assert!(writes
+                assert!(out
+                    .writes
                     .keys
                     .values()
                     .any(|record| record.as_ref().is_some_and(|record| record.adaptive.is_some())));
@@ -2415,19 +2239,11 @@ mod tests {
                 1 => pb::ReleaseReason::LeaseExpired,
                 _ => pb::ReleaseReason::Succeeded,
             };
-            let mut writes = LimitWrites::default();
-            let mut outbox = Outbox::new();
-            let mut counts = BatchCounts::default();
+            let mut out = Decided::new();
             state
-                .apply_command(
-                    1_000,
-                    release_after(job, "api", 50, reason),
-                    &mut writes,
-                    &mut outbox,
-                    &mut counts,
-                )
+                .apply_command(1_000, release_after(job, "api", 50, reason), &mut out)
                 .unwrap();
-            if let Some(Some(record)) = writes.keys.remove(&("t".to_string(), "api".to_string())) {
+            if let Some(Some(record)) = out.writes.keys.remove(&("t".to_string(), "api".to_string())) {
                 saved = record.adaptive;
             }
         }
@@ -2459,14 +2275,11 @@ mod tests {
     /// What one command sent and observed: grant events, and observations
     /// (counted once the batch commits).
     fn sent_and_observed(state: &mut LimitPartition, command: pb::LimitCommand) -> (usize, usize) {
-        let mut writes = LimitWrites::default();
-        let mut outbox = Outbox::new();
-        let mut counts = BatchCounts::default();
-        state
-            .apply_command(1_000, command, &mut writes, &mut outbox, &mut counts)
-            .unwrap();
-        let observed = outbox.take_observations().len();
-        (grants(&mut outbox).len(), observed)
+        let mut out = Decided::new();
+        state.apply_command(1_000, command, &mut out).unwrap();
+        assert!(out.sends.take_observations().is_empty(), "effects, not observations");
+        let observed = out.effects.len();
+        (grants(&mut out.sends).len(), observed)
     }
 
     #[test]
@@ -2564,9 +2377,7 @@ mod tests {
                 let mut job_keys: HashMap<u8, u8> = HashMap::new();
                 let mut last_seq = 0;
                 for (index, (ops, snapshot_now)) in batches.into_iter().enumerate() {
-                    let mut writes = LimitWrites::default();
-                    let mut outbox = Outbox::new();
-                    let mut counts = BatchCounts::default();
+                    let mut out = Decided::new();
                     for operation in ops {
                         let command = match operation {
                             Op::Acquire { job, key: key_index, priority, max, flow } => {
@@ -2579,12 +2390,13 @@ mod tests {
                             },
                             Op::Override { key: key_index, max } => set_override(&format!("k{key_index}"), max.map(u32::from)),
                         };
-                        state.apply_command(0, command, &mut writes, &mut outbox, &mut counts).unwrap();
+                        state.apply_command(0, command, &mut out).unwrap();
                     }
                     if snapshot_now {
                         state.snapshot_due = true;
                     }
-                    state.close_batch(&mut writes);
+                    let writes = &mut out.writes;
+                    state.close_batch(writes);
                     prop_assert!(writes.journal.is_none() || writes.snapshot.is_none());
                     if let Some((seq, snapshot)) = writes.snapshot.take() {
                         prop_assert!(seq > last_seq);
@@ -2622,9 +2434,7 @@ mod tests {
                 let mut state = partition();
                 let mut job_keys: HashMap<u8, u8> = HashMap::new();
                 for (index, operation) in ops.into_iter().enumerate() {
-                    let mut writes = LimitWrites::default();
-                    let mut outbox = Outbox::new();
-                    let mut counts = BatchCounts::default();
+                    let mut out = Decided::new();
                     let command = match operation {
                         Op::Acquire { job, key: key_index, priority, max, flow } => {
                             let key_index = *job_keys.entry(job).or_insert(key_index);
@@ -2641,15 +2451,14 @@ mod tests {
                         .values()
                         .flat_map(|key_state| key_state.holders.keys().cloned())
                         .collect();
-                    state.apply_command(0, command, &mut writes, &mut outbox, &mut counts).unwrap();
-                    for event in grants(&mut outbox) {
+                    state.apply_command(0, command, &mut out).unwrap();
+                    for event in grants(&mut out.sends) {
                         let ticket = TicketKey::from_proto(event.ticket.as_ref().unwrap());
                         if held_before.contains(&ticket) {
                             continue; // a re-sent grant of a duplicate acquire
                         }
                         prop_assert!(i64::from(event.holders) <= event.max, "grant over max: {event:?}");
                     }
-                    outbox = Outbox::new();
                     for key_state in state.keys.values() {
                         for holder in key_state.holders.values() {
                             prop_assert!(!key_state.waiters.iter().any(|(_, _, waiting)| waiting.record.ticket == holder.record.ticket));

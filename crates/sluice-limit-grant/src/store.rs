@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use prost::Message as _;
+use sluice_common::core::Owned;
 use sluice_common::owner::{FencedStatement, OwnedStore, OwnerContext};
 use sluice_common::telemetry::CompactTraceContext;
 use sluice_proto::v1 as pb;
@@ -14,6 +15,7 @@ use sqlx::{PgConnection, Row};
 
 use crate::adaptive::{Adaptive, StoredAdaptive};
 use crate::journal::{TicketBatch, TicketSnapshot};
+use crate::observe::LimitEffector;
 use crate::state::{
     FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord,
 };
@@ -46,9 +48,13 @@ fn to_u32(value: i32) -> u32 {
 
 #[async_trait]
 impl OwnedStore for LimitStore {
-    type State = LimitPartition;
+    type State = Owned<LimitPartition>;
 
-    async fn load(&self, connection: &mut PgConnection, context: &OwnerContext) -> Result<LimitPartition, sqlx::Error> {
+    async fn load(
+        &self,
+        connection: &mut PgConnection,
+        context: &OwnerContext,
+    ) -> Result<Owned<LimitPartition>, sqlx::Error> {
         let topology = &self.topology;
         let mut partition = LimitPartition::new(
             PartitionSettings {
@@ -126,7 +132,10 @@ impl OwnedStore for LimitStore {
         partition.journal_loaded(saved.journal_seq, saved.snapshot_bytes, saved.journal_bytes);
         let tickets = saved.tickets.into_values().collect();
         partition.restore(context.clock.now_ms(), keys, tickets);
-        Ok(partition)
+        let effector = LimitEffector {
+            partition: context.partition,
+        };
+        Ok(Owned::new(partition, Arc::new(effector)))
     }
 
     fn one_statement(&self, writes: &LimitWrites) -> Option<FencedStatement> {
