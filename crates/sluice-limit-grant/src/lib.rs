@@ -3,13 +3,9 @@
 //! command topic it is assigned. Decisions are made in memory by the owner,
 //! committed in batches fenced by the partition's epoch, then published.
 
-pub mod adaptive;
-pub mod flows;
-pub mod journal;
+pub mod core;
 pub mod observe;
 pub mod service;
-pub mod shadow;
-pub mod state;
 pub mod store;
 
 use std::sync::Arc;
@@ -21,7 +17,7 @@ use sluice_common::service::{run_owner_service, OwnerServiceSpec};
 use sluice_common::{Faults, Shutdown, SluiceConfig};
 use tokio::net::TcpListener;
 
-use crate::state::{LimitPartition, LimitQuery};
+use crate::core::{LimitPartition, LimitQuery};
 use crate::store::{LimitStore, Topology};
 
 pub const SERVICE: &str = "limit-grant";

@@ -7,8 +7,8 @@ use sluice_common::metrics::metrics;
 use sluice_common::telemetry::record_span;
 use sluice_proto::v1 as pb;
 
-use crate::shadow::WouldHaveWaited;
-use crate::state::{KeyId, LimitEffect, TicketKey, TicketRecord};
+use crate::core::shadow::WouldHaveWaited;
+use crate::core::{KeyId, LimitEffect, TicketKey, TicketRecord};
 
 /// The effector of one partition.
 pub struct LimitEffector {

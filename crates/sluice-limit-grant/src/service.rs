@@ -16,7 +16,7 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
-use crate::state::{LimitAnswer, LimitChange, LimitPartition, LimitQuery, TicketKey};
+use crate::core::{LimitAnswer, LimitChange, LimitPartition, LimitQuery, TicketKey};
 
 /// What the partition tasks take.
 pub type LimitAsk = Ask<LimitPartition>;
@@ -122,7 +122,7 @@ impl pb::limits_server::Limits for LimitsApi {
             Some(pb::set_limit_request::Change::FlowWeight(flow)) => {
                 check_text("flow_weight.fairness_key", &flow.fairness_key, self.max_key_bytes)?;
                 if let Some(weight) = flow.weight {
-                    check_u32("flow_weight.weight", weight, 1, crate::flows::MAX_WEIGHT)?;
+                    check_u32("flow_weight.weight", weight, 1, crate::core::flows::MAX_WEIGHT)?;
                 }
                 LimitChange::FlowWeight {
                     fairness_key: flow.fairness_key.clone(),

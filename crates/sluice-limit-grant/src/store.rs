@@ -13,12 +13,12 @@ use sluice_common::telemetry::CompactTraceContext;
 use sluice_proto::v1 as pb;
 use sqlx::{PgConnection, Row};
 
-use crate::adaptive::{Adaptive, StoredAdaptive};
-use crate::journal::{TicketBatch, TicketSnapshot};
-use crate::observe::LimitEffector;
-use crate::state::{
+use crate::core::adaptive::{Adaptive, StoredAdaptive};
+use crate::core::journal::{TicketBatch, TicketSnapshot};
+use crate::core::{
     FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord,
 };
+use crate::observe::LimitEffector;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 

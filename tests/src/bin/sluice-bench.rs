@@ -125,7 +125,7 @@ async fn wal_position(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
 /// a W3C trace context, applied in batches as the owner runtime does. Returns
 /// the growth of resident memory per waiter (run first, in a fresh process).
 fn run_waiter_memory(waiters: u64) -> f64 {
-    use sluice_limit_grant::state::Decided;
+    use sluice_limit_grant::core::Decided;
     let mut partition = core_partition();
     let resident_before = resident_bytes();
     let mut out = Decided::new();
@@ -169,9 +169,9 @@ fn run_waiter_memory(waiters: u64) -> f64 {
     to_f64(resident) / to_f64(waiters)
 }
 
-fn core_partition() -> sluice_limit_grant::state::LimitPartition {
-    sluice_limit_grant::state::LimitPartition::new(
-        sluice_limit_grant::state::PartitionSettings {
+fn core_partition() -> sluice_limit_grant::core::LimitPartition {
+    sluice_limit_grant::core::LimitPartition::new(
+        sluice_limit_grant::core::PartitionSettings {
             partition: 0,
             limit_partitions: 1,
             grants_partitions: 1,
@@ -208,7 +208,7 @@ fn flow_key() -> Option<pb::KeyRef> {
 /// applied, the grant decided and its event written; decoding the grant to
 /// find the next holder is not counted).
 fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f64> {
-    use sluice_limit_grant::state::Decided;
+    use sluice_limit_grant::core::Decided;
     let mut partition = core_partition();
     let mut out = Decided::new();
     for index in 0..waiters {

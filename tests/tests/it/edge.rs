@@ -409,8 +409,8 @@ async fn downstream(
                     ticket_grace_ms: 30_000,
                     input,
                 };
-                let mut owner = sluice_limit_grant::state::LimitPartition::new(
-                    sluice_limit_grant::state::PartitionSettings {
+                let mut owner = sluice_limit_grant::core::LimitPartition::new(
+                    sluice_limit_grant::core::PartitionSettings {
                         partition,
                         limit_partitions: topology.limit_partitions,
                         grants_partitions: topology.grants_partitions,
@@ -425,7 +425,7 @@ async fn downstream(
                 owner
                     .check_command(&command)
                     .map_err(|reason| format!("limit-grant refused the acquire: {reason}"))?;
-                let mut decided = sluice_limit_grant::state::Decided::new();
+                let mut decided = sluice_limit_grant::core::Decided::new();
                 owner
                     .apply_command(now_ms, command, &mut decided)
                     .map_err(|reason| format!("limit-grant refused to apply the acquire: {reason}"))?;
