@@ -12,6 +12,7 @@ mod describe;
 mod effects;
 pub mod flows;
 mod grant;
+pub mod image;
 pub mod journal;
 mod keys;
 mod query;
@@ -99,6 +100,21 @@ impl LimitPartition {
                 .map(|holder| &holder.record)
                 .chain(state.waiters.iter().map(|(_, _, waiting)| &waiting.record))
         })
+    }
+
+    /// The partition a new owner loads at `now_ms`: the saved key settings
+    /// and tickets, and where the journal stands.
+    pub fn loaded(
+        settings: PartitionSettings,
+        epoch: i64,
+        now_ms: i64,
+        keys: Vec<(KeyId, KeyRecord)>,
+        saved: image::SavedTickets,
+    ) -> Self {
+        let mut partition = LimitPartition::new(settings, epoch);
+        partition.journal_loaded(saved.journal_seq, saved.snapshot_bytes, saved.journal_bytes);
+        partition.restore(now_ms, keys, saved.tickets.into_values().collect());
+        partition
     }
 
     /// Restore loaded rows. Every restored ticket gets one grace period from

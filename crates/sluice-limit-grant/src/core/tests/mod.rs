@@ -5,6 +5,7 @@ mod adaptive;
 mod effects;
 mod floating;
 mod grants;
+mod image;
 mod properties;
 mod settings;
 mod shadow;
@@ -26,20 +27,21 @@ use super::*;
 
 const PARTITIONS: i32 = 1;
 
+fn settings() -> PartitionSettings {
+    PartitionSettings {
+        partition: 0,
+        limit_partitions: PARTITIONS,
+        grants_partitions: 1,
+        refresh_due_topic: Arc::from("refresh-due"),
+        refresh_due_partitions: 1,
+        max_message_bytes: 1_000_000,
+        ticket_grace_ms: 30_000,
+        input: InputLimits::default(),
+    }
+}
+
 fn partition() -> LimitPartition {
-    LimitPartition::new(
-        PartitionSettings {
-            partition: 0,
-            limit_partitions: PARTITIONS,
-            grants_partitions: 1,
-            refresh_due_topic: Arc::from("refresh-due"),
-            refresh_due_partitions: 1,
-            max_message_bytes: 1_000_000,
-            ticket_grace_ms: 30_000,
-            input: InputLimits::default(),
-        },
-        1,
-    )
+    LimitPartition::new(settings(), 1)
 }
 
 fn key(name: &str) -> Option<pb::KeyRef> {
