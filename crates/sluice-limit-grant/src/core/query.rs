@@ -39,7 +39,9 @@ pub enum LimitQuery {
     /// admission instance `client`. Answered `Applied` (after the commit).
     Link { commands: Vec<Vec<u8>>, client: Arc<str> },
     /// A stream now takes the grants of these job partitions: send again
-    /// the grants of every ticket held for their jobs. Answered `Applied`.
+    /// the grants of every ticket held for their jobs. Not answered:
+    /// nobody waits for it, and a batch that answers is committed fenced
+    /// even when it changes and sends nothing.
     ResendGrants { job_partitions: Vec<i32> },
 }
 
@@ -72,12 +74,12 @@ impl LimitPartition {
         }
     }
 
-    /// Apply one query and answer it.
+    /// Apply one query and answer it (but a grant re-send).
     pub(super) fn apply_query(&mut self, now_ms: i64, query: Query<LimitQuery>, out: &mut Decided) {
         let answer = match query.body {
             LimitQuery::ResendGrants { job_partitions } => {
                 self.resend_grants(&job_partitions, &mut out.sends);
-                LimitAnswer::Applied
+                return;
             }
             LimitQuery::Link { commands, client } => {
                 self.apply_link_commands(now_ms, commands, &client, out);

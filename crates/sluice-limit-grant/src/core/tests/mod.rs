@@ -7,6 +7,7 @@ mod floating;
 mod grants;
 mod image;
 mod properties;
+mod queries;
 mod settings;
 mod shadow;
 mod sweep;
