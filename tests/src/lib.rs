@@ -609,7 +609,7 @@ impl Stack {
 
     /// Every ticket limit-grant has committed (each partition's snapshot
     /// and journal, read as a new owner would load them).
-    pub async fn saved_tickets(&self) -> anyhow::Result<Vec<sluice_limit_grant::state::TicketRecord>> {
+    pub async fn saved_tickets(&self) -> anyhow::Result<Vec<sluice_limit_grant::core::TicketRecord>> {
         // A connection of its own (detached from the pool), so the search
         // path set here never reaches another query.
         let mut connection = self.pool.acquire().await?.detach();

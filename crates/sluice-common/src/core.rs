@@ -15,8 +15,11 @@ use std::sync::Arc;
 use tokio::sync::oneshot;
 
 use crate::kafka::{InMsg, Outbox};
-use crate::metrics::KeyStat;
+pub use crate::metrics::KeyStat;
 use crate::owner::{OwnedState, Rejected, Reply, WriteSet};
+/// Plain data and pure checks a core takes from modules that also hold I/O
+/// (the trace context a ticket carries, checked as it arrives).
+pub use crate::telemetry::{checked as checked_trace, CompactTraceContext};
 
 /// Which query an answer is for, unique within a partition's batch.
 pub type QueryId = u64;

@@ -3,21 +3,21 @@
 //! command topic it is assigned. Decisions are made in memory by the owner,
 //! committed in batches fenced by the partition's epoch, then published.
 
-pub mod adaptive;
-pub mod flows;
-pub mod journal;
+pub mod core;
+pub mod observe;
 pub mod service;
-pub mod shadow;
-pub mod state;
 pub mod store;
 
 use std::sync::Arc;
 
+use sluice_common::core::Ask;
 use sluice_common::forward::ChannelCache;
+use sluice_common::link::LinkInput;
 use sluice_common::service::{run_owner_service, OwnerServiceSpec};
 use sluice_common::{Faults, Shutdown, SluiceConfig};
 use tokio::net::TcpListener;
 
+use crate::core::{LimitPartition, LimitQuery};
 use crate::store::{LimitStore, Topology};
 
 pub const SERVICE: &str = "limit-grant";
@@ -66,7 +66,7 @@ pub async fn run(
         faults,
         spec,
         LimitStore { topology },
-        Some(state::LocalRequest::Link),
+        Some(link_query),
         |routes, parts| {
             let api = service::LimitsApi {
                 registry: parts.registry,
@@ -83,4 +83,28 @@ pub async fn run(
         },
     )
     .await
+}
+
+/// What a link hands a partition task, as a query. The link waits for its
+/// commands' `applied`: it is told when the query is answered (after the
+/// commit), and never when the partition stops before (the answer's channel
+/// is dropped, and `applied` with it).
+fn link_query(input: LinkInput) -> Ask<LimitPartition> {
+    let (reply, answered) = tokio::sync::oneshot::channel();
+    let query = match input {
+        LinkInput::Commands(batch) => {
+            let applied = batch.applied;
+            tokio::spawn(async move {
+                if answered.await.is_ok() {
+                    let _ = applied.send(());
+                }
+            });
+            LimitQuery::Link {
+                commands: batch.commands,
+                client: batch.client,
+            }
+        }
+        LinkInput::ResendGrants { job_partitions } => LimitQuery::ResendGrants { job_partitions },
+    };
+    Ask::Query { query, reply }
 }

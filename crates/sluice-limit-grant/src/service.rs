@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sluice_common::auth::{principal_of, Action};
+use sluice_common::core::Ask;
 use sluice_common::forward::{forwarded_request, is_forwarded, on_owner, owner_endpoint, ChannelCache};
 use sluice_common::owner::{LocalCallError, OwnerRegistry};
 use sluice_common::partition::key_partition;
@@ -12,12 +13,16 @@ use sluice_common::validate::{check_name, check_text, check_u32, FieldError, MAX
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::limits_client::LimitsClient;
 use sqlx::PgPool;
+use tokio::sync::oneshot;
 use tonic::{Request, Response, Status};
 
-use crate::state::{LimitChange, LocalRequest, TicketKey};
+use crate::core::{LimitAnswer, LimitChange, LimitPartition, LimitQuery, TicketKey};
+
+/// What the partition tasks take.
+pub type LimitAsk = Ask<LimitPartition>;
 
 pub struct LimitsApi {
-    pub registry: Arc<OwnerRegistry<LocalRequest>>,
+    pub registry: Arc<OwnerRegistry<LimitAsk>>,
     pub pool: PgPool,
     pub limit_partitions: i32,
     pub own_endpoint: String,
@@ -32,6 +37,13 @@ fn checked_key(key: Option<&pb::KeyRef>, max_key_bytes: usize) -> Result<(String
     check_name("key.tenant", &key.tenant, max_key_bytes)?;
     check_name("key.key", &key.key, max_key_bytes)?;
     Ok((key.tenant.clone(), key.key.clone()))
+}
+
+/// An answer of another kind than the query's: a bug, reported as such.
+fn unexpected(answer: &LimitAnswer) -> Status {
+    Status::internal(format!(
+        "limit-grant answered with the wrong kind of answer: {answer:?}"
+    ))
 }
 
 /// How long a call waits for a partition that has no running owner (its
@@ -56,13 +68,14 @@ impl LimitsApi {
     async fn part_of_list(
         &self,
         partition: i32,
-        ask: &impl Fn(tokio::sync::oneshot::Sender<Vec<pb::KeySummary>>) -> LocalRequest,
+        ask: &impl Fn(oneshot::Sender<LimitAnswer>) -> LimitAsk,
     ) -> Result<ListPart, Status> {
         let deadline = tokio::time::Instant::now() + OWNER_WAIT;
         loop {
             let started_here = self.registry.partition_started();
             let unavailable = match self.registry.call(partition, ask).await {
-                Ok(keys) => return Ok(ListPart::Here(keys)),
+                Ok(LimitAnswer::Keys(keys)) => return Ok(ListPart::Here(keys)),
+                Ok(other) => return Err(unexpected(&other)),
                 Err(LocalCallError::NotOwner(_)) => {
                     match owner_endpoint(&self.pool, partition, false, &self.own_endpoint).await {
                         Ok(endpoint) => return Ok(ListPart::At(endpoint)),
@@ -109,7 +122,7 @@ impl pb::limits_server::Limits for LimitsApi {
             Some(pb::set_limit_request::Change::FlowWeight(flow)) => {
                 check_text("flow_weight.fairness_key", &flow.fairness_key, self.max_key_bytes)?;
                 if let Some(weight) = flow.weight {
-                    check_u32("flow_weight.weight", weight, 1, crate::flows::MAX_WEIGHT)?;
+                    check_u32("flow_weight.weight", weight, 1, crate::core::flows::MAX_WEIGHT)?;
                 }
                 LimitChange::FlowWeight {
                     fairness_key: flow.fairness_key.clone(),
@@ -131,15 +144,20 @@ impl pb::limits_server::Limits for LimitsApi {
         on_owner(
             &self.registry,
             partition,
-            |reply| LocalRequest::SetLimit {
-                tenant: tenant.clone(),
-                key: key.clone(),
-                change: change.clone(),
+            |reply| Ask::Query {
+                query: LimitQuery::SetLimit {
+                    tenant: tenant.clone(),
+                    key: key.clone(),
+                    change: change.clone(),
+                },
                 reply,
             },
-            |state| {
-                tracing::info!(%tenant, %key, ?change, "key setting changed");
-                Ok(pb::SetLimitResponse { state: Some(state) })
+            |answer| match answer {
+                LimitAnswer::KeyState(state) => {
+                    tracing::info!(%tenant, %key, ?change, "key setting changed");
+                    Ok(pb::SetLimitResponse { state: Some(state) })
+                }
+                other => Err(unexpected(&other)),
             },
             async {
                 self.owner_client(partition, forwarded)
@@ -173,14 +191,19 @@ impl pb::limits_server::Limits for LimitsApi {
         on_owner(
             &self.registry,
             partition,
-            |reply| LocalRequest::DescribeKey {
-                tenant,
-                key,
-                ticket,
-                first_waiters,
+            |reply| Ask::Query {
+                query: LimitQuery::DescribeKey {
+                    tenant,
+                    key,
+                    ticket,
+                    first_waiters,
+                },
                 reply,
             },
-            Ok,
+            |answer| match answer {
+                LimitAnswer::Described(described) => Ok(described),
+                other => Err(unexpected(&other)),
+            },
             async {
                 self.owner_client(partition, forwarded)
                     .await?
@@ -212,11 +235,13 @@ impl pb::limits_server::Limits for LimitsApi {
         } else {
             (0..self.limit_partitions).collect()
         };
-        let ask = |reply| LocalRequest::ListKeys {
-            tenant: message.tenant.clone(),
-            prefix: message.prefix.clone(),
-            after: message.page_token.clone(),
-            limit,
+        let ask = |reply| Ask::Query {
+            query: LimitQuery::ListKeys {
+                tenant: message.tenant.clone(),
+                prefix: message.prefix.clone(),
+                after: message.page_token.clone(),
+                limit,
+            },
             reply,
         };
         let mut found: Vec<pb::KeySummary> = Vec::new();
@@ -225,7 +250,7 @@ impl pb::limits_server::Limits for LimitsApi {
             if forwarded {
                 // Given up since `owned()`: its new owner answers the
                 // caller's next call.
-                if let Ok(keys) = self.registry.call(partition, &ask).await {
+                if let Ok(LimitAnswer::Keys(keys)) = self.registry.call(partition, &ask).await {
                     found.extend(keys);
                 }
                 continue;

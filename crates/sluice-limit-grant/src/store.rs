@@ -2,21 +2,24 @@
 //! ticket changes as one journal row (or a snapshot, see `journal.rs`), key
 //! settings as rows.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use prost::Message as _;
+use sluice_common::core::Owned;
 use sluice_common::owner::{FencedStatement, OwnedStore, OwnerContext};
 use sluice_common::telemetry::CompactTraceContext;
 use sluice_proto::v1 as pb;
 use sqlx::{PgConnection, Row};
 
-use crate::adaptive::{Adaptive, StoredAdaptive};
-use crate::journal::{TicketBatch, TicketSnapshot};
-use crate::state::{
+use crate::core::adaptive::{Adaptive, StoredAdaptive};
+pub use crate::core::image::SavedTickets;
+use crate::core::journal::{TicketBatch, TicketSnapshot};
+use crate::core::{
     FloatingRecord, KeyId, KeyRecord, LimitPartition, LimitWrites, PartitionSettings, TicketKey, TicketRecord,
 };
+use crate::observe::LimitEffector;
 
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
@@ -44,76 +47,32 @@ fn to_u32(value: i32) -> u32 {
     u32::try_from(value).unwrap_or_default()
 }
 
+impl Topology {
+    /// The settings of `partition`.
+    pub fn settings(&self, partition: i32) -> PartitionSettings {
+        PartitionSettings {
+            partition,
+            limit_partitions: self.limit_partitions,
+            grants_partitions: self.grants_partitions,
+            refresh_due_topic: self.refresh_due_topic.clone(),
+            refresh_due_partitions: self.refresh_due_partitions,
+            max_message_bytes: self.max_message_bytes,
+            ticket_grace_ms: self.ticket_grace_ms,
+            input: self.input,
+        }
+    }
+}
+
 #[async_trait]
 impl OwnedStore for LimitStore {
-    type State = LimitPartition;
+    type State = Owned<LimitPartition>;
 
-    async fn load(&self, connection: &mut PgConnection, context: &OwnerContext) -> Result<LimitPartition, sqlx::Error> {
-        let topology = &self.topology;
-        let mut partition = LimitPartition::new(
-            PartitionSettings {
-                partition: context.partition,
-                limit_partitions: topology.limit_partitions,
-                grants_partitions: topology.grants_partitions,
-                refresh_due_topic: topology.refresh_due_topic.clone(),
-                refresh_due_partitions: topology.refresh_due_partitions,
-                max_message_bytes: topology.max_message_bytes,
-                ticket_grace_ms: topology.ticket_grace_ms,
-                input: topology.input,
-            },
-            context.epoch,
-        );
-        let key_rows = sqlx::query(
-            "SELECT tenant, key, override_max, floating_max, floating_default_max, floating_refresh_interval_ms,
-                    floating_metadata::text, floating_last_due_ms, floating_last_set_ms, floating_last_task_id,
-                    flow_weights::text, mode, adaptive
-             FROM keys WHERE partition = $1",
-        )
-        .bind(context.partition)
-        .fetch_all(&mut *connection)
-        .await?;
-        let mut keys: Vec<(KeyId, KeyRecord)> = Vec::with_capacity(key_rows.len());
-        for row in key_rows {
-            let floating_max: Option<i32> = row.try_get(3)?;
-            let metadata_text: Option<String> = row.try_get(6)?;
-            let floating = match floating_max {
-                Some(current_max) => Some(FloatingRecord {
-                    current_max: to_u32(current_max),
-                    default_max: to_u32(row.try_get::<Option<i32>, _>(4)?.unwrap_or(current_max)),
-                    refresh_interval_ms: u64::try_from(row.try_get::<Option<i64>, _>(5)?.unwrap_or_default())
-                        .unwrap_or_default(),
-                    metadata: metadata_text
-                        .as_deref()
-                        .and_then(|text| serde_json::from_str::<BTreeMap<String, String>>(text).ok())
-                        .unwrap_or_default(),
-                    last_due_ms: row.try_get(7)?,
-                    last_set_ms: row.try_get(8)?,
-                    last_task_id: row.try_get(9)?,
-                }),
-                None => None,
-            };
-            let override_max: Option<i32> = row.try_get(2)?;
-            let weights_text: String = row.try_get(10)?;
-            let flow_weights = serde_json::from_str::<BTreeMap<String, u32>>(&weights_text)
-                .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
-            keys.push((
-                (row.try_get(0)?, row.try_get(1)?),
-                KeyRecord {
-                    override_max: override_max.map(to_u32),
-                    floating,
-                    flow_weights,
-                    mode: row
-                        .try_get::<Option<i16>, _>(11)?
-                        .and_then(|mode| pb::LimitMode::try_from(i32::from(mode)).ok()),
-                    adaptive: row
-                        .try_get::<Option<Vec<u8>>, _>(12)?
-                        .map(|bytes| StoredAdaptive::decode(bytes.as_slice()))
-                        .transpose()
-                        .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
-                        .map(Adaptive::from_stored),
-                },
-            ));
-        }
+    async fn load(
+        &self,
+        connection: &mut PgConnection,
+        context: &OwnerContext,
+    ) -> Result<Owned<LimitPartition>, sqlx::Error> {
+        let keys = load_keys(&mut *connection, context.partition).await?;
         let saved = load_tickets(&mut *connection, context.partition).await?;
         tracing::debug!(
             partition = context.partition,
@@ -123,10 +82,17 @@ impl OwnedStore for LimitStore {
             journal_bytes = saved.journal_bytes,
             "tickets loaded from the snapshot and the journal"
         );
-        partition.journal_loaded(saved.journal_seq, saved.snapshot_bytes, saved.journal_bytes);
-        let tickets = saved.tickets.into_values().collect();
-        partition.restore(context.clock.now_ms(), keys, tickets);
-        Ok(partition)
+        let partition = LimitPartition::loaded(
+            self.topology.settings(context.partition),
+            context.epoch,
+            context.clock.now_ms(),
+            keys,
+            saved,
+        );
+        let effector = LimitEffector {
+            partition: context.partition,
+        };
+        Ok(Owned::new(partition, Arc::new(effector)))
     }
 
     fn one_statement(&self, writes: &LimitWrites) -> Option<FencedStatement> {
@@ -171,6 +137,62 @@ impl OwnedStore for LimitStore {
         }
         Ok(())
     }
+}
+
+/// `partition`'s key settings.
+async fn load_keys(connection: &mut PgConnection, partition: i32) -> Result<Vec<(KeyId, KeyRecord)>, sqlx::Error> {
+    let key_rows = sqlx::query(
+        "SELECT tenant, key, override_max, floating_max, floating_default_max, floating_refresh_interval_ms,
+                    floating_metadata::text, floating_last_due_ms, floating_last_set_ms, floating_last_task_id,
+                    flow_weights::text, mode, adaptive
+             FROM keys WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut keys: Vec<(KeyId, KeyRecord)> = Vec::with_capacity(key_rows.len());
+    for row in key_rows {
+        let floating_max: Option<i32> = row.try_get(3)?;
+        let metadata_text: Option<String> = row.try_get(6)?;
+        let floating = match floating_max {
+            Some(current_max) => Some(FloatingRecord {
+                current_max: to_u32(current_max),
+                default_max: to_u32(row.try_get::<Option<i32>, _>(4)?.unwrap_or(current_max)),
+                refresh_interval_ms: u64::try_from(row.try_get::<Option<i64>, _>(5)?.unwrap_or_default())
+                    .unwrap_or_default(),
+                metadata: metadata_text
+                    .as_deref()
+                    .and_then(|text| serde_json::from_str::<BTreeMap<String, String>>(text).ok())
+                    .unwrap_or_default(),
+                last_due_ms: row.try_get(7)?,
+                last_set_ms: row.try_get(8)?,
+                last_task_id: row.try_get(9)?,
+            }),
+            None => None,
+        };
+        let override_max: Option<i32> = row.try_get(2)?;
+        let weights_text: String = row.try_get(10)?;
+        let flow_weights = serde_json::from_str::<BTreeMap<String, u32>>(&weights_text)
+            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+        keys.push((
+            (row.try_get(0)?, row.try_get(1)?),
+            KeyRecord {
+                override_max: override_max.map(to_u32),
+                floating,
+                flow_weights,
+                mode: row
+                    .try_get::<Option<i16>, _>(11)?
+                    .and_then(|mode| pb::LimitMode::try_from(i32::from(mode)).ok()),
+                adaptive: row
+                    .try_get::<Option<Vec<u8>>, _>(12)?
+                    .map(|bytes| StoredAdaptive::decode(bytes.as_slice()))
+                    .transpose()
+                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
+                    .map(Adaptive::from_stored),
+            },
+        ));
+    }
+    Ok(keys)
 }
 
 /// Save the partition's ticket snapshot at journal position `seq`, and
@@ -259,16 +281,6 @@ async fn write_key(
     Ok(())
 }
 
-/// A partition's saved tickets: its snapshot with the journal after it
-/// replayed in order, and where the journal stands.
-pub struct SavedTickets {
-    pub tickets: HashMap<TicketKey, TicketRecord>,
-    pub journal_seq: i64,
-    /// `None`: no snapshot saved yet.
-    pub snapshot_bytes: Option<usize>,
-    pub journal_bytes: usize,
-}
-
 /// Load `partition`'s tickets as committed (on a connection whose
 /// `search_path` is limit-grant's schema). Before the partition's first
 /// snapshot, tickets saved as rows by an earlier version are the start.
@@ -278,43 +290,25 @@ pub async fn load_tickets(connection: &mut PgConnection, partition: i32) -> Resu
             .bind(partition)
             .fetch_optional(&mut *connection)
             .await?;
-    let snapshot_seq = snapshot.as_ref().map_or(0, |(seq, _)| *seq);
-    let snapshot_bytes = snapshot.as_ref().map(|(_, state)| state.len());
-    let mut tickets: HashMap<TicketKey, TicketRecord> = match &snapshot {
-        Some((_, state)) => TicketSnapshot::decode(state.as_slice())
-            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
-            .tickets
-            .into_iter()
-            .map(|stored| {
-                let record = stored.into_record();
-                (record.ticket.clone(), record)
-            })
-            .collect(),
-        None => legacy_ticket_rows(&mut *connection, partition)
-            .await?
-            .into_iter()
-            .map(|record| (record.ticket.clone(), record))
-            .collect(),
+    let mut saved = match snapshot {
+        Some((seq, state)) => SavedTickets::from_snapshot(
+            seq,
+            state.len(),
+            TicketSnapshot::decode(state.as_slice()).map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
+        ),
+        None => SavedTickets::without_snapshot(legacy_ticket_rows(&mut *connection, partition).await?),
     };
     let journal: Vec<(i64, Vec<u8>)> =
         sqlx::query_as("SELECT seq, entry FROM ticket_journal WHERE partition = $1 AND seq > $2 ORDER BY seq")
             .bind(partition)
-            .bind(snapshot_seq)
+            .bind(saved.journal_seq)
             .fetch_all(&mut *connection)
             .await?;
-    let journal_bytes = journal.iter().map(|(_, entry)| entry.len()).sum();
-    let journal_seq = journal.last().map_or(snapshot_seq, |(seq, _)| *seq);
-    for (_, entry) in journal {
-        TicketBatch::decode(entry.as_slice())
-            .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
-            .apply_to(&mut tickets);
+    for (seq, entry) in journal {
+        let batch = TicketBatch::decode(entry.as_slice()).map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
+        saved.replay(seq, entry.len(), batch);
     }
-    Ok(SavedTickets {
-        tickets,
-        journal_seq,
-        snapshot_bytes,
-        journal_bytes,
-    })
+    Ok(saved)
 }
 
 /// Tickets an earlier version saved as rows (the `tickets` table).

@@ -127,12 +127,10 @@ async fn wal_position(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
 /// a W3C trace context, applied in batches as the owner runtime does. Returns
 /// the growth of resident memory per waiter (run first, in a fresh process).
 fn run_waiter_memory(waiters: u64) -> f64 {
-    use sluice_limit_grant::state::{BatchCounts, LimitWrites};
+    use sluice_limit_grant::core::Decided;
     let mut partition = core_partition();
     let resident_before = resident_bytes();
-    let mut writes = LimitWrites::default();
-    let mut outbox = sluice_common::kafka::Outbox::new();
-    let mut counts = BatchCounts::default();
+    let mut out = Decided::new();
     for index in 0..waiters {
         let job_id = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &index.to_le_bytes()).to_string();
         let command = pb::LimitCommand {
@@ -158,15 +156,13 @@ fn run_waiter_memory(waiters: u64) -> f64 {
                 shadow: false,
             })),
         };
-        let _ = partition.apply_command(1_000, command, &mut writes, &mut outbox, &mut counts);
+        let _ = partition.apply_command(1_000, command, &mut out);
         if index % 4_000 == 3_999 {
             // What a commit and a publish let go of.
-            writes = LimitWrites::default();
-            outbox = sluice_common::kafka::Outbox::new();
+            out = Decided::new();
         }
     }
-    drop(writes);
-    drop(outbox);
+    drop(out);
     let resident = resident_bytes().saturating_sub(resident_before);
     assert_eq!(
         partition.waiting_on("bench", "one-key"),
@@ -175,9 +171,9 @@ fn run_waiter_memory(waiters: u64) -> f64 {
     to_f64(resident) / to_f64(waiters)
 }
 
-fn core_partition() -> sluice_limit_grant::state::LimitPartition {
-    sluice_limit_grant::state::LimitPartition::new(
-        sluice_limit_grant::state::PartitionSettings {
+fn core_partition() -> sluice_limit_grant::core::LimitPartition {
+    sluice_limit_grant::core::LimitPartition::new(
+        sluice_limit_grant::core::PartitionSettings {
             partition: 0,
             limit_partitions: 1,
             grants_partitions: 1,
@@ -214,11 +210,9 @@ fn flow_key() -> Option<pb::KeyRef> {
 /// applied, the grant decided and its event written; decoding the grant to
 /// find the next holder is not counted).
 fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f64> {
-    use sluice_limit_grant::state::{BatchCounts, LimitWrites};
+    use sluice_limit_grant::core::Decided;
     let mut partition = core_partition();
-    let mut writes = LimitWrites::default();
-    let mut outbox = sluice_common::kafka::Outbox::new();
-    let mut counts = BatchCounts::default();
+    let mut out = Decided::new();
     for index in 0..waiters {
         let command = pb::LimitCommand {
             trace: None,
@@ -234,14 +228,13 @@ fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f
             })),
         };
         partition
-            .apply_command(1_000, command, &mut writes, &mut outbox, &mut counts)
+            .apply_command(1_000, command, &mut out)
             .map_err(|error| anyhow::anyhow!(error))?;
     }
     let mut holder = "job-0".to_string();
     let mut spent = Duration::ZERO;
     for _ in 0..cycles {
-        writes = LimitWrites::default();
-        outbox = sluice_common::kafka::Outbox::new();
+        out = Decided::new();
         let release = pb::LimitCommand {
             trace: None,
             sent_at_ms: 0,
@@ -254,10 +247,11 @@ fn run_grant_by_flows(flows: u64, waiters: u64, cycles: u64) -> anyhow::Result<f
         };
         let started = Instant::now();
         partition
-            .apply_command(2_000, release, &mut writes, &mut outbox, &mut counts)
+            .apply_command(2_000, release, &mut out)
             .map_err(|error| anyhow::anyhow!(error))?;
         spent += started.elapsed();
-        let granted = outbox
+        let granted = out
+            .sends
             .take_links()
             .into_values()
             .flatten()

@@ -409,8 +409,8 @@ async fn downstream(
                     ticket_grace_ms: 30_000,
                     input,
                 };
-                let mut owner = sluice_limit_grant::state::LimitPartition::new(
-                    sluice_limit_grant::state::PartitionSettings {
+                let mut owner = sluice_limit_grant::core::LimitPartition::new(
+                    sluice_limit_grant::core::PartitionSettings {
                         partition,
                         limit_partitions: topology.limit_partitions,
                         grants_partitions: topology.grants_partitions,
@@ -425,12 +425,11 @@ async fn downstream(
                 owner
                     .check_command(&command)
                     .map_err(|reason| format!("limit-grant refused the acquire: {reason}"))?;
-                let mut writes = sluice_limit_grant::state::LimitWrites::default();
-                let mut effects = Outbox::new();
-                let mut counts = sluice_limit_grant::state::BatchCounts::default();
+                let mut decided = sluice_limit_grant::core::Decided::new();
                 owner
-                    .apply_command(now_ms, command, &mut writes, &mut effects, &mut counts)
+                    .apply_command(now_ms, command, &mut decided)
                     .map_err(|reason| format!("limit-grant refused to apply the acquire: {reason}"))?;
+                let writes = decided.writes;
                 let store = sluice_limit_grant::store::LimitStore { topology };
                 let mut transaction = tables.limit_grant.begin().await.map_err(|error| error.to_string())?;
                 store
@@ -440,7 +439,7 @@ async fn downstream(
                 drop(transaction);
                 // A floating key's refresh-due event, as limit-grant sends it.
                 let mut resent = Outbox::new();
-                owner.resend_all(now_ms, &mut resent);
+                sluice_common::core::Core::resend_all(&owner, now_ms, &mut resent);
                 for (due_partition, due) in entries::<pb::RefreshDue>(resent, "refresh-due") {
                     let settings = sluice_refresh_dispatcher::state::PartitionSettings {
                         partition: due_partition,

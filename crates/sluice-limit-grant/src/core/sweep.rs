@@ -1,0 +1,129 @@
+//! Admission's sweeps: the tickets it stands behind, the grants it still
+//! waits for; a ticket nobody stands behind is reclaimed.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use sluice_common::kafka::Outbox;
+use sluice_common::partition::job_partition;
+use sluice_proto::v1 as pb;
+
+use super::{Decided, KeyId, LimitEffect, LimitPartition, TicketKey};
+
+#[derive(Debug)]
+pub(super) struct PendingSweep {
+    snapshot_at_ms: i64,
+    grace_ms: i64,
+    job_partitions: HashSet<i32>,
+    parts: u32,
+    seen_parts: HashSet<u32>,
+    received_at_ms: i64,
+}
+
+impl LimitPartition {
+    /// Admission waits for the grant of these tickets, and this owner holds
+    /// them as granted: their grants were lost on the way (a stream that
+    /// broke, a grant sent to an instance that had just lost the job's
+    /// partition). Sent again; a re-send, not a new decision (not
+    /// observed).
+    pub(super) fn resend_lost_grants(&self, waiting: &[pb::TicketId], outbox: &mut Outbox) {
+        for ticket in waiting {
+            let ticket = TicketKey::from_proto(ticket);
+            let Some(place) = self.ticket_keys.get(&ticket) else {
+                continue;
+            };
+            let Some(state) = self.keys.get(&*place.key_id) else {
+                continue;
+            };
+            let Some(holder) = state.holders.get(&ticket) else {
+                continue;
+            };
+            let max = i64::from(state.max_for(&holder.record));
+            let kind = state.record.grant_kind(&holder.record);
+            tracing::debug!(job_id = %ticket.job_id, attempt = ticket.attempt, step = ticket.step, "admission still waits for a grant this owner made: sending it again");
+            self.emit_grant(&holder.record, kind, state.holders.len(), max, outbox);
+        }
+    }
+
+    /// Admission states the tickets it stands behind. When every part of a
+    /// sweep has arrived, tickets of the covered jobs that nobody confirmed
+    /// within the grace before the sweep's snapshot expire.
+    pub(super) fn stand_behind(&mut self, now_ms: i64, stand_behind: pb::StandBehind, out: &mut Decided) {
+        let snapshot = stand_behind.snapshot_at_ms;
+        self.resend_lost_grants(&stand_behind.waiting, &mut out.sends);
+        for ticket in &stand_behind.tickets {
+            let ticket = TicketKey::from_proto(ticket);
+            let Some(place) = self.ticket_keys.get(&ticket) else {
+                continue;
+            };
+            let Some(state) = self.keys.get_mut(&*place.key_id) else {
+                continue;
+            };
+            if let Some(holder) = state.holders.get_mut(&ticket) {
+                holder.confirmed_at_ms = holder.confirmed_at_ms.max(snapshot);
+            } else if let Some(waiting) = state.waiters.get_mut(&place.flow, &place.order(&ticket)) {
+                waiting.confirmed_at_ms = waiting.confirmed_at_ms.max(snapshot);
+            }
+        }
+        let parts = stand_behind.parts.max(1);
+        let grace_ms = if stand_behind.grace_ms > 0 {
+            i64::try_from(stand_behind.grace_ms).unwrap_or(i64::MAX)
+        } else {
+            self.settings.ticket_grace_ms
+        };
+        let pending = self
+            .sweeps
+            .entry(stand_behind.sweep_id.clone())
+            .or_insert_with(|| PendingSweep {
+                snapshot_at_ms: snapshot,
+                grace_ms,
+                job_partitions: stand_behind
+                    .job_partitions
+                    .iter()
+                    .filter_map(|partition| i32::try_from(*partition).ok())
+                    .collect(),
+                parts,
+                seen_parts: HashSet::new(),
+                received_at_ms: now_ms,
+            });
+        pending.seen_parts.insert(stand_behind.part);
+        if u32::try_from(pending.seen_parts.len()).unwrap_or(u32::MAX) >= pending.parts {
+            if let Some(complete) = self.sweeps.remove(&stand_behind.sweep_id) {
+                self.expire_unconfirmed(now_ms, &complete, out);
+            }
+        }
+        // A sweep whose parts never all arrive (its sender died) is dropped.
+        let horizon = now_ms - 10 * self.settings.ticket_grace_ms.max(1);
+        self.sweeps.retain(|_, sweep| sweep.received_at_ms >= horizon);
+    }
+
+    pub(super) fn expire_unconfirmed(&mut self, now_ms: i64, sweep: &PendingSweep, out: &mut Decided) {
+        let cutoff = sweep.snapshot_at_ms - sweep.grace_ms;
+        let grants_partitions = self.settings.grants_partitions;
+        let mut expired: Vec<(Arc<KeyId>, TicketKey)> = Vec::new();
+        for state in self.keys.values() {
+            let covered = |ticket: &TicketKey| {
+                sweep
+                    .job_partitions
+                    .contains(&job_partition(&ticket.job_id, grants_partitions))
+            };
+            for (ticket, holder) in &state.holders {
+                if holder.confirmed_at_ms < cutoff && covered(ticket) {
+                    expired.push((state.id.clone(), ticket.clone()));
+                }
+            }
+            for (_, _, waiting) in state.waiters.iter() {
+                if waiting.confirmed_at_ms < cutoff && covered(&waiting.record.ticket) {
+                    expired.push((state.id.clone(), waiting.record.ticket.clone()));
+                }
+            }
+        }
+        for (key_id, ticket) in expired {
+            out.effect(LimitEffect::TicketReclaimed {
+                key_id: key_id.clone(),
+                ticket: ticket.clone(),
+            });
+            self.release(now_ms, &key_id, &ticket, None, out);
+        }
+    }
+}

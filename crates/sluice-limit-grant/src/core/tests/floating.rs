@@ -1,0 +1,82 @@
+use super::*;
+
+#[test]
+fn a_floating_key_is_shared_and_refreshes_fall_due_on_enqueue_or_release_with_waiters() {
+    let mut state = partition();
+    // The first job creates the state with its default; b's default (9) is ignored.
+    let (granted, dues) = run_at(
+        &mut state,
+        10_000,
+        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 9)],
+    );
+    assert_eq!(granted, vec!["a"], "max 1 from the first job's default_max");
+    assert_eq!(dues.len(), 1, "the first waiter makes the first refresh due");
+    assert_eq!(dues[0].current_max, 1);
+    assert_eq!(dues[0].due_at_ms, 10_000);
+    assert_eq!(dues[0].waiting, 1);
+    assert_eq!(dues[0].metadata.get("region").map(String::as_str), Some("eu"));
+    // Within the interval nothing more is due.
+    let (granted, dues) = run_at(&mut state, 10_500, vec![acquire_floating("c", "f", 3, 1)]);
+    assert!(granted.is_empty() && dues.is_empty());
+    // A new max raises the limit and grants waiters at once.
+    let (granted, _) = run_at(&mut state, 10_600, vec![set_floating_max("f", 3, "t1")]);
+    assert_eq!(granted, vec!["b", "c"]);
+    // The same task's value never applies twice.
+    let (granted, _) = run_at(&mut state, 10_700, vec![set_floating_max("f", 1, "t1")]);
+    assert!(granted.is_empty());
+    let described = state.describe("t", "f", 10);
+    assert_eq!(described.floating_max, Some(3));
+    assert_eq!(
+        described.floating.as_ref().map(|floating| floating.default_max),
+        Some(1)
+    );
+    // A release after the interval, with waiters, makes the next refresh due.
+    run_at(&mut state, 10_800, vec![acquire_floating("d", "f", 4, 1)]);
+    let (granted, dues) = run_at(&mut state, 11_000, vec![release("a", "f")]);
+    assert_eq!(granted, vec!["d"]);
+    assert!(
+        dues.is_empty(),
+        "no waiters left after d's grant: nothing to refresh for"
+    );
+    let (_, dues) = run_at(&mut state, 11_100, vec![acquire_floating("e", "f", 5, 1)]);
+    assert_eq!(dues.len(), 1, "interval passed and the key has waiters");
+    assert_eq!(dues[0].current_max, 3);
+    assert_eq!(dues[0].waiting, 1);
+    let (_, dues) = run_at(&mut state, 11_200, vec![acquire_floating("g", "f", 6, 1)]);
+    assert!(dues.is_empty(), "one due event per interval");
+    // A new owner re-sends the last due event; the dispatcher ignores it by due_at_ms.
+    let mut outbox = Outbox::new();
+    state.resend_all(11_300, &mut outbox);
+    let _grants = outbox.take_links();
+    let resent: Vec<pb::RefreshDue> = outbox
+        .into_messages()
+        .iter()
+        .filter(|message| &*message.topic == "refresh-due")
+        .flat_map(|message| pb::RefreshDueBatch::decode(message.payload.as_slice()).unwrap().events)
+        .collect();
+    assert_eq!(resent.len(), 1);
+    assert_eq!(resent[0].due_at_ms, 11_100);
+}
+
+#[test]
+fn lowering_a_floating_max_affects_only_new_grants() {
+    let mut state = partition();
+    run_at(&mut state, 1_000, vec![acquire_floating("a", "f", 1, 4)]);
+    let (granted, _) = run_at(
+        &mut state,
+        1_001,
+        vec![
+            acquire_floating("b", "f", 2, 4),
+            acquire_floating("c", "f", 3, 4),
+            acquire_floating("d", "f", 4, 4),
+            acquire_floating("e", "f", 5, 4),
+        ],
+    );
+    assert_eq!(granted, vec!["b", "c", "d"]);
+    run_at(&mut state, 1_002, vec![set_floating_max("f", 2, "t1")]);
+    assert_eq!(state.holders_of("t", "f"), 4, "running jobs are never interrupted");
+    let (granted, _) = run_at(&mut state, 1_003, vec![release("a", "f"), release("b", "f")]);
+    assert!(granted.is_empty(), "3 >= 2 holders: e waits");
+    let (granted, _) = run_at(&mut state, 1_004, vec![release("c", "f")]);
+    assert_eq!(granted, vec!["e"]);
+}
