@@ -904,7 +904,11 @@ impl<S: OwnedStore> PartitionTask<S> {
             if input.assignments.count(partition) > assigned_before {
                 // The group assigned it here anew (its owner left the group,
                 // say): this member is the one to own it.
-                tracing::info!(service = self.settings.service, partition, "the group assigned the partition here again; taking it over");
+                tracing::info!(
+                    service = self.settings.service,
+                    partition,
+                    "the group assigned the partition here again; taking it over"
+                );
                 return true;
             }
             match owner_let_go(&self.pool, partition, OWNER_SILENT_AFTER).await {

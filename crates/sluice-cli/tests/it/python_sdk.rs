@@ -314,7 +314,7 @@ async fn the_readme_python_worker_runs_a_job() -> anyhow::Result<()> {
     let path = scratch.join("worker.py");
     std::fs::write(&path, script)?;
     let tools = python_tools()?;
-    let mut worker = tokio::process::Command::new(&tools.python)
+    let worker = tokio::process::Command::new(&tools.python)
         .arg(&path)
         .env("PYTHONPATH", sdk_dir().join("src"))
         .env("PYTHONDONTWRITEBYTECODE", "1")
