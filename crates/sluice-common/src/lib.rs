@@ -11,6 +11,7 @@ pub mod fault;
 pub mod faults;
 pub mod forward;
 pub mod grpc;
+pub mod hash;
 pub mod hostile;
 pub mod kafka;
 pub mod link;

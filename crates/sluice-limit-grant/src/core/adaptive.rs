@@ -28,7 +28,7 @@
 //! the durable part (`StoredAdaptive`) when it changes. The open window is
 //! kept in memory only: a new owner starts a new one.
 
-use std::collections::HashSet;
+use sluice_common::hash::HashSet;
 use std::fmt;
 
 use sluice_proto::v1 as pb;

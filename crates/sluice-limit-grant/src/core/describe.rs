@@ -1,7 +1,7 @@
 //! What a partition tells about its keys: `DescribeKey`, its part of
 //! `ListKeys`, and the per-key metrics.
 
-use std::collections::HashMap;
+use sluice_common::hash::HashMap;
 use std::sync::Arc;
 
 use sluice_common::core::KeyStat;
@@ -24,7 +24,7 @@ fn describe_flows(state: &KeyState) -> (Vec<pb::FlowState>, u32) {
     let flows_waiting = u32::try_from(waiting.len()).unwrap_or(u32::MAX);
     waiting.sort_unstable_by(|left, right| right.1.cmp(&left.1).then_with(|| left.0.cmp(right.0)));
     waiting.truncate(DESCRIBED_FLOWS);
-    let mut holders: HashMap<&str, u32> = HashMap::new();
+    let mut holders: HashMap<&str, u32> = HashMap::default();
     for holder in state.holders.values() {
         *holders.entry(&*holder.record.fairness_key).or_default() += 1;
     }

@@ -16,7 +16,8 @@
 //! Where a round stands is kept in memory only: a new owner starts a new
 //! round with the flows in the order of their first waiters.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use sluice_common::hash::HashMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 /// A flow's weight when none is stored.
@@ -56,7 +57,7 @@ pub struct Flows<K, V> {
 impl<K: Ord + Clone, V> Default for Flows<K, V> {
     fn default() -> Self {
         Flows {
-            flows: HashMap::new(),
+            flows: HashMap::default(),
             ring: VecDeque::new(),
             credited: false,
             len: 0,

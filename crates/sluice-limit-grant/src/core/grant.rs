@@ -1,7 +1,7 @@
 //! The grant decision (docs/architecture.md, guarantee 1, "No overrun"),
 //! and the grant events to admission.
 
-use std::collections::HashSet;
+use sluice_common::hash::HashSet;
 
 use sluice_common::kafka::Outbox;
 use sluice_common::link::Link;

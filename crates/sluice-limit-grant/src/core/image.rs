@@ -5,7 +5,8 @@
 //! `store::LimitStore::persist` does; `load` builds the partition a new
 //! owner loads from them, as `store::LimitStore::load` does.
 
-use std::collections::{BTreeMap, HashMap};
+use sluice_common::hash::HashMap;
+use std::collections::BTreeMap;
 
 use prost::Message as _;
 

@@ -5,7 +5,7 @@
 //! written three times (acquired, granted, released). Storage formats, not
 //! messages between services.
 
-use std::collections::HashMap;
+use sluice_common::hash::HashMap;
 use std::sync::Arc;
 
 use sluice_common::core::CompactTraceContext;

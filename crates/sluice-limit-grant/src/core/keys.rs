@@ -1,7 +1,8 @@
 //! A partition's keys and tickets: what is saved of them (`TicketRecord`,
 //! `KeyRecord`), and each key's holders and queue in memory (`KeyState`).
 
-use std::collections::{BTreeMap, HashMap};
+use sluice_common::hash::HashMap;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use sluice_common::core::CompactTraceContext;
@@ -209,7 +210,7 @@ impl KeyState {
         KeyState {
             id,
             record: KeyRecord::default(),
-            holders: HashMap::new(),
+            holders: HashMap::default(),
             waiters: Flows::default(),
             shadow: None,
             shadow_job_max: 1,

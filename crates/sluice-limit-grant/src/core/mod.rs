@@ -26,7 +26,7 @@ mod writes;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use sluice_common::hash::HashMap;
 use std::sync::Arc;
 
 use sluice_common::core::Decisions;
@@ -81,9 +81,9 @@ impl LimitPartition {
         LimitPartition {
             settings,
             epoch,
-            keys: HashMap::new(),
-            ticket_keys: HashMap::new(),
-            sweeps: HashMap::new(),
+            keys: HashMap::default(),
+            ticket_keys: HashMap::default(),
+            sweeps: HashMap::default(),
             journal_seq: 0,
             journal_bytes_since_snapshot: 0,
             last_snapshot_bytes: 0,

@@ -12,8 +12,9 @@
 //! waited first). Kept in memory only: a new owner starts the simulation
 //! afresh from the tickets that arrive after it.
 
+use sluice_common::hash::HashMap;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap};
 
 use sluice_common::core::CompactTraceContext;
 
@@ -70,9 +71,9 @@ pub struct ShadowSim<O> {
 impl<O: Ord + Clone> Default for ShadowSim<O> {
     fn default() -> Self {
         ShadowSim {
-            holders: HashMap::new(),
+            holders: HashMap::default(),
             waiters: BTreeMap::new(),
-            waiting: HashMap::new(),
+            waiting: HashMap::default(),
             free: BinaryHeap::new(),
             totals: ShadowTotals::default(),
         }

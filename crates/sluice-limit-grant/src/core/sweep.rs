@@ -1,7 +1,7 @@
 //! Admission's sweeps: the tickets it stands behind, the grants it still
 //! waits for; a ticket nobody stands behind is reclaimed.
 
-use std::collections::HashSet;
+use sluice_common::hash::HashSet;
 use std::sync::Arc;
 
 use sluice_common::kafka::Outbox;
@@ -83,7 +83,7 @@ impl LimitPartition {
                     .filter_map(|partition| i32::try_from(*partition).ok())
                     .collect(),
                 parts,
-                seen_parts: HashSet::new(),
+                seen_parts: HashSet::default(),
                 received_at_ms: now_ms,
             });
         pending.seen_parts.insert(stand_behind.part);

@@ -2,7 +2,7 @@
 //! become one journal row, or a snapshot when the journal has outgrown the
 //! last (docs/hot-path.md, "Tickets journaled").
 
-use std::collections::{HashMap, HashSet};
+use sluice_common::hash::{HashMap, HashSet};
 
 use sluice_common::owner::WriteSet;
 

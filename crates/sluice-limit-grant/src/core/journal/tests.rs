@@ -33,7 +33,7 @@ fn a_ticket_survives_the_journal_unchanged() {
 
 #[test]
 fn batches_replay_in_order_over_a_snapshot() {
-    let mut tickets: HashMap<TicketKey, TicketRecord> = HashMap::new();
+    let mut tickets: HashMap<TicketKey, TicketRecord> = HashMap::default();
     let waiting = record("a", false);
     TicketBatch {
         upserts: vec![StoredTicket::of(&waiting), StoredTicket::of(&record("b", true))],

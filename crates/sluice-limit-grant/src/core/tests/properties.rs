@@ -37,7 +37,7 @@ fn flow_name(flow: u8) -> &'static str {
     ["", "f1", "f2"][usize::from(flow % 3)]
 }
 
-fn live(state: &LimitPartition) -> HashMap<TicketKey, TicketRecord> {
+fn live(state: &LimitPartition) -> sluice_common::hash::HashMap<TicketKey, TicketRecord> {
     state
         .tickets()
         .map(|record| (record.ticket.clone(), record.clone()))
@@ -54,7 +54,7 @@ proptest! {
     ) {
         let mut state = partition();
         state.journal_loaded(0, None, 0);
-        let mut saved: HashMap<TicketKey, TicketRecord> = HashMap::new();
+        let mut saved: sluice_common::hash::HashMap<TicketKey, TicketRecord> = Default::default();
         let mut job_keys: HashMap<u8, u8> = HashMap::new();
         let mut last_seq = 0;
         for (index, (ops, snapshot_now)) in batches.into_iter().enumerate() {
