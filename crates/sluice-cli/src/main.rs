@@ -222,7 +222,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Migrate => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
-            let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
+            let _telemetry = telemetry::init_for_command(&config.telemetry, "sluice")?;
             config.warn_removed_settings();
             sluice_admission::migrate(&config).await?;
             sluice_limit_grant::migrate(&config).await?;
@@ -239,7 +239,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             command: TopicsCommand::Ensure,
         } => {
             let config = SluiceConfig::load(cli.config.as_deref())?;
-            let _telemetry = telemetry::init(&config.telemetry, "sluice")?;
+            let _telemetry = telemetry::init_for_command(&config.telemetry, "sluice")?;
             config.warn_removed_settings();
             let counts = ensure_topics(&config.kafka, &all_topics(&config), true).await?;
             let mut topics: Vec<TopicOut> = counts

@@ -121,13 +121,38 @@ fn otlp_tls_channel(
 /// Whether text logs may use ANSI colour: stdout is a terminal and
 /// `NO_COLOR` is not set.
 fn colour_wanted() -> bool {
-    std::io::IsTerminal::is_terminal(&std::io::stdout())
-        && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty())
+    colour_wanted_on(&std::io::stdout())
 }
 
-/// Install the global subscriber. A second call in one process (tests,
-/// `sluice dev`) keeps the first subscriber and still returns a guard.
+fn colour_wanted_on(stream: &impl std::io::IsTerminal) -> bool {
+    stream.is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty())
+}
+
+/// Install the global subscriber, logging to stdout (a service's log). A
+/// second call in one process (tests, `sluice dev`) keeps the first
+/// subscriber and still returns a guard.
 pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
+    init_logging_to(config, service_name, LogTo::Stdout)
+}
+
+/// As [`init`], logging to stderr: for a command whose stdout is its
+/// answer (`sluice migrate -o json`), so a warning never corrupts it.
+pub fn init_for_command(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGuard, TelemetryError> {
+    init_logging_to(config, service_name, LogTo::Stderr)
+}
+
+/// Where log lines go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LogTo {
+    Stdout,
+    Stderr,
+}
+
+fn init_logging_to(
+    config: &TelemetryConfig,
+    service_name: &str,
+    log_to: LogTo,
+) -> Result<TelemetryGuard, TelemetryError> {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let filter_text = std::env::var("RUST_LOG").unwrap_or_else(|_| config.log_level.clone());
     let filter = EnvFilter::try_new(&filter_text).map_err(|error| TelemetryError::Filter {
@@ -137,11 +162,23 @@ pub fn init(config: &TelemetryConfig, service_name: &str) -> Result<TelemetryGua
     let fmt_layer = match config.log_format {
         // Colour only on a terminal (and never with NO_COLOR): a log file or
         // a collector gets plain text.
-        LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_target(true)
-            .with_ansi(colour_wanted())
-            .boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer().event_format(JsonWithTrace).boxed(),
+        LogFormat::Text => {
+            let layer = tracing_subscriber::fmt::layer().with_target(true);
+            match log_to {
+                LogTo::Stdout => layer.with_ansi(colour_wanted()).boxed(),
+                LogTo::Stderr => layer
+                    .with_ansi(colour_wanted_on(&std::io::stderr()))
+                    .with_writer(std::io::stderr)
+                    .boxed(),
+            }
+        }
+        LogFormat::Json => {
+            let layer = tracing_subscriber::fmt::layer().event_format(JsonWithTrace);
+            match log_to {
+                LogTo::Stdout => layer.boxed(),
+                LogTo::Stderr => layer.with_writer(std::io::stderr).boxed(),
+            }
+        }
     };
     let endpoint = otlp_endpoint(config);
     let tls_channel = match &endpoint {

@@ -512,6 +512,20 @@ async fn health_topics_migrate_try_and_errors() -> anyhow::Result<()> {
             format!("{schema_prefix}refresh_dispatcher")
         ])
     );
+    // A command's stdout is its answer: its logs (every one, at debug) go
+    // to stderr, so a slow-statement warning never corrupts the JSON.
+    for args in [&["migrate", "-o", "json"][..], &["topics", "ensure", "-o", "json"][..]] {
+        let mut command = sluice(&stack);
+        command.args(args).env("RUST_LOG", "debug");
+        let ran = crate::support::run(command).await?;
+        assert!(ran.status.success(), "sluice {}: {ran}", args.join(" "));
+        ran.json()?;
+        assert!(
+            ran.stderr.contains("DEBUG"),
+            "sluice {} logged nothing at debug: {ran}",
+            args.join(" ")
+        );
+    }
 
     let tried = sluice_ok(
         &stack,
