@@ -1079,7 +1079,11 @@ fn a_command_lost_in_a_link_break_is_sent_again_within_a_second_of_the_new_link(
         partitions: vec![rate_partition],
     }]);
     assert!(harness.now_ms - link_opened_at < 1_000);
-    assert_eq!(rate_acquires(&mut resent), lost, "the lost acquire, sent again on the new link");
+    assert_eq!(
+        rate_acquires(&mut resent),
+        lost,
+        "the lost acquire, sent again on the new link"
+    );
     let state = harness.state(0).expect("active");
     assert_eq!((state.status, state.step), (Status::Waiting, 1));
 }

@@ -656,7 +656,10 @@ mod tests {
         // Never beyond the bound, however many jobs.
         assert_eq!(resend_interval(5_000, usize::MAX), MAX_RESEND_INTERVAL_MS);
         // A configured interval longer than the bound is kept.
-        assert_eq!(resend_interval(2 * MAX_RESEND_INTERVAL_MS, 1), 2 * MAX_RESEND_INTERVAL_MS);
+        assert_eq!(
+            resend_interval(2 * MAX_RESEND_INTERVAL_MS, 1),
+            2 * MAX_RESEND_INTERVAL_MS
+        );
     }
 
     #[test]

@@ -1279,7 +1279,10 @@ mod tests {
     fn open(actor: &mut ClientActor, endpoint: &Arc<str>) -> mpsc::Receiver<pb::LinkUp> {
         actor.next_generation += 1;
         let generation = actor.next_generation;
-        let connection = actor.connections.entry(endpoint.clone()).or_insert_with(Connection::new);
+        let connection = actor
+            .connections
+            .entry(endpoint.clone())
+            .or_insert_with(Connection::new);
         connection.generation = generation;
         connection.state = ConnectionState::Connecting;
         let (sender, receiver) = mpsc::channel(16);
