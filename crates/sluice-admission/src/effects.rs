@@ -85,6 +85,21 @@ impl Routes {
         job.state.chain.get(usize::try_from(step_index).unwrap_or(usize::MAX))
     }
 
+    /// Which link and owner partition the acquire of the job's current
+    /// step travels to (`None`: no such step, or a rate step without a key).
+    pub fn acquire_route(&self, job: &JobRow) -> Option<(Link, i32)> {
+        let step = self.step_of(job, job.state.step)?;
+        if step.is_ticketed() {
+            Some((
+                Link::LimitGrant,
+                key_partition(&step.tenant, &step.key, self.limit_partitions),
+            ))
+        } else {
+            let rate_key = step.rate_key.as_ref()?;
+            Some((Link::RateWindow, rate_key_partition(rate_key, self.rate_partitions)))
+        }
+    }
+
     /// Acquire the job's current step from its owner.
     pub fn push_acquire(&self, outbox: &mut Outbox, job: &JobRow) {
         let Some(step) = self.step_of(job, job.state.step) else {

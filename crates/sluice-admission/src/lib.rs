@@ -241,6 +241,26 @@ pub async fn run(
         work_stream::hand_back_undelivered(api, push_reports.undelivered, shutdown.clone()),
     );
     supervisor.spawn(
+        "limit-grant path changes",
+        resend_on_path_changes(
+            Link::LimitGrant,
+            links.limit.path_changes(),
+            config.kafka.partitions.limit_commands,
+            registry.clone(),
+            shutdown.clone(),
+        ),
+    );
+    supervisor.spawn(
+        "rate-window path changes",
+        resend_on_path_changes(
+            Link::RateWindow,
+            links.rate.path_changes(),
+            config.kafka.partitions.rate_commands,
+            registry.clone(),
+            shutdown.clone(),
+        ),
+    );
+    supervisor.spawn(
         "job partition claims",
         claim_job_partitions(links, registry, shutdown.clone()),
     );
@@ -408,6 +428,63 @@ async fn claim_job_partitions(
         links.limit.claim_job_partitions(claims.clone());
         links.rate.claim_job_partitions(claims);
         claimed = Some(owned);
+    }
+}
+
+/// The shortest time between two re-sends a link's path changes ask of the
+/// job partitions: a change is passed on at once, and those that follow
+/// within this time together at its end (a link that breaks again and again
+/// does not re-send every waiting job each time).
+const PATH_RESEND_SPACING: Duration = Duration::from_secs(1);
+
+/// Tell every job partition this instance owns when the path to some owner
+/// partitions of `link`'s service changes (`LinkClient::path_changes`): each
+/// sends again at once the acquires its jobs wait on there.
+async fn resend_on_path_changes(
+    link: Link,
+    mut changes: tokio::sync::broadcast::Receiver<sluice_common::link::PathChange>,
+    owner_partitions: i32,
+    registry: Arc<OwnerRegistry<Local>>,
+    shutdown: Shutdown,
+) -> Result<(), std::convert::Infallible> {
+    use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+    let every_partition = || (0..owner_partitions).collect::<std::collections::BTreeSet<i32>>();
+    let mut last_sent: Option<tokio::time::Instant> = None;
+    loop {
+        let mut changed: std::collections::BTreeSet<i32> = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            received = changes.recv() => match received {
+                Ok(partitions) => partitions.iter().copied().collect(),
+                Err(RecvError::Lagged(_)) => every_partition(),
+                Err(RecvError::Closed) => return Ok(()),
+            },
+        };
+        if let Some(at) = last_sent {
+            let until = at + PATH_RESEND_SPACING;
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep_until(until) => {}
+            }
+        }
+        loop {
+            match changes.try_recv() {
+                Ok(partitions) => changed.extend(partitions.iter().copied()),
+                Err(TryRecvError::Lagged(_)) => changed = every_partition(),
+                Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+            }
+        }
+        last_sent = Some(tokio::time::Instant::now());
+        let partitions: Vec<i32> = changed.into_iter().collect();
+        tracing::debug!(?link, partitions = ?partitions, "owners' path changed: re-sending the acquires that wait on them");
+        for job_partition in registry.owned() {
+            let local = Local::PathChanged {
+                link,
+                partitions: partitions.clone(),
+            };
+            // A partition given up meanwhile: its new owner re-sends
+            // everything at its takeover.
+            let _ = registry.submit(job_partition, local).await;
+        }
     }
 }
 

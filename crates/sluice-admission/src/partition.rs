@@ -144,6 +144,16 @@ pub enum Local {
         worker_id: String,
         attempts: Vec<(String, u32)>,
     },
+    /// The path to the owners of some limit or rate partitions changed: a
+    /// link stream to their owner opened again after a break, or the owner
+    /// directory names a new owner for them. Every acquire a job waits on
+    /// there is sent again at once (a command or its grant may have been
+    /// lost on the old path; a copy is harmless).
+    PathChanged {
+        link: Link,
+        /// The owner partitions (of `link`'s service) whose path changed.
+        partitions: Vec<i32>,
+    },
     /// Requests read from `jobs.requested` by this instance, for a partition
     /// it owns: the same as their hand-over through `sluice.jobs`, without
     /// the broker round trip. Answered once they are saved.
@@ -358,6 +368,32 @@ impl AdmissionPartition {
                     state.lease_expires_at_ms.unwrap_or(grace).max(grace)
                 });
                 state.due_at_ms = transitions::running_due_at(state);
+            });
+        }
+    }
+
+    /// A new owner re-sends every waiting job's acquire at its takeover
+    /// (`resend_all`) and publishes every admitted job again (`new`): their
+    /// timer re-sends start over from `now_ms` (the saved due times are those
+    /// of an older re-send, or of none: re-sends are not saved).
+    pub fn restart_resend_timers(&mut self, now_ms: i64) {
+        let timing = self.settings.timing;
+        let active_jobs = self.jobs.len();
+        let pending: Vec<(String, i64)> = self
+            .jobs
+            .values()
+            .filter_map(|active| {
+                let base = match active.row.state.status {
+                    Status::Waiting => timing.resend_waiting_after_ms,
+                    Status::Admitted => timing.claim_timeout_ms,
+                    _ => return None,
+                };
+                Some((active.row.state.job_id.clone(), base))
+            })
+            .collect();
+        for (job_id, base) in pending {
+            self.update_unsaved(&job_id, |state| {
+                state.due_at_ms = Some(now_ms.saturating_add(transitions::resend_interval(base, active_jobs)));
             });
         }
     }
@@ -1071,6 +1107,25 @@ impl AdmissionPartition {
         }
     }
 
+    /// Send again the acquire of every waiting job whose current step's owner
+    /// is one of `partitions` of `link`'s service (its path changed). Its
+    /// timer is left as it is: this is no re-send it waits for.
+    fn resend_on_path(&self, link: Link, partitions: &[i32], outbox: &mut Outbox) {
+        let changed: HashSet<i32> = partitions.iter().copied().collect();
+        let routes = &self.settings.routes;
+        for active in self.jobs.values() {
+            if active.row.state.status != Status::Waiting {
+                continue;
+            }
+            let on_path = routes
+                .acquire_route(&active.row)
+                .is_some_and(|(to, partition)| to == link && changed.contains(&partition));
+            if on_path {
+                routes.push_acquire(outbox, &active.row);
+            }
+        }
+    }
+
     /// A request handed over through `sluice.jobs`: a new job, a duplicate,
     /// or a conflict (dead-lettered).
     fn hand_over(&mut self, now_ms: i64, handover: HandOver, out: &mut Out<'_>) {
@@ -1471,10 +1526,25 @@ impl AdmissionPartition {
             .map(|(_, job_id)| job_id.clone())
             .collect();
         for job_id in due {
+            let active_jobs = self.jobs.len();
+            // A waiting or admitted job's timer re-sends its pending command
+            // and moves only its own next time: kept in memory, so re-sends
+            // write nothing (a new owner re-sends every pending command at
+            // its takeover and starts these timers over:
+            // `restart_resend_timers`).
+            let resend = self
+                .jobs
+                .get(&job_id)
+                .is_some_and(|active| matches!(active.row.state.status, Status::Waiting | Status::Admitted));
             let mut effects = Vec::new();
-            self.update(&job_id, |state| {
-                effects = transitions::on_due(state, now_ms, timing);
-            });
+            let decide = |state: &mut JobState| {
+                effects = transitions::on_due(state, now_ms, timing, active_jobs);
+            };
+            if resend {
+                self.update_unsaved(&job_id, decide);
+            } else {
+                self.update(&job_id, decide);
+            }
             self.after_transition(&job_id, &effects, out);
         }
         if now_ms >= self.next_stand_behind_ms {
@@ -1677,6 +1747,7 @@ impl AdmissionPartition {
             Local::Grants(events) => self.grants(now_ms, events, out),
             Local::Dispatch => self.dispatch_unclaimed(),
             Local::Pushed { worker_id, attempts } => self.pushed(now_ms, &worker_id, &attempts),
+            Local::PathChanged { link, partitions } => self.resend_on_path(link, &partitions, out.outbox),
             Local::HandOver { handovers, reply } => {
                 for handover in handovers {
                     self.hand_over(now_ms, handover, out);

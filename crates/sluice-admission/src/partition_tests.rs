@@ -153,6 +153,28 @@ impl Harness {
         }
     }
 
+    /// `apply`, returning what the batch sends.
+    fn apply_sending(&mut self, locals: Vec<Local>) -> Outbox {
+        let mut writes = AdmissionWrites::default();
+        let mut outbox = Outbox::new();
+        let mut replies: Vec<Reply> = Vec::new();
+        let mut rejected: Vec<Rejected> = Vec::new();
+        self.partition.apply(
+            self.now_ms,
+            &[],
+            locals,
+            &mut writes,
+            &mut outbox,
+            &mut replies,
+            &mut rejected,
+        );
+        self.save(writes);
+        for reply in replies {
+            reply();
+        }
+        outbox
+    }
+
     /// Fold a committed batch's writes into what a new owner would load.
     fn save(&mut self, writes: AdmissionWrites) {
         let mut created: HashMap<String, crate::jobs::JobRow> = writes
@@ -188,6 +210,7 @@ impl Harness {
         let rows: Vec<crate::jobs::JobRow> = self.saved.values().cloned().collect();
         self.partition = AdmissionPartition::new(settings, rows, self.saved_seq, None, 0);
         self.partition.grant_lease_grace(self.now_ms);
+        self.partition.restart_resend_timers(self.now_ms);
     }
 
     fn state(&self, job: usize) -> Option<&JobState> {
@@ -966,4 +989,157 @@ fn a_pushed_attempt_lease_runs_from_the_push() {
         harness.state(job).expect("active").lease_expires_at_ms,
         Some(harness.now_ms - 1_000 + lease_ms)
     );
+}
+
+/// A concurrency limit then a rate limit (the chaos run's key-then-rate
+/// chains).
+fn key_then_rate() -> Vec<pb::Limit> {
+    vec![
+        pb::Limit {
+            kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                key: "k0".to_string(),
+                max_concurrency: 3,
+                shadow: false,
+            })),
+        },
+        pb::Limit {
+            kind: Some(pb::limit::Kind::Rate(pb::RateLimit {
+                spec: Some(pb::rate_limit::Spec::Inline(pb::InlineRateLimit {
+                    name: "api".to_string(),
+                    unique_key: "r".to_string(),
+                    limit: 20,
+                    duration_ms: 1_000,
+                    cost: 1,
+                })),
+            })),
+        },
+    ]
+}
+
+/// The rate acquires `outbox` sends, as (job id, step, owner partition).
+fn rate_acquires(outbox: &mut Outbox) -> Vec<(String, u32, i32)> {
+    use prost::Message as _;
+    let mut acquires = Vec::new();
+    for ((link, partition), entries) in outbox.take_links() {
+        if link != Link::RateWindow {
+            continue;
+        }
+        for entry in entries {
+            let command = pb::RateCommand::decode(entry.as_slice()).expect("a rate command");
+            if let Some(pb::rate_command::Command::Acquire(acquire)) = command.command {
+                let ticket = acquire.ticket.expect("a ticket");
+                acquires.push((ticket.job_id, ticket.step, partition));
+            }
+        }
+    }
+    acquires.sort();
+    acquires
+}
+
+/// The chaos run's key k16: a job's concurrency step is granted, and the
+/// acquire of its rate step is lost in a link break (written to a stream
+/// that broke before rate-window applied it, or applied and its grant lost
+/// on the way back). When the link to rate-window opens again, the
+/// acquire is sent again at once: within a second of the new link, not at
+/// the job's next timer re-send.
+#[test]
+fn a_command_lost_in_a_link_break_is_sent_again_within_a_second_of_the_new_link() {
+    let mut harness = Harness::with_limits(key_then_rate());
+    let mut sent = harness.apply_sending(vec![Local::Grants(vec![grant(0, 1, 0)])]);
+    let lost = rate_acquires(&mut sent);
+    assert_eq!(lost.len(), 1, "the grant moves job 0 to its rate step: {lost:?}");
+    let (_, step, rate_partition) = lost[0].clone();
+    assert_eq!(step, 1);
+    // The link breaks: the acquire is lost. It opens again 300 ms later.
+    harness.now_ms += 300;
+    let link_opened_at = harness.now_ms;
+    let mut other_link = harness.apply_sending(vec![Local::PathChanged {
+        link: Link::LimitGrant,
+        partitions: vec![rate_partition],
+    }]);
+    assert!(
+        rate_acquires(&mut other_link).is_empty(),
+        "a path change to limit-grant re-sends no rate acquire"
+    );
+    let mut other_partition = harness.apply_sending(vec![Local::PathChanged {
+        link: Link::RateWindow,
+        partitions: vec![rate_partition + 1],
+    }]);
+    assert!(
+        rate_acquires(&mut other_partition).is_empty(),
+        "a path change to another rate partition re-sends nothing of this one"
+    );
+    // Nothing but the new link re-sends it within the second: the timer
+    // would wait for resend_waiting_after.
+    harness.now_ms = link_opened_at + 999;
+    let mut timers = harness.apply_sending(Vec::new());
+    assert!(rate_acquires(&mut timers).is_empty());
+    let mut resent = harness.apply_sending(vec![Local::PathChanged {
+        link: Link::RateWindow,
+        partitions: vec![rate_partition],
+    }]);
+    assert!(harness.now_ms - link_opened_at < 1_000);
+    assert_eq!(
+        rate_acquires(&mut resent),
+        lost,
+        "the lost acquire, sent again on the new link"
+    );
+    let state = harness.state(0).expect("active");
+    assert_eq!((state.status, state.step), (Status::Waiting, 1));
+}
+
+/// The timer is the last resort, at a fixed interval: a rate acquire nobody
+/// answers is sent again every resend_waiting_after (12 s by default), not
+/// at intervals that grow with the wait (the chaos run's 50 s), and a
+/// re-send saves nothing.
+#[test]
+fn a_waiting_job_is_resent_every_resend_waiting_after_however_long_it_waited() {
+    let mut harness = Harness::with_limits(key_then_rate());
+    let mut sent = harness.apply_sending(vec![Local::Grants(vec![grant(0, 1, 0)])]);
+    let acquire = rate_acquires(&mut sent);
+    assert_eq!(acquire.len(), 1);
+    let interval = harness.partition.settings().timing.resend_waiting_after_ms;
+    let started = harness.now_ms;
+    for round in 1..=6 {
+        harness.now_ms = started + round * interval - 1;
+        let mut early = harness.apply_sending(Vec::new());
+        assert!(rate_acquires(&mut early).is_empty(), "round {round}: sent early");
+        harness.now_ms = started + round * interval;
+        let mut writes = AdmissionWrites::default();
+        let mut outbox = Outbox::new();
+        harness.partition.apply(
+            harness.now_ms,
+            &[],
+            Vec::new(),
+            &mut writes,
+            &mut outbox,
+            &mut Vec::new(),
+            &mut Vec::new(),
+        );
+        assert_eq!(rate_acquires(&mut outbox), acquire, "round {round}: re-sent on time");
+        assert!(
+            writes.journal.is_none() && writes.snapshot.is_none(),
+            "round {round}: a re-send writes nothing"
+        );
+    }
+}
+
+/// A new owner re-sends every waiting acquire at its takeover and starts the
+/// re-send timers over from there: the saved due time (long past) does not
+/// make it send them all a second time in its first batch.
+#[test]
+fn a_takeover_starts_the_resend_timers_over() {
+    let mut harness = Harness::with_limits(key_then_rate());
+    harness.apply_sending(vec![Local::Grants(vec![grant(0, 1, 0)])]);
+    let interval = harness.partition.settings().timing.resend_waiting_after_ms;
+    harness.now_ms += 5 * interval;
+    harness.take_over();
+    let mut resent = Outbox::new();
+    harness.partition.resend_all(harness.now_ms, &mut resent);
+    assert_eq!(rate_acquires(&mut resent).len(), 1, "the takeover re-sends it");
+    let mut first = harness.apply_sending(Vec::new());
+    assert!(rate_acquires(&mut first).is_empty(), "not again in the first batch");
+    harness.now_ms += interval;
+    let mut due = harness.apply_sending(Vec::new());
+    assert_eq!(rate_acquires(&mut due).len(), 1, "then every interval");
 }

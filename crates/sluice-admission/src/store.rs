@@ -174,7 +174,9 @@ impl OwnedStore for AdmissionStore {
             snapshot_bytes,
             journal_bytes,
         );
-        loaded.grant_lease_grace(context.clock.now_ms());
+        let now_ms = context.clock.now_ms();
+        loaded.grant_lease_grace(now_ms);
+        loaded.restart_resend_timers(now_ms);
         tracing::debug!(
             partition,
             active_jobs = loaded.active_jobs(),
@@ -313,7 +315,8 @@ impl OwnedStore for AdmissionStore {
                 | Local::Heartbeat { .. }
                 | Local::Grants(_)
                 | Local::Dispatch
-                | Local::Pushed { .. } => {}
+                | Local::Pushed { .. }
+                | Local::PathChanged { .. } => {}
             }
         }
         let not_active: Vec<String> = job_ids

@@ -70,8 +70,16 @@ pub enum Effect {
     CancelRateWait { attempt: u32, step: u32 },
 }
 
-/// The longest gap between two re-sends of a waiting job's acquire.
+/// The longest gap between two timer re-sends of one job's pending command,
+/// however many jobs its partition holds.
 pub const MAX_RESEND_INTERVAL_MS: i64 = 10 * 60 * 1000;
+
+/// Timer re-sends one job partition makes per second, on average, at most:
+/// a partition holding more active jobs than this many re-sends per
+/// second cover in one interval re-sends each of them less often
+/// (`resend_interval`). Re-sends on events (a takeover, a link opened
+/// again, an owner moved) are not counted: they are sent at once.
+pub const RESENDS_PER_SECOND_PER_PARTITION: i64 = 1_000;
 
 /// Timing settings transitions need.
 #[derive(Clone, Copy, Debug)]
@@ -242,32 +250,36 @@ pub fn start_acquiring(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<E
     vec![Effect::Acquire]
 }
 
-/// The interval before the next re-send of something pending for
-/// `elapsed_ms`: as long as it has been pending, at least `first_ms`, at
-/// most `MAX_RESEND_INTERVAL_MS` (so re-sends double).
-fn backed_off(elapsed_ms: i64, first_ms: i64) -> i64 {
-    elapsed_ms.clamp(first_ms, MAX_RESEND_INTERVAL_MS.max(first_ms))
+/// The interval between two timer re-sends of one job's pending command:
+/// `base_ms`, whatever the job has already waited (a lost command costs one
+/// interval, never a time that grows with the wait). Only a partition that
+/// holds more `active_jobs` than `RESENDS_PER_SECOND_PER_PARTITION` cover in
+/// `base_ms` re-sends each of them less often, so that its re-sends stay
+/// within that rate; never more than `MAX_RESEND_INTERVAL_MS` (or `base_ms`
+/// if longer).
+pub fn resend_interval(base_ms: i64, active_jobs: usize) -> i64 {
+    let jobs = i64::try_from(active_jobs).unwrap_or(i64::MAX);
+    let spread_ms = jobs.saturating_mul(1_000) / RESENDS_PER_SECOND_PER_PARTITION;
+    spread_ms.clamp(base_ms, MAX_RESEND_INTERVAL_MS.max(base_ms))
 }
 
-/// The sweeper found the job due.
-pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing) -> Vec<Effect> {
+/// The timer found the job due; `active_jobs`: how many active jobs its
+/// partition holds (`resend_interval`).
+pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing, active_jobs: usize) -> Vec<Effect> {
     match job.status {
         Status::Scheduled => start_acquiring(job, now_ms, timing),
         Status::Waiting => {
-            // Waited long: re-send the pending acquire (idempotent at the
-            // owner). A long wait in a full queue is normal, so the interval
-            // doubles with the time already waited, up to ten minutes.
-            let waited = now_ms - job.step_started_at_ms.unwrap_or(now_ms);
-            job.due_at_ms = Some(now_ms + backed_off(waited, timing.resend_waiting_after_ms));
+            // No grant yet: re-send the pending acquire (idempotent at the
+            // owner; a granted ticket's grant is sent again). The last
+            // resort: a lost command is re-sent at once when the path to
+            // its owner changes; this covers what no event shows.
+            job.due_at_ms = Some(now_ms + resend_interval(timing.resend_waiting_after_ms, active_jobs));
             vec![Effect::Acquire]
         }
         Status::Admitted => {
-            // Nobody claimed it within claim_timeout: publish again. A
-            // backlog of admitted jobs (workers slower than admission) is
-            // normal, so the interval doubles with the time since it was
-            // admitted, up to ten minutes.
-            let admitted_for = now_ms - job.admitted_at_ms.unwrap_or(now_ms);
-            job.due_at_ms = Some(now_ms + backed_off(admitted_for, timing.claim_timeout_ms));
+            // Nobody claimed it within claim_timeout: publish (or push)
+            // again, every claim_timeout while nobody claims it.
+            job.due_at_ms = Some(now_ms + resend_interval(timing.claim_timeout_ms, active_jobs));
             vec![Effect::Admitted]
         }
         Status::Running | Status::Cancelling => {
@@ -514,7 +526,7 @@ mod tests {
         let mut pushed = job(Status::Running);
         pushed.step = 3;
         pushed.confirmed = false;
-        let effects = on_due(&mut pushed, 30_000, timing);
+        let effects = on_due(&mut pushed, 30_000, timing, 1);
         assert_eq!(pushed.attempts_used, 0, "a lost push uses no attempt");
         assert_eq!(pushed.attempt, 2);
         assert_eq!(pushed.status, Status::Waiting);
@@ -526,7 +538,7 @@ mod tests {
 
         let mut confirmed = job(Status::Running);
         confirmed.step = 3;
-        on_due(&mut confirmed, 30_000, timing);
+        on_due(&mut confirmed, 30_000, timing, 1);
         assert_eq!(
             confirmed.attempts_used, 1,
             "a confirmed attempt's lease expiry uses one"
@@ -603,30 +615,51 @@ mod tests {
     }
 
     #[test]
-    fn waiting_resends_back_off_with_the_time_waited() {
+    fn waiting_resends_come_at_a_fixed_interval_whatever_the_wait() {
         let mut waiting = job(Status::Waiting);
         waiting.step_started_at_ms = Some(0);
-        assert_eq!(on_due(&mut waiting, 5_000, TIMING), vec![Effect::Acquire]);
+        assert_eq!(on_due(&mut waiting, 5_000, TIMING, 10), vec![Effect::Acquire]);
         assert_eq!(waiting.due_at_ms, Some(10_000));
-        on_due(&mut waiting, 10_000, TIMING);
-        assert_eq!(waiting.due_at_ms, Some(20_000));
-        on_due(&mut waiting, 20_000, TIMING);
-        assert_eq!(waiting.due_at_ms, Some(40_000));
-        on_due(&mut waiting, 100_000_000, TIMING);
-        assert_eq!(waiting.due_at_ms, Some(100_000_000 + MAX_RESEND_INTERVAL_MS));
+        assert_eq!(on_due(&mut waiting, 10_000, TIMING, 10), vec![Effect::Acquire]);
+        assert_eq!(waiting.due_at_ms, Some(15_000));
+        // Waiting for a day does not stretch it: a lost acquire costs one
+        // interval.
+        let day = 24 * 3_600_000;
+        assert_eq!(on_due(&mut waiting, day, TIMING, 10), vec![Effect::Acquire]);
+        assert_eq!(waiting.due_at_ms, Some(day + 5_000));
     }
 
     #[test]
-    fn unclaimed_republishes_back_off_with_the_time_since_admission() {
+    fn unclaimed_republishes_come_every_claim_timeout_whatever_the_wait() {
         let mut admitted = job(Status::Admitted);
         admitted.admitted_at_ms = Some(0);
         // TIMING's claim_timeout is 60 s.
-        assert_eq!(on_due(&mut admitted, 60_000, TIMING), vec![Effect::Admitted]);
+        assert_eq!(on_due(&mut admitted, 60_000, TIMING, 10), vec![Effect::Admitted]);
         assert_eq!(admitted.due_at_ms, Some(120_000));
-        on_due(&mut admitted, 120_000, TIMING);
-        assert_eq!(admitted.due_at_ms, Some(240_000));
-        on_due(&mut admitted, 100_000_000, TIMING);
-        assert_eq!(admitted.due_at_ms, Some(100_000_000 + MAX_RESEND_INTERVAL_MS));
+        on_due(&mut admitted, 120_000, TIMING, 10);
+        assert_eq!(admitted.due_at_ms, Some(180_000));
+        on_due(&mut admitted, 100_000_000, TIMING, 10);
+        assert_eq!(admitted.due_at_ms, Some(100_060_000));
+    }
+
+    #[test]
+    fn a_crowded_partition_spreads_its_resends_within_the_bound() {
+        // Up to 5,000 jobs, 1,000 re-sends a second cover them in 5 s.
+        assert_eq!(resend_interval(5_000, 0), 5_000);
+        assert_eq!(resend_interval(5_000, 5_000), 5_000);
+        // 62,500 jobs (a million over 16 partitions): each every 62.5 s,
+        // so the partition re-sends about 1,000 a second.
+        assert_eq!(resend_interval(5_000, 62_500), 62_500);
+        let mut waiting = job(Status::Waiting);
+        on_due(&mut waiting, 1_000, TIMING, 62_500);
+        assert_eq!(waiting.due_at_ms, Some(63_500));
+        // Never beyond the bound, however many jobs.
+        assert_eq!(resend_interval(5_000, usize::MAX), MAX_RESEND_INTERVAL_MS);
+        // A configured interval longer than the bound is kept.
+        assert_eq!(
+            resend_interval(2 * MAX_RESEND_INTERVAL_MS, 1),
+            2 * MAX_RESEND_INTERVAL_MS
+        );
     }
 
     #[test]
@@ -635,7 +668,7 @@ mod tests {
         running.run_timeout_ms = Some(1_000);
         running.lease_expires_at_ms = Some(50_000);
         assert_eq!(running_due_at(&running), Some(1_000));
-        let effects = on_due(&mut running, 1_000, TIMING);
+        let effects = on_due(&mut running, 1_000, TIMING, 1);
         assert!(!effects.is_empty());
         assert_eq!(running.status, Status::Scheduled);
         assert_eq!(running.history.records[0].outcome, "run_timed_out");

@@ -577,7 +577,17 @@ pub struct LinkClientSettings {
 pub struct LinkClient {
     events: mpsc::UnboundedSender<ClientEvent>,
     unacked: Arc<AtomicU64>,
+    paths: tokio::sync::broadcast::Sender<PathChange>,
 }
+
+/// The owner partitions (of the client's service) whose path changed: a
+/// stream to their owner opened again after a break, or the directory
+/// names another owner for them (`LinkClient::path_changes`).
+pub type PathChange = Arc<Vec<i32>>;
+
+/// Path changes a subscriber may fall behind by before it misses some (it
+/// is told: `RecvError::Lagged`).
+const PATH_CHANGES_BUFFER: usize = 64;
 
 enum ClientEvent {
     Send {
@@ -611,7 +621,11 @@ impl LinkClient {
     ) -> LinkClient {
         let (events, receiver) = mpsc::unbounded_channel();
         let unacked = Arc::new(AtomicU64::new(0));
+        let (paths, _) = tokio::sync::broadcast::channel(PATH_CHANGES_BUFFER);
         let actor = ClientActor {
+            paths: paths.clone(),
+            opened_before: std::collections::HashSet::new(),
+            known_owners: HashMap::new(),
             settings,
             events: events.clone(),
             grants,
@@ -628,7 +642,7 @@ impl LinkClient {
             waiting_since: None,
         };
         tokio::spawn(actor.run(receiver, shutdown));
-        LinkClient { events, unacked }
+        LinkClient { events, unacked, paths }
     }
 
     /// A client connected to nothing: what it is given is dropped. For
@@ -638,7 +652,16 @@ impl LinkClient {
         LinkClient {
             events,
             unacked: Arc::new(AtomicU64::new(0)),
+            paths: tokio::sync::broadcast::channel(1).0,
         }
+    }
+
+    /// The owner partitions whose path changes from now on. The client
+    /// itself sends again what its owners have not applied; a subscriber
+    /// re-sends what it still waits for there (an applied command whose
+    /// answer was lost on the old path).
+    pub fn path_changes(&self) -> tokio::sync::broadcast::Receiver<PathChange> {
+        self.paths.subscribe()
     }
 
     /// Send `commands` (encoded) to the owner of `partition`; kept until the
@@ -721,6 +744,13 @@ struct ClientActor {
     claims: Vec<pb::JobPartitionClaim>,
     /// Since when some command has had no stream to go on.
     waiting_since: Option<tokio::time::Instant>,
+    /// Where path changes are told.
+    paths: tokio::sync::broadcast::Sender<PathChange>,
+    /// Endpoints a stream was ever open to: one opening again is a new path.
+    opened_before: std::collections::HashSet<Arc<str>>,
+    /// The last owner known of each partition (kept when `directory`
+    /// forgets one), to tell an owner change.
+    known_owners: HashMap<i32, Arc<str>>,
 }
 
 /// How long commands may wait for a stream before the instance says it is
@@ -811,8 +841,9 @@ impl ClientActor {
                     self.directory.remove(&partition);
                     self.directory_wanted = true;
                 } else {
-                    self.directory
-                        .insert(partition, Arc::from(refused.owner_endpoint.as_str()));
+                    let owner: Arc<str> = Arc::from(refused.owner_endpoint.as_str());
+                    self.directory.insert(partition, owner.clone());
+                    self.note_owners(std::iter::once((partition, owner)));
                 }
                 if let Some(pending) = self.unacked.get_mut(&refused.seq) {
                     pending.sent_on = None;
@@ -821,6 +852,7 @@ impl ClientActor {
             }
             ClientEvent::Directory(Ok(directory)) => {
                 self.directory_in_flight = false;
+                self.note_owners(directory.iter().map(|(partition, owner)| (*partition, owner.clone())));
                 self.directory = directory;
                 let seqs: Vec<u64> = self.unacked.keys().copied().collect();
                 for seq in seqs {
@@ -832,6 +864,25 @@ impl ClientActor {
                 self.directory_wanted = true;
                 tracing::warn!(service = self.settings.service, %error, "reading the owner directory failed; retrying");
             }
+        }
+    }
+
+    /// Record the owners `owners` name, and tell the partitions whose owner
+    /// changed (a first owner known is no change: nothing was sent on an
+    /// older path).
+    fn note_owners(&mut self, owners: impl Iterator<Item = (i32, Arc<str>)>) {
+        let mut moved: Vec<i32> = Vec::new();
+        for (partition, owner) in owners {
+            if let Some(before) = self.known_owners.insert(partition, owner.clone()) {
+                if before != owner {
+                    moved.push(partition);
+                }
+            }
+        }
+        if !moved.is_empty() {
+            moved.sort_unstable();
+            tracing::debug!(service = self.settings.service, partitions = ?moved, "owners moved; re-sending what waits on them");
+            let _ = self.paths.send(Arc::new(moved));
         }
     }
 
@@ -896,6 +947,20 @@ impl ClientActor {
         let seqs: Vec<u64> = self.unacked.keys().copied().collect();
         for seq in seqs {
             self.route(seq);
+        }
+        if !self.opened_before.insert(endpoint.clone()) {
+            // Open again after a break: what its owner answered on the old
+            // stream may be lost (a grant on its way down).
+            let mut partitions: Vec<i32> = self
+                .directory
+                .iter()
+                .filter(|(_, owner)| **owner == endpoint)
+                .map(|(partition, _)| *partition)
+                .collect();
+            if !partitions.is_empty() {
+                partitions.sort_unstable();
+                let _ = self.paths.send(Arc::new(partitions));
+            }
         }
     }
 
@@ -1177,5 +1242,97 @@ mod tests {
         while !matches!(grants.push(vec![vec![4]]), Err(GrantsDropped::Closed)) {
             tokio::task::yield_now().await;
         }
+    }
+
+    /// A client actor connected to nothing, for tests of its decisions.
+    fn actor() -> (ClientActor, tokio::sync::broadcast::Receiver<PathChange>) {
+        let (events, _receiver) = mpsc::unbounded_channel();
+        let (grants, _) = mpsc::channel(1);
+        let (paths, changes) = tokio::sync::broadcast::channel(PATH_CHANGES_BUFFER);
+        let actor = ClientActor {
+            settings: LinkClientSettings {
+                service: "rate-window",
+                seed_endpoint: String::new(),
+                client_id: "test".to_string(),
+            },
+            events,
+            grants,
+            readiness: crate::readiness::Readiness::new(),
+            seq: 0,
+            unacked: BTreeMap::new(),
+            unacked_count: Arc::new(AtomicU64::new(0)),
+            directory: HashMap::new(),
+            directory_wanted: false,
+            directory_in_flight: false,
+            connections: HashMap::new(),
+            next_generation: 0,
+            claims: Vec::new(),
+            waiting_since: None,
+            paths,
+            opened_before: std::collections::HashSet::new(),
+            known_owners: HashMap::new(),
+        };
+        (actor, changes)
+    }
+
+    /// Open (again) the stream to `endpoint` as `run_connection` would.
+    fn open(actor: &mut ClientActor, endpoint: &Arc<str>) -> mpsc::Receiver<pb::LinkUp> {
+        actor.next_generation += 1;
+        let generation = actor.next_generation;
+        let connection = actor
+            .connections
+            .entry(endpoint.clone())
+            .or_insert_with(Connection::new);
+        connection.generation = generation;
+        connection.state = ConnectionState::Connecting;
+        let (sender, receiver) = mpsc::channel(16);
+        actor.handle(ClientEvent::Opened {
+            endpoint: endpoint.clone(),
+            generation,
+            sender,
+        });
+        receiver
+    }
+
+    #[tokio::test]
+    async fn a_stream_opened_again_or_an_owner_moved_is_told_as_a_path_change() {
+        let (mut actor, mut changes) = actor();
+        let first: Arc<str> = Arc::from("http://rate-a:1");
+        let second: Arc<str> = Arc::from("http://rate-b:1");
+        let directory = |owners: &[(i32, &Arc<str>)]| {
+            ClientEvent::Directory(Ok(owners
+                .iter()
+                .map(|(partition, owner)| (*partition, Arc::clone(owner)))
+                .collect()))
+        };
+        // The first owners known and the first stream: nothing was sent on
+        // an older path.
+        actor.handle(directory(&[(0, &first), (1, &first), (2, &second)]));
+        let _first_stream = open(&mut actor, &first);
+        let _second_stream = open(&mut actor, &second);
+        assert!(changes.try_recv().is_err(), "no change yet");
+        // The stream to `first` breaks and opens again: its partitions.
+        let generation = actor.connections[&first].generation;
+        actor.handle(ClientEvent::Closed {
+            endpoint: first.clone(),
+            generation,
+            error: "broken".to_string(),
+        });
+        let _reopened = open(&mut actor, &first);
+        assert_eq!(changes.try_recv().ok().as_deref(), Some(&vec![0, 1]));
+        // Partition 1 moves to `second`.
+        actor.handle(directory(&[(0, &first), (1, &second), (2, &second)]));
+        assert_eq!(changes.try_recv().ok().as_deref(), Some(&vec![1]));
+        // A refusal naming another owner is a move too; the same owner again
+        // is none.
+        actor.handle(ClientEvent::Refused(pb::LinkRefused {
+            seq: 1,
+            partition: 2,
+            owner_endpoint: first.to_string(),
+            reason: "not the owner".to_string(),
+        }));
+        assert_eq!(changes.try_recv().ok().as_deref(), Some(&vec![2]));
+        actor.handle(directory(&[(0, &first), (1, &second), (2, &first)]));
+        assert!(changes.try_recv().is_err(), "nothing moved");
     }
 }

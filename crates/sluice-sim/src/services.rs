@@ -70,6 +70,7 @@ impl Service for Admission {
         rows.sort_by(|left, right| left.state.job_id.cmp(&right.state.job_id));
         let mut state = AdmissionPartition::new(settings, rows, image.seq, None, 0);
         state.grant_lease_grace(now_ms);
+        state.restart_resend_timers(now_ms);
         state
     }
 

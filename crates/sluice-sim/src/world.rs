@@ -691,7 +691,11 @@ impl World {
                         self.now, bare.offset
                     ));
                 }
-                if self.crash_after_commit.remove(&(svc, instance)) {
+                // A crash is not injected into the only instance of its
+                // service that is up (`kill` declines it): the batch then
+                // goes on as committed (sent, answered, its next run
+                // scheduled), instead of being left without a run.
+                if self.crash_after_commit.remove(&(svc, instance)) && self.can_kill(svc, instance) {
                     // Saved, nothing sent or answered: the instance dies.
                     drop(replies);
                     drop(sends);
@@ -1299,11 +1303,17 @@ impl World {
     /// An instance dies (kill -9): its tasks and links are gone; the group
     /// gives its partitions to another instance after the session timeout;
     /// it comes back later.
-    fn kill(&mut self, svc: Svc, instance: usize) {
+    /// Whether `kill` would stop `instance`: it is up, and another instance
+    /// of its service is.
+    fn can_kill(&self, svc: Svc, instance: usize) -> bool {
         let others = (0..self.config.instances)
             .filter(|other| *other != instance && self.up(svc, *other))
             .count();
-        if others == 0 || !self.up(svc, instance) {
+        others > 0 && self.up(svc, instance)
+    }
+
+    fn kill(&mut self, svc: Svc, instance: usize) {
+        if !self.can_kill(svc, instance) {
             return;
         }
         match svc {
