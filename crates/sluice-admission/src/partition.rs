@@ -1852,7 +1852,6 @@ impl OwnedState for AdmissionPartition {
             replies,
         };
         self.publish_read_payloads(&mut out);
-        self.run_timers(now_ms, &mut out);
         for message in messages {
             let payload = message.payload.as_deref().unwrap_or_default();
             let entries = match batch_entries(payload) {
@@ -1887,6 +1886,11 @@ impl OwnedState for AdmissionPartition {
         for local in locals {
             self.apply_local(now_ms, local, &mut out);
         }
+        // Timers last: what workers sent before this batch ran (a
+        // completion, a heartbeat, a push written) was sent before `now_ms`
+        // and is applied first, so a batch that waited behind a slow commit
+        // does not hand an attempt back that its worker already completed.
+        self.run_timers(now_ms, &mut out);
         self.prepared = Prepared::default();
         self.queue_pushes(&mut out);
         self.close_batch(out.writes);

@@ -1143,3 +1143,41 @@ fn a_takeover_starts_the_resend_timers_over() {
     let mut due = harness.apply_sending(Vec::new());
     assert_eq!(rate_acquires(&mut due).len(), 1, "then every interval");
 }
+
+/// A completion that waited in the partition's queue (behind a slow commit,
+/// a paused PostgreSQL) while its lease ran out is applied before the
+/// batch's timers: the attempt ended when its worker said so, and the
+/// sweep does not hand it back first and answer it STALE (the chaos run's
+/// chaos-401: ran 157 ms, its completion waited 5 s, the job ran again).
+#[test]
+fn a_completion_queued_before_its_lease_ran_out_wins_over_the_sweep() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let job = (0..JOBS)
+        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .expect("one push");
+    let lease_ms = harness.state(job).expect("active").lease_ms;
+    // The next batch runs after the lease's end, with the completion in it.
+    harness.now_ms += lease_ms + 500;
+    let (reply, mut answer) = oneshot::channel();
+    harness.apply(vec![Local::Complete {
+        scope: sluice_common::auth::JobScope::All,
+        worker_id: "worker-s".to_string(),
+        completions: vec![(job_id(job), 1, AttemptEnd::Succeeded)],
+        caller_trace: pb::TraceContext::default(),
+        reply,
+    }]);
+    let results = answer.try_recv().expect("answered");
+    assert_eq!(
+        results[0].outcome,
+        pb::CompleteOutcome::Accepted as i32,
+        "the sweep handed the attempt back before its queued completion"
+    );
+    assert!(
+        harness.state(job).is_none_or(|state| state.status == Status::Succeeded),
+        "{:?}",
+        harness.state(job)
+    );
+}
