@@ -313,7 +313,8 @@ impl OwnedStore for AdmissionStore {
                 | Local::Heartbeat { .. }
                 | Local::Grants(_)
                 | Local::Dispatch
-                | Local::Pushed { .. } => {}
+                | Local::Pushed { .. }
+                | Local::Barrier(_) => {}
             }
         }
         let not_active: Vec<String> = job_ids

@@ -503,6 +503,14 @@ impl<L> Drop for Loading<'_, L> {
     }
 }
 
+/// A partition task's local request that can be an ordering barrier.
+pub trait BarrierLocal: Sized {
+    /// A request that changes nothing and is answered once everything queued
+    /// to the partition before it is applied, committed (fenced: the
+    /// instance still owns the partition) and sent.
+    fn barrier(reply: tokio::sync::oneshot::Sender<()>) -> Self;
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LocalCallError {
     #[error("partition {0} is not owned by this instance")]
@@ -576,6 +584,24 @@ impl<L: Send + 'static> OwnerRegistry<L> {
             .send(local)
             .await
             .map_err(|_| LocalCallError::NotOwner(partition))
+    }
+
+    /// Wait until everything queued to the partitions this instance owns
+    /// now is applied, committed and sent (`BarrierLocal`). Tests wait on it
+    /// instead of sleeping before they check that something did not happen.
+    /// A partition given up meanwhile is skipped: what was queued to it is
+    /// not applied here, and its new owner starts from what was committed.
+    pub async fn barrier_all(&self) -> Result<(), LocalCallError>
+    where
+        L: BarrierLocal,
+    {
+        for partition in self.owned() {
+            match self.call(partition, L::barrier).await {
+                Ok(()) | Err(LocalCallError::NotOwner(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
     }
 
     /// Completes when a partition task next starts taking calls here. Get
@@ -965,7 +991,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 let wakeup = state.next_wakeup_ms().map(|at| context.clock.instant_at(at));
                 let sleep = async {
                     match wakeup {
-                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        Some(at) => tokio::time::sleep_until(at).await,
                         None => futures::future::pending::<()>().await,
                     }
                 };

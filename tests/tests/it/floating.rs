@@ -342,11 +342,18 @@ async fn a_restarted_dispatcher_loses_no_due_refresh() -> anyhow::Result<()> {
     let stopped = stack.refresh_dispatchers.remove(0);
     stopped.stop().await;
     answer.store(5, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    let due_topic = stack.config.topic(&stack.config.topics.refresh_due);
+    let due_before = messages_written(&stack.config, &due_topic).await?;
     let second: Vec<pb::JobRequest> = (0..10)
         .map(|index| floating_job("acme", "render", 1, 200, &format!("b/{index}")))
         .collect();
     RequestProducer::new(&stack.config)?.send(&second).await?;
+    eventually(
+        Duration::from_secs(30),
+        "a refresh-due event sent while no dispatcher runs",
+        || async { Ok(messages_written(&stack.config, &due_topic).await? > due_before) },
+    )
+    .await?;
     let replacement = start_refresh_dispatcher(&stack.config, Faults::none()).await?;
     *dispatcher_address.lock().unwrap() = replacement.endpoint.clone();
     stack.refresh_dispatchers.push(replacement);
