@@ -354,6 +354,12 @@ async fn a_restarted_dispatcher_loses_no_due_refresh() -> anyhow::Result<()> {
         || async { Ok(messages_written(&stack.config, &due_topic).await? > due_before) },
     )
     .await?;
+    // Once no job waits on the key, limit-grant sends no more due events:
+    // the refresh to 5 below can only come from the ones waiting in Kafka.
+    eventually(Duration::from_secs(60), "no job waiting on the key", || async {
+        Ok(key_state(&stack, "acme", "render").await?.waiting == 0)
+    })
+    .await?;
     let replacement = start_refresh_dispatcher(&stack.config, Faults::none()).await?;
     *dispatcher_address.lock().unwrap() = replacement.endpoint.clone();
     stack.refresh_dispatchers.push(replacement);
