@@ -2013,4 +2013,51 @@ mod tests {
             Err(LocalCallError::NotOwner(6))
         ));
     }
+
+    enum TestLocal {
+        Work(u32),
+        Barrier(tokio::sync::oneshot::Sender<()>),
+    }
+
+    impl BarrierLocal for TestLocal {
+        fn barrier(reply: tokio::sync::oneshot::Sender<()>) -> Self {
+            TestLocal::Barrier(reply)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_barrier_follows_what_was_queued_before_it_on_every_owned_partition() {
+        let registry: Arc<OwnerRegistry<TestLocal>> = OwnerRegistry::new("test", Readiness::new());
+        let (first, mut first_queue) = mpsc::channel(8);
+        let (second, mut second_queue) = mpsc::channel(8);
+        registry.register(1, 1, first);
+        registry.register(2, 1, second);
+        registry.submit(1, TestLocal::Work(7)).await.unwrap();
+        let barrier = tokio::spawn({
+            let registry = registry.clone();
+            async move { registry.barrier_all().await }
+        });
+        // Partition 1 takes its work first, then the barrier.
+        assert!(matches!(first_queue.recv().await, Some(TestLocal::Work(7))));
+        let Some(TestLocal::Barrier(first_reply)) = first_queue.recv().await else {
+            panic!("partition 1 got no barrier");
+        };
+        tokio::task::yield_now().await;
+        assert!(!barrier.is_finished(), "passed before partition 1 answered");
+        first_reply.send(()).unwrap();
+        let Some(TestLocal::Barrier(second_reply)) = second_queue.recv().await else {
+            panic!("partition 2 got no barrier");
+        };
+        tokio::task::yield_now().await;
+        assert!(!barrier.is_finished(), "passed before partition 2 answered");
+        second_reply.send(()).unwrap();
+        barrier.await.unwrap().unwrap();
+        // A partition that stops without answering is an error to retry.
+        let blocked = tokio::spawn({
+            let registry = registry.clone();
+            async move { registry.barrier_all().await }
+        });
+        drop(first_queue.recv().await);
+        assert!(matches!(blocked.await.unwrap(), Err(LocalCallError::Interrupted(1))));
+    }
 }
