@@ -571,6 +571,30 @@ impl Stack {
         Ok(())
     }
 
+    /// Wait until everything given to the stack before this call is
+    /// applied and committed, so a test can check that something did NOT
+    /// happen without sleeping: every request produced to
+    /// `jobs.requested` and every hand-over on `sluice.jobs` is handed over
+    /// (`consumed_to_end`), then each admission instance's barrier
+    /// (`sluice_admission::barrier`: its job partitions, the commands on its
+    /// links applied by their owners, and the grants those owners sent back
+    /// applied). Tenant topics and the Kafka paths off the hot path
+    /// (floating-limit commands, refresh events) are not covered.
+    pub async fn barrier(&self) -> anyhow::Result<()> {
+        let config = &self.config;
+        let requests = config.group(&format!("{}-requests", config.admission.consumer_group));
+        consumed_to_end(config, &config.topic(&config.topics.requested), &requests).await?;
+        let jobs = config.group(&format!("{}-jobs", config.admission.consumer_group));
+        consumed_to_end(config, &config.topic(&config.topics.jobs), &jobs).await?;
+        for admission in &self.admissions {
+            tokio::time::timeout(Duration::from_secs(60), admission.faults.barrier())
+                .await
+                .context("admission's barrier took over 60 s")?
+                .map_err(anyhow::Error::msg)?;
+        }
+        Ok(())
+    }
+
     pub async fn rates_client(
         &self,
     ) -> anyhow::Result<sluice_proto::v1::rate_limits_client::RateLimitsClient<Channel>> {
@@ -1437,6 +1461,87 @@ pub fn rate_grant_times(events: &[pb::GrantEvent], key: &str) -> Vec<i64> {
         .filter(|event| seen.insert(event.ticket.clone()))
         .map(|event| event.granted_at_ms)
         .collect()
+}
+
+/// How many messages were ever written to `topic`: the sum of its
+/// partitions' high watermarks.
+pub async fn messages_written(config: &SluiceConfig, topic: &str) -> anyhow::Result<i64> {
+    use rdkafka::consumer::BaseConsumer;
+    let consumer: BaseConsumer = client_config(&config.kafka).create()?;
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let metadata = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+        let mut total = 0;
+        for partition in metadata.topics().iter().flat_map(|found| found.partitions()) {
+            let (_, high) = consumer.fetch_watermarks(&topic, partition.id(), Duration::from_secs(10))?;
+            total += high;
+        }
+        Ok(total)
+    })
+    .await?
+}
+
+/// Wait until consumer group `group` has committed, on every partition of
+/// `topic`, the end offset the partition had when this was called: every
+/// message produced to `topic` before the call was dealt with (Sluice's
+/// consumers store an offset only once its message is handed over or
+/// applied, and auto-commit sends what is stored).
+pub async fn consumed_to_end(config: &SluiceConfig, topic: &str, group: &str) -> anyhow::Result<()> {
+    use rdkafka::consumer::BaseConsumer;
+    use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+    let consumer: BaseConsumer = client_config(&config.kafka).set("group.id", group).create()?;
+    let topic = topic.to_string();
+    let ends = {
+        let topic = topic.clone();
+        let consumer: BaseConsumer = client_config(&config.kafka).create()?;
+        tokio::task::spawn_blocking(move || -> anyhow::Result<Vec<(i32, i64, i64)>> {
+            let metadata = consumer.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+            let partitions: Vec<i32> = metadata
+                .topics()
+                .iter()
+                .flat_map(|found| found.partitions().iter().map(|partition| partition.id()))
+                .collect();
+            anyhow::ensure!(!partitions.is_empty(), "topic {topic} has no partitions");
+            partitions
+                .into_iter()
+                .map(|partition| {
+                    let (low, high) = consumer.fetch_watermarks(&topic, partition, Duration::from_secs(10))?;
+                    Ok((partition, low, high))
+                })
+                .collect()
+        })
+        .await??
+    };
+    let consumer = Arc::new(consumer);
+    eventually(
+        Duration::from_secs(60),
+        &format!("{group} to commit the end of {topic}"),
+        || {
+            let consumer = consumer.clone();
+            let topic = topic.clone();
+            let ends = ends.clone();
+            async move {
+                tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
+                    let mut wanted = TopicPartitionList::new();
+                    for (partition, _, _) in &ends {
+                        wanted.add_partition(&topic, *partition);
+                    }
+                    let committed = consumer.committed_offsets(wanted, Duration::from_secs(10))?;
+                    Ok(ends.iter().all(|(partition, low, high)| {
+                        if high <= low {
+                            return true;
+                        }
+                        matches!(
+                            committed.find_partition(&topic, *partition).map(|found| found.offset()),
+                            Some(Offset::Offset(offset)) if offset >= *high
+                        )
+                    }))
+                })
+                .await?
+            }
+        },
+    )
+    .await
 }
 
 /// Poll `condition` until it holds.

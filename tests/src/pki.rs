@@ -96,19 +96,38 @@ pub fn server_tls(cert: &str, key: &str, client_ca: &str, reload: Duration) -> T
 /// Serve `routes` over the TLS of `config` on 127.0.0.1:0 until `stop`;
 /// returns the `https://` endpoint.
 pub async fn serve_over_tls(routes: RoutesBuilder, config: &TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
+    Ok(serve_over_tls_watched(routes, config, stop).await?.0)
+}
+
+/// The same, with the server's TLS configuration (to see its reloads).
+pub async fn serve_over_tls_watched(
+    routes: RoutesBuilder,
+    config: &TlsConfig,
+    stop: &Shutdown,
+) -> anyhow::Result<(String, std::sync::Arc<sluice_common::tls::ServerTls>)> {
     let listener = sluice_common::grpc::bind("127.0.0.1:0").await?;
     let endpoint = format!("https://{}", listener.local_addr()?);
     let tls = sluice_common::tls::ServerTls::load(config)?;
-    anyhow::ensure!(tls.is_some(), "TLS is on when a certificate is configured");
+    let Some(watched) = tls.clone() else {
+        anyhow::bail!("TLS is on when a certificate is configured");
+    };
     let defaults = sluice_common::SluiceConfig::load_with(None, &[])?;
     let limits = sluice_common::grpc::ServerLimits::of(&defaults.process);
     tokio::spawn(sluice_common::grpc::serve(listener, routes, tls, limits, stop.clone()));
-    Ok(endpoint)
+    Ok((endpoint, watched))
 }
 
 /// A server with only health (SERVING) over the TLS of `config`.
 pub async fn health_over_tls_server(config: &TlsConfig, stop: &Shutdown) -> anyhow::Result<String> {
+    Ok(health_over_tls_server_watched(config, stop).await?.0)
+}
+
+/// The same, with the server's TLS configuration (to see its reloads).
+pub async fn health_over_tls_server_watched(
+    config: &TlsConfig,
+    stop: &Shutdown,
+) -> anyhow::Result<(String, std::sync::Arc<sluice_common::tls::ServerTls>)> {
     let (routes, health) = sluice_common::grpc::base_routes(vec![], false)?;
     health.set_serving(true).await;
-    serve_over_tls(routes, config, stop).await
+    serve_over_tls_watched(routes, config, stop).await
 }

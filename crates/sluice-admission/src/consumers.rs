@@ -27,6 +27,7 @@ use sluice_common::fault::{classify_kafka, panic_message};
 use sluice_common::kafka::{
     next_batch, InMsg, OutMsg, Outbox, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher,
 };
+use sluice_common::link::Downlink;
 use sluice_common::owner::{insert_quarantined, report_quarantined, OwnerRegistry, Rejected};
 use sluice_common::partition::job_partition;
 use sluice_common::readiness::Readiness;
@@ -465,14 +466,19 @@ pub async fn run_link_grants(
     registry: Arc<OwnerRegistry<Local>>,
     pool: sqlx::PgPool,
     jobs_partitions: i32,
-    mut grants: tokio::sync::mpsc::Receiver<Vec<Vec<u8>>>,
+    mut grants: tokio::sync::mpsc::Receiver<Downlink>,
     shutdown: sluice_common::Shutdown,
 ) -> Result<(), PartitionTaskError> {
     loop {
         let encoded = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
             received = grants.recv() => match received {
-                Some(batch) => batch,
+                Some(Downlink::Grants(batch)) => batch,
+                // Every grant before it is queued to its job partition.
+                Some(Downlink::Barrier(reply)) => {
+                    let _ = reply.send(());
+                    continue;
+                }
                 None => return Ok(()),
             },
         };

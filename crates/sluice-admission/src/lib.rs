@@ -30,7 +30,7 @@ use futures::future::BoxFuture;
 use futures::FutureExt;
 use sluice_common::clock::wall_clock_ms;
 use sluice_common::kafka::{self, ConsumerOptions, ConsumerProgress, Publisher};
-use sluice_common::link::{Link, LinkClient, LinkClientSettings, LinkEntries, LinkSink};
+use sluice_common::link::{Downlink, Link, LinkClient, LinkClientSettings, LinkEntries, LinkSink};
 use sluice_common::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
 use sluice_common::readiness::Readiness;
 use sluice_common::service::{advertised_endpoint, all_topics, open_database, Supervisor};
@@ -100,6 +100,26 @@ impl LinkSink for AdmissionLinks {
     }
 }
 
+/// Admission's ordering barrier (tests wait on it instead of sleeping before
+/// they check that something did not happen). Returns once:
+///
+/// 1. every job partition this instance owns has applied, committed and
+///    sent what was queued to it before the call (its link commands are
+///    with the link clients);
+/// 2. every command the link clients were given is applied by its owner,
+///    and the grants those owners delivered here before saying so are
+///    handed to the job partitions (`LinkClient::barrier`);
+/// 3. the job partitions have applied and committed those grants.
+///
+/// Requests still in Kafka (`jobs.requested`, `sluice.jobs`) and commands
+/// sent over Kafka are not covered: a test waits for their offsets first.
+pub async fn barrier(registry: &OwnerRegistry<Local>, links: &AdmissionLinks) -> Result<(), String> {
+    registry.barrier_all().await.map_err(|error| error.to_string())?;
+    links.limit.barrier().await.map_err(|error| error.to_string())?;
+    links.rate.barrier().await.map_err(|error| error.to_string())?;
+    registry.barrier_all().await.map_err(|error| error.to_string())
+}
+
 /// The settings every job partition of this instance shares.
 pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults, hub: Arc<work::WorkerHub>) -> PartitionSettings {
     PartitionSettings {
@@ -160,6 +180,15 @@ pub async fn run(
     )
     .with_links(Arc::new(links.clone()));
 
+    {
+        let registry = registry.clone();
+        let links = links.clone();
+        faults.set_barrier(Arc::new(move || {
+            let registry = registry.clone();
+            let links = links.clone();
+            async move { barrier(&registry, &links).await }.boxed()
+        }));
+    }
     let jobs_partitions = config.kafka.partitions.jobs;
     let (mut grpc_routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"], config.process.grpc_reflection)?;
     let api = service::AdmissionApi {
@@ -309,7 +338,7 @@ fn start_links(
     client_id: &str,
     readiness: &Readiness,
     shutdown: &Shutdown,
-) -> (AdmissionLinks, tokio::sync::mpsc::Receiver<Vec<Vec<u8>>>) {
+) -> (AdmissionLinks, tokio::sync::mpsc::Receiver<Downlink>) {
     let (grants_sender, grants_receiver) = tokio::sync::mpsc::channel(1024);
     let links = AdmissionLinks {
         limit: LinkClient::start(

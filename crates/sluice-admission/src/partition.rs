@@ -161,6 +161,15 @@ pub enum Local {
         handovers: Vec<HandOver>,
         reply: oneshot::Sender<()>,
     },
+    /// Changes nothing; answered once the batch holding it is committed and
+    /// sent (`sluice_common::owner::BarrierLocal`).
+    Barrier(oneshot::Sender<()>),
+}
+
+impl sluice_common::owner::BarrierLocal for Local {
+    fn barrier(reply: oneshot::Sender<()>) -> Self {
+        Local::Barrier(reply)
+    }
 }
 
 /// A job that is not active in this partition, as its rows say.
@@ -1756,6 +1765,9 @@ impl AdmissionPartition {
                     let _ = reply.send(());
                 }));
             }
+            Local::Barrier(reply) => out.replies.push(Box::new(move || {
+                let _ = reply.send(());
+            })),
         }
     }
 

@@ -316,7 +316,8 @@ impl OwnedStore for AdmissionStore {
                 | Local::Grants(_)
                 | Local::Dispatch
                 | Local::Pushed { .. }
-                | Local::PathChanged { .. } => {}
+                | Local::PathChanged { .. }
+                | Local::Barrier(_) => {}
             }
         }
         let not_active: Vec<String> = job_ids

@@ -1,8 +1,15 @@
 //! Time for owners. One time source across failover: PostgreSQL's clock read
 //! at takeover, advanced by the local monotonic clock, so a new owner's "now"
 //! continues the old owner's and never jumps with a pod's wall clock.
+//!
+//! The monotonic part is tokio's clock: the same as `std::time::Instant` in
+//! a running service, and virtual in a test that pauses time
+//! (`tokio::time::pause`, `advance`), so an owner's timers can be driven
+//! without waiting.
 
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::time::Instant;
 
 use sqlx::PgConnection;
 
@@ -57,12 +64,36 @@ impl AnchoredClock {
         self.base_ms + i64::try_from(self.anchor.elapsed().as_millis()).unwrap_or(i64::MAX / 2)
     }
 
-    /// The monotonic instant at which this clock reads `at_ms`.
+    /// The monotonic instant (tokio's) at which this clock reads `at_ms`.
     pub fn instant_at(&self, at_ms: i64) -> Instant {
         let offset = at_ms - self.base_ms;
         if offset <= 0 {
             return self.anchor;
         }
         self.anchor + std::time::Duration::from_millis(u64::try_from(offset).unwrap_or(0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn follows_paused_time() {
+        let clock = AnchoredClock::starting_at(1_000);
+        assert_eq!(clock.now_ms(), 1_000);
+        tokio::time::advance(Duration::from_millis(1_500)).await;
+        assert_eq!(clock.now_ms(), 2_500);
+        // A timer set from the clock fires when virtual time reaches it.
+        let due = clock.instant_at(4_000);
+        tokio::time::sleep_until(due).await;
+        assert_eq!(clock.now_ms(), 4_000);
+        assert_eq!(
+            clock.instant_at(0),
+            clock.instant_at(1_000),
+            "a time before the anchor is the anchor"
+        );
     }
 }

@@ -135,6 +135,12 @@ pub enum Ask<C: Core> {
     Barrier(oneshot::Sender<()>),
 }
 
+impl<C: Core> crate::owner::BarrierLocal for Ask<C> {
+    fn barrier(reply: oneshot::Sender<()>) -> Self {
+        Ask::Barrier(reply)
+    }
+}
+
 impl<C: Core> Ask<C> {
     pub fn query(&self) -> Option<&C::Query> {
         match self {

@@ -2,10 +2,16 @@
 //! publish, between a publish and an offset commit, ...). Tests arm a point to
 //! fire on its n-th hit; production never arms any, and an unarmed hook costs
 //! one relaxed atomic load.
+//!
+//! The same handle carries the instance's ordering barrier to tests
+//! (`Faults::barrier`): the service registers it at start, a test that
+//! started the instance in process calls it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FaultPoint {
@@ -57,12 +63,28 @@ struct Armed {
     fired: u64,
 }
 
+/// An instance's ordering barrier: completes once everything the instance
+/// was given before the call is applied and committed (what that covers is
+/// the service's to say: admission's is `sluice_admission::barrier`).
+pub type Barrier = Arc<dyn Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
+
 /// Shared by every component of one service instance.
-#[derive(Clone, Default, Debug)]
+#[derive(Clone, Default)]
 pub struct Faults {
     any_armed: Arc<AtomicBool>,
     points: Arc<Mutex<HashMap<FaultPoint, Armed>>>,
     refused_jobs: Arc<Mutex<std::collections::HashSet<String>>>,
+    barrier: Arc<Mutex<Option<Barrier>>>,
+}
+
+impl std::fmt::Debug for Faults {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Faults")
+            .field("any_armed", &self.any_armed)
+            .field("points", &self.points)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Faults {
@@ -127,6 +149,24 @@ impl Faults {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .contains(job_id);
         refused && self.hit(FaultPoint::AdmissionSaveRefused)
+    }
+
+    /// The service registers its ordering barrier (at start; a restarted
+    /// instance given the same handle replaces it).
+    pub fn set_barrier(&self, barrier: Barrier) {
+        *self.barrier.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(barrier);
+    }
+
+    /// Wait on the instance's ordering barrier. `Err`: the instance has
+    /// none, or stopped before answering.
+    pub async fn barrier(&self) -> Result<(), String> {
+        let barrier = self
+            .barrier
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+            .ok_or_else(|| "this instance has no barrier (not started yet?)".to_string())?;
+        barrier().await
     }
 
     /// How many times `point` has fired.

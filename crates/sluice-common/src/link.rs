@@ -42,6 +42,17 @@ pub enum Link {
 /// Encoded entries by (link, partition).
 pub type LinkEntries = BTreeMap<(Link, i32), Vec<Vec<u8>>>;
 
+/// What a link client hands on to its instance, in the order the streams
+/// delivered it.
+#[derive(Debug)]
+pub enum Downlink {
+    /// Encoded `GrantEvent`s: one stream message.
+    Grants(Vec<Vec<u8>>),
+    /// A barrier (`LinkClient::barrier`): answered by whoever takes the
+    /// grants once every grant before it is handed on.
+    Barrier(oneshot::Sender<()>),
+}
+
 /// Where a committed batch's link entries go.
 pub trait LinkSink: Send + Sync + 'static {
     /// Hand `entries` to their streams. Never waits on one stream: each
@@ -608,6 +619,7 @@ enum ClientEvent {
     Applied(Vec<u64>),
     Refused(pb::LinkRefused),
     Directory(Result<HashMap<i32, Arc<str>>, String>),
+    Barrier(oneshot::Sender<()>),
 }
 
 impl LinkClient {
@@ -615,7 +627,7 @@ impl LinkClient {
     /// `GrantEvent`s, one batch per message). Runs until `shutdown`.
     pub fn start(
         settings: LinkClientSettings,
-        grants: mpsc::Sender<Vec<Vec<u8>>>,
+        grants: mpsc::Sender<Downlink>,
         readiness: crate::readiness::Readiness,
         shutdown: Shutdown,
     ) -> LinkClient {
@@ -640,6 +652,7 @@ impl LinkClient {
             next_generation: 0,
             claims: Vec::new(),
             waiting_since: None,
+            barriers: Vec::new(),
         };
         tokio::spawn(actor.run(receiver, shutdown));
         LinkClient { events, unacked, paths }
@@ -683,7 +696,29 @@ impl LinkClient {
     pub fn unacked(&self) -> u64 {
         self.unacked.load(Ordering::Relaxed)
     }
+
+    /// Wait until every command given to `send` before this call is applied
+    /// by its owner (committed), then until every grant the streams
+    /// delivered before those `LinkApplied`s is handed on: the barrier goes
+    /// to the grants' channel behind them (`Downlink::Barrier`), and returns
+    /// once the taker answers it. An owner queues a batch's grants before
+    /// its `LinkApplied` on the same stream, so the grants of those commands
+    /// that come to this instance are among them. Tests wait on it instead
+    /// of sleeping. `Err`: the client or the taker stopped.
+    pub async fn barrier(&self) -> Result<(), LinkBarrierError> {
+        let (reply, answered) = oneshot::channel();
+        self.events
+            .send(ClientEvent::Barrier(reply))
+            .map_err(|_| LinkBarrierError)?;
+        answered.await.map_err(|_| LinkBarrierError)
+    }
 }
+
+/// The link client, or whoever takes its grants, stopped before a barrier
+/// was answered.
+#[derive(Debug, thiserror::Error)]
+#[error("the link client stopped before the barrier was answered")]
+pub struct LinkBarrierError;
 
 struct Pending {
     partition: i32,
@@ -731,7 +766,7 @@ impl Connection {
 struct ClientActor {
     settings: LinkClientSettings,
     events: mpsc::UnboundedSender<ClientEvent>,
-    grants: mpsc::Sender<Vec<Vec<u8>>>,
+    grants: mpsc::Sender<Downlink>,
     readiness: crate::readiness::Readiness,
     seq: u64,
     unacked: BTreeMap<u64, Pending>,
@@ -751,6 +786,8 @@ struct ClientActor {
     /// The last owner known of each partition (kept when `directory`
     /// forgets one), to tell an owner change.
     known_owners: HashMap<i32, Arc<str>>,
+    /// Barriers waiting for the commands up to their seq to be applied.
+    barriers: Vec<(u64, oneshot::Sender<()>)>,
 }
 
 /// How long commands may wait for a stream before the instance says it is
@@ -784,6 +821,27 @@ impl ClientActor {
             }
             self.unacked_count
                 .store(u64::try_from(self.unacked.len()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            self.pass_barriers();
+        }
+    }
+
+    /// Send on the barriers whose commands are all applied: behind the
+    /// grants already handed to the grants' channel (the streams hand a
+    /// batch's grants on before its `LinkApplied` reaches this actor).
+    fn pass_barriers(&mut self) {
+        if self.barriers.is_empty() {
+            return;
+        }
+        let oldest_unacked = self.unacked.keys().next().copied().unwrap_or(u64::MAX);
+        let (passed, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.barriers)
+            .into_iter()
+            .partition(|(upto, _)| *upto < oldest_unacked);
+        self.barriers = waiting;
+        for (_, reply) in passed {
+            let grants = self.grants.clone();
+            tokio::spawn(async move {
+                let _ = grants.send(Downlink::Barrier(reply)).await;
+            });
         }
     }
 
@@ -859,6 +917,7 @@ impl ClientActor {
                     self.route(seq);
                 }
             }
+            ClientEvent::Barrier(reply) => self.barriers.push((self.seq, reply)),
             ClientEvent::Directory(Err(error)) => {
                 self.directory_in_flight = false;
                 self.directory_wanted = true;
@@ -1100,7 +1159,7 @@ async fn run_connection(
     endpoint: Arc<str>,
     generation: u64,
     events: mpsc::UnboundedSender<ClientEvent>,
-    grants: mpsc::Sender<Vec<Vec<u8>>>,
+    grants: mpsc::Sender<Downlink>,
 ) {
     let error = match open_and_read(&endpoint, generation, &events, &grants).await {
         Ok(()) => "the owner ended the stream".to_string(),
@@ -1117,7 +1176,7 @@ async fn open_and_read(
     endpoint: &Arc<str>,
     generation: u64,
     events: &mpsc::UnboundedSender<ClientEvent>,
-    grants: &mpsc::Sender<Vec<Vec<u8>>>,
+    grants: &mpsc::Sender<Downlink>,
 ) -> Result<(), String> {
     let channel = stream_channel(endpoint)
         .map_err(|error| error.to_string())?
@@ -1140,7 +1199,7 @@ async fn open_and_read(
     while let Some(message) = inbound.message().await.map_err(|status| status.to_string())? {
         match message.message {
             Some(pb::link_down::Message::Grants(batch)) => {
-                let taken = grants.send(batch.events).await;
+                let taken = grants.send(Downlink::Grants(batch.events)).await;
                 taken.map_err(|_| "admission stopped taking grants".to_string())?;
             }
             Some(pb::link_down::Message::Applied(applied)) => {
@@ -1268,6 +1327,7 @@ mod tests {
             next_generation: 0,
             claims: Vec::new(),
             waiting_since: None,
+            barriers: Vec::new(),
             paths,
             opened_before: std::collections::HashSet::new(),
             known_owners: HashMap::new(),

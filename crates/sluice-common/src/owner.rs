@@ -503,6 +503,14 @@ impl<L> Drop for Loading<'_, L> {
     }
 }
 
+/// A partition task's local request that can be an ordering barrier.
+pub trait BarrierLocal: Sized {
+    /// A request that changes nothing and is answered once everything queued
+    /// to the partition before it is applied, committed (fenced: the
+    /// instance still owns the partition) and sent.
+    fn barrier(reply: tokio::sync::oneshot::Sender<()>) -> Self;
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LocalCallError {
     #[error("partition {0} is not owned by this instance")]
@@ -576,6 +584,24 @@ impl<L: Send + 'static> OwnerRegistry<L> {
             .send(local)
             .await
             .map_err(|_| LocalCallError::NotOwner(partition))
+    }
+
+    /// Wait until everything queued to the partitions this instance owns
+    /// now is applied, committed and sent (`BarrierLocal`). Tests wait on it
+    /// instead of sleeping before they check that something did not happen.
+    /// A partition given up meanwhile is skipped: what was queued to it is
+    /// not applied here, and its new owner starts from what was committed.
+    pub async fn barrier_all(&self) -> Result<(), LocalCallError>
+    where
+        L: BarrierLocal,
+    {
+        for partition in self.owned() {
+            match self.call(partition, L::barrier).await {
+                Ok(()) | Err(LocalCallError::NotOwner(_)) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
     }
 
     /// Completes when a partition task next starts taking calls here. Get
@@ -965,7 +991,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 let wakeup = state.next_wakeup_ms().map(|at| context.clock.instant_at(at));
                 let sleep = async {
                     match wakeup {
-                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        Some(at) => tokio::time::sleep_until(at).await,
                         None => futures::future::pending::<()>().await,
                     }
                 };
@@ -1986,5 +2012,52 @@ mod tests {
             registry.call(6, |reply| reply).await,
             Err(LocalCallError::NotOwner(6))
         ));
+    }
+
+    enum TestLocal {
+        Work(u32),
+        Barrier(tokio::sync::oneshot::Sender<()>),
+    }
+
+    impl BarrierLocal for TestLocal {
+        fn barrier(reply: tokio::sync::oneshot::Sender<()>) -> Self {
+            TestLocal::Barrier(reply)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_barrier_follows_what_was_queued_before_it_on_every_owned_partition() {
+        let registry: Arc<OwnerRegistry<TestLocal>> = OwnerRegistry::new("test", Readiness::new());
+        let (first, mut first_queue) = mpsc::channel(8);
+        let (second, mut second_queue) = mpsc::channel(8);
+        registry.register(1, 1, first);
+        registry.register(2, 1, second);
+        registry.submit(1, TestLocal::Work(7)).await.unwrap();
+        let barrier = tokio::spawn({
+            let registry = registry.clone();
+            async move { registry.barrier_all().await }
+        });
+        // Partition 1 takes its work first, then the barrier.
+        assert!(matches!(first_queue.recv().await, Some(TestLocal::Work(7))));
+        let Some(TestLocal::Barrier(first_reply)) = first_queue.recv().await else {
+            panic!("partition 1 got no barrier");
+        };
+        tokio::task::yield_now().await;
+        assert!(!barrier.is_finished(), "passed before partition 1 answered");
+        first_reply.send(()).unwrap();
+        let Some(TestLocal::Barrier(second_reply)) = second_queue.recv().await else {
+            panic!("partition 2 got no barrier");
+        };
+        tokio::task::yield_now().await;
+        assert!(!barrier.is_finished(), "passed before partition 2 answered");
+        second_reply.send(()).unwrap();
+        barrier.await.unwrap().unwrap();
+        // A partition that stops without answering is an error to retry.
+        let blocked = tokio::spawn({
+            let registry = registry.clone();
+            async move { registry.barrier_all().await }
+        });
+        drop(first_queue.recv().await);
+        assert!(matches!(blocked.await.unwrap(), Err(LocalCallError::Interrupted(1))));
     }
 }

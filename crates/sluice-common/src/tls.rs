@@ -143,6 +143,8 @@ impl ServerFiles {
 pub struct ServerTls {
     config: TlsConfig,
     current: RwLock<(ServerFiles, Arc<rustls::ServerConfig>)>,
+    /// Reloads that found changed files that do not load.
+    refused: std::sync::atomic::AtomicU64,
 }
 
 impl ServerTls {
@@ -158,6 +160,7 @@ impl ServerTls {
         Ok(Some(Arc::new(ServerTls {
             config: config.clone(),
             current: RwLock::new((files, server)),
+            refused: std::sync::atomic::AtomicU64::new(0),
         })))
     }
 
@@ -182,6 +185,12 @@ impl ServerTls {
         Ok(true)
     }
 
+    /// How many reloads found changed files that do not load (each one kept
+    /// the previous configuration).
+    pub fn refused_reloads(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Reload every `reload_interval` until `shutdown`.
     pub async fn watch(self: Arc<Self>, shutdown: Shutdown) {
         let every = self.config.reload_interval.0.max(Duration::from_millis(100));
@@ -194,6 +203,7 @@ impl ServerTls {
                 Ok(true) => tracing::info!(cert_file = %self.config.cert_file, "TLS certificate reloaded"),
                 Ok(false) => {}
                 Err(error) => {
+                    self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::warn!(%error, "TLS certificate files changed but do not load; serving the previous ones");
                 }
             }

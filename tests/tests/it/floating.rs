@@ -342,11 +342,24 @@ async fn a_restarted_dispatcher_loses_no_due_refresh() -> anyhow::Result<()> {
     let stopped = stack.refresh_dispatchers.remove(0);
     stopped.stop().await;
     answer.store(5, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(250)).await;
+    let due_topic = stack.config.topic(&stack.config.topics.refresh_due);
+    let due_before = messages_written(&stack.config, &due_topic).await?;
     let second: Vec<pb::JobRequest> = (0..10)
         .map(|index| floating_job("acme", "render", 1, 200, &format!("b/{index}")))
         .collect();
     RequestProducer::new(&stack.config)?.send(&second).await?;
+    eventually(
+        Duration::from_secs(30),
+        "a refresh-due event sent while no dispatcher runs",
+        || async { Ok(messages_written(&stack.config, &due_topic).await? > due_before) },
+    )
+    .await?;
+    // Once no job waits on the key, limit-grant sends no more due events:
+    // the refresh to 5 below can only come from the ones waiting in Kafka.
+    eventually(Duration::from_secs(60), "no job waiting on the key", || async {
+        Ok(key_state(&stack, "acme", "render").await?.waiting == 0)
+    })
+    .await?;
     let replacement = start_refresh_dispatcher(&stack.config, Faults::none()).await?;
     *dispatcher_address.lock().unwrap() = replacement.endpoint.clone();
     stack.refresh_dispatchers.push(replacement);

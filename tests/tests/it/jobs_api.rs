@@ -56,7 +56,9 @@ async fn cancel_removes_a_waiter_and_a_running_job_keeps_its_ticket_until_confir
         heartbeat_one(&admission, "w", &running, 1).await?,
         pb::HeartbeatOutcome::Cancelled as i32
     );
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Everything before is applied: a release the cancel sent would have
+    // reached limit-grant, and a grant to `next` come back.
+    stack.barrier().await?;
     assert_eq!(
         job_view(&admission, &next).await?.status,
         pb::JobStatus::Waiting as i32,
@@ -135,7 +137,8 @@ async fn idempotency_keys_deduplicate_within_their_window_over_grpc_and_kafka() 
         Ok(!rows.is_empty())
     })
     .await?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Both Kafka requests are handed over and saved.
+    stack.barrier().await?;
     let order_two: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(jobs_with_key))
         .fetch_all(&stack.pool)
         .await?;
@@ -149,7 +152,9 @@ async fn idempotency_keys_deduplicate_within_their_window_over_grpc_and_kafka() 
     assert!(over_grpc.deduplicated);
     assert_eq!(over_grpc.job_id, order_two[0]);
 
-    // After the window the key can be used again.
+    // After the window the key can be used again, and not before: enqueue
+    // until a request is not deduplicated, then check when that was.
+    let before_short = std::time::Instant::now();
     let short = admission
         .enqueue(pb::EnqueueRequest {
             job: Some(keyed("order-3", "1s", "short")),
@@ -163,14 +168,28 @@ async fn idempotency_keys_deduplicate_within_their_window_over_grpc_and_kafka() 
         .await?
         .into_inner();
     assert!(within.deduplicated);
-    tokio::time::sleep(Duration::from_millis(1300)).await;
-    let after = admission
-        .enqueue(pb::EnqueueRequest {
-            job: Some(keyed("order-3", "1s", "after")),
-        })
-        .await?
-        .into_inner();
-    assert!(!after.deduplicated, "the window has passed");
+    let deadline = before_short + Duration::from_secs(30);
+    let after = loop {
+        let answer = admission
+            .enqueue(pb::EnqueueRequest {
+                job: Some(keyed("order-3", "1s", "after")),
+            })
+            .await?
+            .into_inner();
+        if !answer.deduplicated {
+            break answer;
+        }
+        assert_eq!(answer.job_id, short.job_id, "deduplicated to the first job");
+        assert!(std::time::Instant::now() < deadline, "the 1s window never passed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The window runs from the first job's commit, on admission's clock
+    // (monotonic, whole milliseconds): at least 1 s after `before_short`.
+    let reused_after = before_short.elapsed();
+    assert!(
+        reused_after >= Duration::from_millis(999),
+        "the key was free again {reused_after:?} after the first request, within its 1s window"
+    );
     assert_ne!(after.job_id, short.job_id);
     stack.stop().await;
     Ok(())

@@ -194,7 +194,9 @@ async fn a_failure_retries_after_its_backoff_and_a_late_complete_frees_nothing()
     enqueue_with_id(&admission, &c, concurrency_job("acme", "retry-key", 1, 0, "c")).await?;
     let late = complete_one(&admission, "w", &a, 1, pb::completion::Outcome::Success(pb::Success {})).await?;
     assert_eq!(late.outcome, pb::CompleteOutcome::Stale as i32);
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Everything before is applied: a release the late complete sent would
+    // have reached limit-grant, and a grant to c come back.
+    stack.barrier().await?;
     let state = key_state(&stack, "acme", "retry-key").await?;
     let holder = state.holders[0].ticket.clone().unwrap();
     assert_eq!(
@@ -267,7 +269,14 @@ async fn overrides_survive_a_restart_of_limit_grant() -> anyhow::Result<()> {
         state.paused && state.override_max == Some(0),
         "still paused after the restart: {state:?}"
     );
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Admission's link to the new owner is up (a job on another key goes
+    // through it), and everything in flight is applied (the grants the new
+    // owner sent when the link claimed the job partitions, commands and
+    // grants since): still nothing admitted.
+    let probe = format!("{prefix}probe");
+    enqueue_with_id(&admission, &probe, concurrency_job("acme", "probe-key", 1, 0, "probe")).await?;
+    wait_status(&admission, &probe, pb::JobStatus::Admitted, Duration::from_secs(30)).await?;
+    stack.barrier().await?;
     assert_eq!(admitted_count(&admission, &ids).await?, 0);
 
     // Raising the limit grants waiters at once.

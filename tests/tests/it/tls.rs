@@ -7,7 +7,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use sluice_common::Shutdown;
-use sluice_e2e::pki::{folder, health_over_tls_server, new_pki, new_pki_for, server_tls, write_pki};
+use sluice_e2e::pki::{
+    folder, health_over_tls_server, health_over_tls_server_watched, new_pki, new_pki_for, server_tls, write_pki,
+};
 use sluice_e2e::*;
 use sluice_proto::v1 as pb;
 
@@ -134,7 +136,7 @@ async fn a_rotated_certificate_is_served_without_a_restart() -> anyhow::Result<(
     let (cert, key, _) = write_pki(&folder, &first)?;
     let config = server_tls(&cert, &key, "", Duration::from_millis(100));
     let stop = Shutdown::new();
-    let endpoint = health_over_tls_server(&config, &stop).await?;
+    let (endpoint, server) = health_over_tls_server_watched(&config, &stop).await?;
     health_over_tls(&endpoint, &first.ca_pem, None).await?;
 
     // cert-manager writes a certificate from another CA.
@@ -150,8 +152,14 @@ async fn a_rotated_certificate_is_served_without_a_restart() -> anyhow::Result<(
     );
 
     // A pair that does not load keeps the last good one.
+    // (A reload between the two files of a rotation may have refused a
+    // mismatched pair already: count from here.)
+    let refused_before = server.refused_reloads();
     std::fs::write(folder.join("tls.key"), "not a key")?;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(Duration::from_secs(30), "the reload that refuses the pair", || async {
+        Ok(server.refused_reloads() > refused_before)
+    })
+    .await?;
     health_over_tls(&endpoint, &second.ca_pem, None).await?;
     stop.trigger();
     std::fs::remove_dir_all(folder)?;
