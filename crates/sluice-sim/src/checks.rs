@@ -3,7 +3,7 @@
 //! jobs running than its max; and at the end, every job ended, with the
 //! stalls (a key with jobs waiting and nothing running) measured.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::world::SimConfig;
 
@@ -23,7 +23,7 @@ pub struct Checks {
     enqueued: Vec<Option<i64>>,
     ended: Vec<Option<i64>>,
     runs: BTreeMap<u64, Run>,
-    running_by_job: HashMap<usize, u64>,
+    running_by_job: BTreeMap<usize, u64>,
     running_by_key: Vec<usize>,
     attempts: BTreeSet<(usize, u32)>,
 }
@@ -37,7 +37,7 @@ impl Checks {
             enqueued: vec![None; config.jobs],
             ended: vec![None; config.jobs],
             runs: BTreeMap::new(),
-            running_by_job: HashMap::new(),
+            running_by_job: BTreeMap::new(),
             running_by_key: vec![0; config.keys],
             attempts: BTreeSet::new(),
         }

@@ -19,4 +19,4 @@ mod services;
 mod workers;
 mod world;
 
-pub use world::{run, Bug, Report, SimConfig};
+pub use world::{run, Bug, Report, SimConfig, Trace};

@@ -2,7 +2,7 @@
 //! seed.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::Arc;
 
 use prost::Message;
@@ -34,6 +34,15 @@ pub enum Bug {
     AnswerWithoutFence,
 }
 
+impl Bug {
+    /// Every bug, with the name SIM_BUG gives it.
+    pub const ALL: &'static [(&'static str, Bug)] = &[("answer-without-fence", Bug::AnswerWithoutFence)];
+
+    pub fn from_name(name: &str) -> Option<Bug> {
+        Bug::ALL.iter().find(|(known, _)| *known == name).map(|(_, bug)| *bug)
+    }
+}
+
 /// What to simulate.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -50,6 +59,21 @@ pub struct SimConfig {
     /// After the faults stop, every job ends within this.
     pub liveness_bound_ms: i64,
     pub bug: Option<Bug>,
+    /// Keep a digest of every event handled (Report::digest), and print
+    /// each one (SIM_TRACE): the history a seed gives, to compare or read.
+    pub trace: Trace,
+}
+
+/// What the run does with the events it handles.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Trace {
+    /// Nothing (the fast path).
+    #[default]
+    Off,
+    /// A digest of them (Report::digest).
+    Digest,
+    /// A digest, and each printed on stderr.
+    Print,
 }
 
 impl Default for SimConfig {
@@ -66,12 +90,13 @@ impl Default for SimConfig {
             faults_until_ms: 30_000,
             liveness_bound_ms: 120_000,
             bug: None,
+            trace: Trace::Off,
         }
     }
 }
 
 /// What one seed's run found.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Report {
     pub seed: u64,
     pub steps: u64,
@@ -85,6 +110,9 @@ pub struct Report {
     pub stalls_ms: Vec<i64>,
     pub end_ms: i64,
     pub faults: u64,
+    /// A digest of every event handled, in order (with `Trace::Digest` or
+    /// `Trace::Print`): two runs of one seed give the same.
+    pub digest: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -129,7 +157,7 @@ pub enum Answer {
 struct LinkClient {
     next_seq: u64,
     unacked: BTreeMap<u64, Pending>,
-    directory: HashMap<usize, usize>,
+    directory: BTreeMap<usize, usize>,
     directory_wanted: bool,
 }
 
@@ -152,9 +180,10 @@ struct Pending {
 /// instance, epoch, connection).
 #[derive(Default)]
 struct Router {
-    routes: HashMap<usize, (usize, i64, u64)>,
+    routes: BTreeMap<usize, (usize, i64, u64)>,
 }
 
+#[derive(Debug)]
 enum Event {
     Run {
         svc: Svc,
@@ -262,13 +291,15 @@ pub struct World {
     pub workers: Workers,
     pub checks: Checks,
     /// Requests not yet answered: job index → token.
-    producing: HashMap<u64, usize>,
+    producing: BTreeMap<u64, usize>,
     /// Commit failures still to come, per (service, partition).
     failing_commits: BTreeMap<(Svc, usize), u32>,
     /// The earliest run event queued for each partition task.
     queued_runs: BTreeMap<(Svc, usize, usize), i64>,
     pub faults: u64,
     pub steps: u64,
+    /// The digest of the events handled so far (`Trace::Digest`, `Print`).
+    digest: Option<std::hash::DefaultHasher>,
 }
 
 impl World {
@@ -323,11 +354,12 @@ impl World {
             crash_after_commit: BTreeSet::new(),
             workers: Workers::new(config.workers),
             checks: Checks::new(&config),
-            producing: HashMap::new(),
+            producing: BTreeMap::new(),
             failing_commits: BTreeMap::new(),
             queued_runs: BTreeMap::new(),
             faults: 0,
             steps: 0,
+            digest: (config.trace != Trace::Off).then(std::hash::DefaultHasher::new),
             config,
         };
         world.start();
@@ -409,6 +441,7 @@ impl World {
             };
             self.free.push(slot);
             self.steps += 1;
+            self.record(&event);
             self.handle(event);
             if self.checks.violation.is_some() {
                 break;
@@ -417,7 +450,7 @@ impl World {
                 break;
             }
         }
-        if std::env::var("SIM_TRACE").is_ok() {
+        if self.config.trace == Trace::Print {
             self.dump();
         }
         if self.checks.violation.is_none() && !self.checks.all_ended(self.config.jobs) {
@@ -440,6 +473,20 @@ impl World {
             stalls_ms,
             end_ms: self.now,
             faults: self.faults,
+            digest: self.digest.as_ref().map(std::hash::Hasher::finish),
+        }
+    }
+
+    /// Fold the event into the digest (std's `DefaultHasher::new` has fixed
+    /// keys: the same in every process), and print it with `Trace::Print`.
+    fn record(&mut self, event: &Event) {
+        let Some(digest) = self.digest.as_mut() else {
+            return;
+        };
+        let line = format!("{} {event:?}", self.now);
+        std::hash::Hash::hash(&line, digest);
+        if self.config.trace == Trace::Print {
+            eprintln!("{line}");
         }
     }
 
@@ -821,7 +868,7 @@ impl World {
         if !self.adm.up[adm] {
             return;
         }
-        let directory: HashMap<usize, usize> = self
+        let directory: BTreeMap<usize, usize> = self
             .lg
             .stores
             .iter()
