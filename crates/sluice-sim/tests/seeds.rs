@@ -18,7 +18,7 @@ fn a_thousand_seeds_keep_every_guarantee() {
     for seed in 0..seeds {
         let report = run(seed, &config).unwrap();
         if let Some(violation) = report.violation {
-            failed.push(format!("seed {seed}: {violation}"));
+            failed.push(format!("seed {seed}: {violation}\n  replay: SEED={seed} make sim"));
         }
     }
     assert!(
