@@ -145,6 +145,21 @@ impl Checks {
     /// Every stretch of time a key had a job waiting (enqueued, not ended,
     /// not running) and nothing running, in ms.
     pub fn stalls(&self, now: i64) -> Vec<i64> {
+        self.stretches(now).into_iter().map(|(_, from, to)| to - from).collect()
+    }
+
+    /// The longest stall after `since` (the faults stopped), counted from
+    /// `since` at the earliest: (key, from, to).
+    pub fn longest_stall_after(&self, since: i64, now: i64) -> Option<(usize, i64, i64)> {
+        self.stretches(now)
+            .into_iter()
+            .filter(|(_, _, to)| *to > since)
+            .map(|(key, from, to)| (key, from.max(since), to))
+            .max_by_key(|(key, from, to)| (to - from, std::cmp::Reverse(*key)))
+    }
+
+    /// The stalls as (key, from, to).
+    fn stretches(&self, now: i64) -> Vec<(usize, i64, i64)> {
         let mut stalls = Vec::new();
         for key in 0..self.keys {
             // (time, pending change, running change)
@@ -174,7 +189,7 @@ impl Checks {
                     (true, None) => stalled_since = Some(at),
                     (false, Some(since)) => {
                         if at > since {
-                            stalls.push(at - since);
+                            stalls.push((key, since, at));
                         }
                         stalled_since = None;
                     }
@@ -182,7 +197,7 @@ impl Checks {
                 }
             }
             if let Some(since) = stalled_since {
-                stalls.push(now - since);
+                stalls.push((key, since, now));
             }
         }
         stalls

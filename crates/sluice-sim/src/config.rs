@@ -7,11 +7,29 @@ pub enum Bug {
     /// An owner answers a batch that wrote nothing without a fenced commit
     /// (issue 29: a fenced owner answered from its memory, a job ran twice).
     AnswerWithoutFence,
+    /// An owner sends what a batch decided without a fenced commit when
+    /// the batch writes and answers nothing (before f79a5e0: a stale
+    /// admission owner released the grant of a job it did not know, and
+    /// freed a slot the new owner's job waited for).
+    SendWithoutFence,
+    /// Link commands an owner took and dropped before its commit (the
+    /// partition released or revoked) are not refused: the client waits
+    /// on the open link (before 4ecf2cc: 35-50 s stalls in make chaos).
+    DroppedCommandsNotRefused,
+    /// A Kafka worker claims a second delivery of an attempt it already
+    /// handles (before 2c8f8ec / 0f9cf2f: a duplicate whose claim failed in
+    /// transit was settled by a heartbeat answering EXTENDED, and ran twice).
+    WorkerRunsDuplicateDelivery,
 }
 
 impl Bug {
     /// Every bug, with the name SIM_BUG gives it.
-    pub const ALL: &'static [(&'static str, Bug)] = &[("answer-without-fence", Bug::AnswerWithoutFence)];
+    pub const ALL: &'static [(&'static str, Bug)] = &[
+        ("answer-without-fence", Bug::AnswerWithoutFence),
+        ("send-without-fence", Bug::SendWithoutFence),
+        ("dropped-commands-not-refused", Bug::DroppedCommandsNotRefused),
+        ("worker-runs-duplicate-delivery", Bug::WorkerRunsDuplicateDelivery),
+    ];
 
     pub fn from_name(name: &str) -> Option<Bug> {
         Bug::ALL.iter().find(|(known, _)| *known == name).map(|(_, bug)| *bug)
@@ -33,6 +51,9 @@ pub struct SimConfig {
     pub faults_until_ms: i64,
     /// After the faults stop, every job ends within this.
     pub liveness_bound_ms: i64,
+    /// After the faults stop, no key stalls (jobs waiting, none running)
+    /// longer than this.
+    pub stall_bound_ms: i64,
     pub bug: Option<Bug>,
     /// Keep a digest of every event handled (Report::digest), and print
     /// each one (SIM_TRACE): the history a seed gives, to compare or read.
@@ -64,6 +85,7 @@ impl Default for SimConfig {
             lease_ms: 3_000,
             faults_until_ms: 30_000,
             liveness_bound_ms: 120_000,
+            stall_bound_ms: 30_000,
             bug: None,
             trace: Trace::Off,
         }

@@ -14,7 +14,9 @@ impl World {
         }
         self.faults += 1;
         let instances = self.config.instances;
-        match self.rng.random_range(0..10) {
+        // Overlapping owners (a rebalance the old member hears of late)
+        // are where fencing bugs show: a quarter of the faults.
+        match self.rng.random_range(0..12) {
             0 => {
                 let instance = self.rng.random_range(0..instances);
                 self.kill(Svc::Admission, instance);
@@ -23,7 +25,7 @@ impl World {
                 let instance = self.rng.random_range(0..instances);
                 self.kill(Svc::LimitGrant, instance);
             }
-            2 => {
+            2 | 10 | 11 => {
                 let svc = if self.rng.random_bool(0.5) {
                     Svc::Admission
                 } else {

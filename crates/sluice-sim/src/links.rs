@@ -235,6 +235,8 @@ impl World {
                         },
                     );
                 }
+                Err(oneshot::error::TryRecvError::Closed)
+                    if self.config.bug == Some(crate::config::Bug::DroppedCommandsNotRefused) => {}
                 Err(oneshot::error::TryRecvError::Closed) => {
                     let delay = self.net_delay();
                     self.at(

@@ -158,13 +158,24 @@ impl World {
             _ => false,
         };
         let answer_without_fence = self.config.bug == Some(Bug::AnswerWithoutFence);
+        let send_without_fence = self.config.bug == Some(Bug::SendWithoutFence);
         let end = match svc {
-            Svc::Admission => self
-                .adm
-                .run_batch(instance, partition, now_ms, commit_fails, answer_without_fence),
-            Svc::LimitGrant => self
-                .lg
-                .run_batch(instance, partition, now_ms, commit_fails, answer_without_fence),
+            Svc::Admission => self.adm.run_batch(
+                instance,
+                partition,
+                now_ms,
+                commit_fails,
+                answer_without_fence,
+                send_without_fence,
+            ),
+            Svc::LimitGrant => self.lg.run_batch(
+                instance,
+                partition,
+                now_ms,
+                commit_fails,
+                answer_without_fence,
+                send_without_fence,
+            ),
         };
         match end {
             BatchEnd::Committed {

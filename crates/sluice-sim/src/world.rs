@@ -159,6 +159,11 @@ impl World {
                 ("kafka.partitions.jobs", job_partitions.as_str()),
                 ("kafka.partitions.limit_commands", limit_partitions.as_str()),
                 ("admission.stream_end_grace", "1s"),
+                // The waiting acquire's re-send is a backstop: a slow one
+                // lets the stall check see a recovery that leans on it
+                // (a lost grant is sent again at admission's next sweep,
+                // every 10 s, not at this timer's pace).
+                ("admission.resend_waiting_after", "60s"),
             ],
         )?);
         let limit_settings = sluice_limit_grant::core::PartitionSettings {
@@ -305,6 +310,9 @@ impl World {
                 self.checks.unfinished(self.config.jobs)
             ));
         }
+        if self.checks.violation.is_none() {
+            self.check_stalls_after_faults();
+        }
         let stalls_ms = self.checks.stalls(self.now);
         Report {
             seed,
@@ -317,6 +325,23 @@ impl World {
             end_ms: self.now,
             faults: self.faults,
             digest: self.digest.as_ref().map(std::hash::Hasher::finish),
+        }
+    }
+
+    /// Once the faults stopped, no key waits long with nothing running:
+    /// what recovers from a fault (re-sent grants, refused commands sent
+    /// again, leases that end, partitions taken over) does so within
+    /// `stall_bound_ms`, not at a backstop timer's pace.
+    fn check_stalls_after_faults(&mut self) {
+        let since = self.config.faults_until_ms;
+        if let Some((key, from, to)) = self.checks.longest_stall_after(since, self.now) {
+            if to - from > self.config.stall_bound_ms {
+                self.checks.violation = Some(format!(
+                    "stall after the faults stopped: key k{key} had jobs waiting and none running from {from} ms to {to} ms ({} ms, bound {} ms)",
+                    to - from,
+                    self.config.stall_bound_ms
+                ));
+            }
         }
     }
 

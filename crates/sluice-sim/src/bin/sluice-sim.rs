@@ -22,7 +22,7 @@ fn env_number(name: &str, default: u64) -> u64 {
 
 /// The settings a replay needs besides the seed.
 fn replay_prefix() -> String {
-    ["SIM_BUG", "SIM_FAULTS_UNTIL_MS", "SIM_JOBS"]
+    ["SIM_BUG", "SIM_FAULTS_UNTIL_MS", "SIM_JOBS", "SIM_STALL_BOUND_MS"]
         .iter()
         .filter_map(|name| std::env::var(name).ok().map(|value| format!("{name}={value} ")))
         .collect()
@@ -32,6 +32,9 @@ fn config_from_env() -> anyhow::Result<SimConfig> {
     let mut config = SimConfig::default();
     if let Ok(until) = std::env::var("SIM_FAULTS_UNTIL_MS") {
         config.faults_until_ms = until.parse()?;
+    }
+    if let Ok(bound) = std::env::var("SIM_STALL_BOUND_MS") {
+        config.stall_bound_ms = bound.parse()?;
     }
     if let Ok(jobs) = std::env::var("SIM_JOBS") {
         config.jobs = jobs.parse()?;
