@@ -54,6 +54,8 @@ pub struct SimConfig {
     /// After the faults stop, no key stalls (jobs waiting, none running)
     /// longer than this.
     pub stall_bound_ms: i64,
+    /// The producer enqueues job n at n times this (ms).
+    pub produce_every_ms: i64,
     pub bug: Option<Bug>,
     /// Keep a digest of every event handled (Report::digest), and print
     /// each one (SIM_TRACE): the history a seed gives, to compare or read.
@@ -86,6 +88,7 @@ impl Default for SimConfig {
             faults_until_ms: 30_000,
             liveness_bound_ms: 120_000,
             stall_bound_ms: 30_000,
+            produce_every_ms: 20,
             bug: None,
             trace: Trace::Off,
         }

@@ -256,7 +256,9 @@ impl World {
             self.at(1, Event::DirectoryRead { adm });
         }
         for job in 0..self.config.jobs {
-            let delay = i64::try_from(job).unwrap_or(0) * 20 + 50;
+            // Jobs arrive through the faults, not all at once: a job new to
+            // an owner that took over must exist for some bugs to show.
+            let delay = i64::try_from(job).unwrap_or(0) * self.config.produce_every_ms + 50;
             self.at(delay, Event::Produce { job });
         }
         let workers = self.config.workers;

@@ -4,7 +4,8 @@
 //! every event on stderr and its digest), SIM_TRACE (trace every seed run),
 //! SIM_BUG (put back a bug of the modelled runtime, links or workers:
 //! crates/sluice-sim/bugs/model-bugs.txt), SIM_STOP_AT_FIRST (stop at the
-//! first failing seed), SIM_FAULTS_UNTIL_MS, SIM_JOBS. A failing seed
+//! first failing seed), SIM_FAULTS_UNTIL_MS, SIM_JOBS, SIM_STALL_BOUND_MS,
+//! SIM_PRODUCE_EVERY_MS. A failing seed
 //! prints the command that replays it; a panic in a core is a failure of
 //! its seed.
 
@@ -22,10 +23,16 @@ fn env_number(name: &str, default: u64) -> u64 {
 
 /// The settings a replay needs besides the seed.
 fn replay_prefix() -> String {
-    ["SIM_BUG", "SIM_FAULTS_UNTIL_MS", "SIM_JOBS", "SIM_STALL_BOUND_MS"]
-        .iter()
-        .filter_map(|name| std::env::var(name).ok().map(|value| format!("{name}={value} ")))
-        .collect()
+    [
+        "SIM_BUG",
+        "SIM_FAULTS_UNTIL_MS",
+        "SIM_JOBS",
+        "SIM_STALL_BOUND_MS",
+        "SIM_PRODUCE_EVERY_MS",
+    ]
+    .iter()
+    .filter_map(|name| std::env::var(name).ok().map(|value| format!("{name}={value} ")))
+    .collect()
 }
 
 fn config_from_env() -> anyhow::Result<SimConfig> {
@@ -35,6 +42,9 @@ fn config_from_env() -> anyhow::Result<SimConfig> {
     }
     if let Ok(bound) = std::env::var("SIM_STALL_BOUND_MS") {
         config.stall_bound_ms = bound.parse()?;
+    }
+    if let Ok(every) = std::env::var("SIM_PRODUCE_EVERY_MS") {
+        config.produce_every_ms = every.parse()?;
     }
     if let Ok(jobs) = std::env::var("SIM_JOBS") {
         config.jobs = jobs.parse()?;
