@@ -6,13 +6,15 @@ export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
 
-.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench chaos chaos-short fmt
+.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench chaos chaos-short fmt sim sim-bugs
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
 	@echo "make test        set up and run every check: fmt, clippy, unit and integration tests, helm-check"
 	@echo "make bench       run the benchmarks; the last line printed is one JSON object"
 	@echo "make helm-check  lint, render and schema-validate the Helm chart"
+	@echo "make sim         the deterministic simulation: SEEDS=N make sim runs N seeds (1000), SEED=n make sim replays one with its trace; one JSON line"
+	@echo "make sim-bugs    put back known bugs one at a time; the seed of make test's that finds each (one JSON line per bug)"
 	@echo "make chaos       kill -9 services and workers (separate processes) while jobs flow, for stream and Kafka workers, with and without faults; one JSON line per run, a summary last"
 
 setup:
@@ -65,6 +67,16 @@ test: fmt-check clippy unit-and-integration helm-check chaos-short
 chaos-short: setup
 	@CHAOS_PROFILE=debug CHAOS_JOBS=600 CHAOS_KEYS=10 CHAOS_RATE=15 CHAOS_DEADLINE_S=300 CHAOS_CLEAN=0 \
 	  SLUICE_CHAOS_BROKER_PORT=19293 scripts/chaos.sh
+
+# The deterministic simulation (crates/sluice-sim): SEEDS, SEED_FROM, SEED,
+# SIM_BUG, SIM_TRACE, SIM_FAULTS_UNTIL_MS, SIM_JOBS from the environment or
+# the command line. Built like the tests (the dev profile gives the
+# simulation and the cores it drives an opt-level: Cargo.toml).
+sim:
+	@$(CARGO) run --locked -q -p sluice-sim --bin sluice-sim
+
+sim-bugs:
+	@scripts/sim-bugs.sh
 
 bench: setup
 	@scripts/bench.sh

@@ -1,11 +1,10 @@
 //! Turning decided effects into Kafka messages: acquire and release commands
 //! to the owners of the job's keys, admitted jobs to workers, dead letters.
 
-use std::collections::HashMap;
+use sluice_common::hash::HashMap;
 use std::sync::Arc;
 
 use prost::Message;
-use sluice_common::clock::wall_clock_ms;
 use sluice_common::kafka::{OutMsg, Outbox};
 use sluice_common::link::Link;
 use sluice_common::partition::{job_partition, key_partition, rate_key_partition};
@@ -26,6 +25,8 @@ pub struct Release<'a> {
     pub reason: pb::ReleaseReason,
     /// How long the attempt ran (claim to its end), for adaptive keys.
     pub run_ms: Option<i64>,
+    /// The partition's clock when the release was decided.
+    pub sent_at_ms: i64,
 }
 
 /// Where admission's messages go.
@@ -60,12 +61,14 @@ impl Routes {
         job_partition(job_id, self.jobs_partitions)
     }
 
-    /// Add the messages of `effects` for `job` (its state after the transition).
-    pub fn push_effects(&self, outbox: &mut Outbox, job: &JobRow, effects: &[Effect]) {
+    /// Add the messages of `effects` for `job` (its state after the
+    /// transition). `now_ms`: the partition's clock (the batch's), stamped
+    /// on what is sent: a decision replays from its inputs.
+    pub fn push_effects(&self, outbox: &mut Outbox, job: &JobRow, effects: &[Effect], now_ms: i64) {
         for effect in effects {
             match effect {
-                Effect::Acquire => self.push_acquire(outbox, job),
-                Effect::Admitted => self.push_admitted(outbox, job),
+                Effect::Acquire => self.push_acquire(outbox, job, now_ms),
+                Effect::Admitted => self.push_admitted(outbox, job, now_ms),
                 Effect::Release {
                     attempt,
                     steps,
@@ -73,10 +76,10 @@ impl Routes {
                     run_ms,
                 } => {
                     for step_index in steps {
-                        self.push_release(outbox, job, *attempt, *step_index, *reason, *run_ms);
+                        self.push_release(outbox, job, *attempt, *step_index, *reason, *run_ms, now_ms);
                     }
                 }
-                Effect::CancelRateWait { attempt, step } => self.push_rate_cancel(outbox, job, *attempt, *step),
+                Effect::CancelRateWait { attempt, step } => self.push_rate_cancel(outbox, job, *attempt, *step, now_ms),
             }
         }
     }
@@ -101,7 +104,7 @@ impl Routes {
     }
 
     /// Acquire the job's current step from its owner.
-    pub fn push_acquire(&self, outbox: &mut Outbox, job: &JobRow) {
+    pub fn push_acquire(&self, outbox: &mut Outbox, job: &JobRow, now_ms: i64) {
         let Some(step) = self.step_of(job, job.state.step) else {
             tracing::error!(job_id = %job.state.job_id, step = job.state.step, "acquire past the end of the chain");
             return;
@@ -111,7 +114,7 @@ impl Routes {
             attempt: job.state.attempt,
             step: job.state.step,
         };
-        let sent_at_ms = wall_clock_ms();
+        let sent_at_ms = now_ms;
         if step.is_ticketed() {
             let limit = match (&step.floating, &step.adaptive) {
                 (Some(floating), _) => pb::acquire_ticket::Limit::Floating(floating.clone()),
@@ -170,6 +173,7 @@ impl Routes {
         step_index: u32,
         reason: pb::ReleaseReason,
         run_ms: Option<i64>,
+        now_ms: i64,
     ) {
         let Some(step) = self.step_of(job, step_index) else {
             return;
@@ -184,6 +188,7 @@ impl Routes {
             step_index,
             reason,
             run_ms,
+            sent_at_ms: now_ms,
         };
         self.push_release_of(outbox, step, release);
     }
@@ -196,10 +201,11 @@ impl Routes {
             step_index,
             reason,
             run_ms,
+            sent_at_ms,
         } = release;
         let command = pb::LimitCommand {
             trace: Some(trace.clone()),
-            sent_at_ms: wall_clock_ms(),
+            sent_at_ms,
             command: Some(pb::limit_command::Command::Release(pb::ReleaseTicket {
                 key: Some(pb::KeyRef {
                     tenant: step.tenant.clone(),
@@ -218,7 +224,7 @@ impl Routes {
         outbox.push_link(Link::LimitGrant, partition, &command);
     }
 
-    fn push_rate_cancel(&self, outbox: &mut Outbox, job: &JobRow, attempt: u32, step_index: u32) {
+    fn push_rate_cancel(&self, outbox: &mut Outbox, job: &JobRow, attempt: u32, step_index: u32, now_ms: i64) {
         let Some(step) = self.step_of(job, step_index) else {
             return;
         };
@@ -228,7 +234,7 @@ impl Routes {
         let partition = rate_key_partition(&rate_key, self.rate_partitions);
         let command = pb::RateCommand {
             trace: Some(job.trace.clone()),
-            sent_at_ms: wall_clock_ms(),
+            sent_at_ms: now_ms,
             command: Some(pb::rate_command::Command::Cancel(pb::RateCancel {
                 key: Some(rate_key),
                 ticket: Some(pb::TicketId {
@@ -243,7 +249,7 @@ impl Routes {
 
     /// Publish the job to its task group's workers.
     /// What a worker gets of an admitted job (Kafka message or stream push).
-    pub fn admitted_job(&self, job: &JobRow) -> pb::AdmittedJob {
+    pub fn admitted_job(&self, job: &JobRow, now_ms: i64) -> pb::AdmittedJob {
         pb::AdmittedJob {
             job_id: job.state.job_id.clone(),
             attempt: job.state.attempt,
@@ -252,18 +258,18 @@ impl Routes {
             priority: job.priority,
             payload: job.payload.clone(),
             enqueued_at_ms: job.enqueued_at_us / 1000,
-            admitted_at_ms: job.state.admitted_at_ms.unwrap_or_else(wall_clock_ms),
+            admitted_at_ms: job.state.admitted_at_ms.unwrap_or(now_ms),
             max_attempts: job.state.max_attempts,
             lease_ms: u64::try_from(job.state.lease_ms).unwrap_or_default(),
         }
     }
 
-    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow) {
+    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow, now_ms: i64) {
         let Some(topic) = self.admitted.get(&job.task_group) else {
             tracing::error!(job_id = %job.state.job_id, task_group = %job.task_group, "no admitted topic for task group");
             return;
         };
-        let admitted = self.admitted_job(job);
+        let admitted = self.admitted_job(job, now_ms);
         let mut headers = trace_headers(&job.trace);
         headers.push(("content-type".to_string(), b"application/x-protobuf".to_vec()));
         // Keyed by attempt: a job handed back (a new attempt) may land on

@@ -6,7 +6,11 @@
 //! runtime commits what it decides (`AdmissionWrites`), then sends its
 //! effects. The state machine itself is `transitions`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+// Seeded maps: what the core iterates comes out in an order a seed fixes,
+// so the simulation replays a history exactly (sluice_common::hash).
+use sluice_common::hash::{HashMap, HashSet};
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
@@ -315,7 +319,7 @@ impl AdmissionPartition {
     ) -> Self {
         let mut partition = AdmissionPartition {
             settings,
-            jobs: HashMap::with_capacity(jobs.len()),
+            jobs: HashMap::with_capacity_and_hasher(jobs.len(), Default::default()),
             timers: BTreeSet::new(),
             awaiting_payload: BTreeSet::new(),
             payload_bytes: 0,
@@ -326,14 +330,14 @@ impl AdmissionPartition {
             snapshot_due: snapshot_bytes.is_none(),
             last_enqueued_at_us: 0,
             prepared: Prepared::default(),
-            changes: HashMap::new(),
-            unclaimed: HashMap::new(),
+            changes: HashMap::default(),
+            unclaimed: HashMap::default(),
             unclaimed_kept: 0,
-            pushes: HashMap::new(),
+            pushes: HashMap::default(),
             now_ms: 0,
             crash_after_commit: false,
-            active_by_tenant: HashMap::new(),
-            buckets: HashMap::new(),
+            active_by_tenant: HashMap::default(),
+            buckets: HashMap::default(),
         };
         for row in jobs {
             partition.last_enqueued_at_us = partition.last_enqueued_at_us.max(row.enqueued_at_us);
@@ -540,7 +544,9 @@ impl AdmissionPartition {
             .into_iter()
             .filter(|effect| !matches!(effect, Effect::Admitted))
             .collect();
-        self.settings.routes.push_effects(out.outbox, &active.row, &sendable);
+        self.settings
+            .routes
+            .push_effects(out.outbox, &active.row, &sendable, self.now_ms);
         let finished = active.row.state.is_finished();
         if wants_publish {
             self.publish_admitted(job_id, out);
@@ -586,7 +592,7 @@ impl AdmissionPartition {
         // handler span hangs below it.
         let published = self.with_admitted_span(job_id);
         if let Some(published) = published {
-            self.settings.routes.push_admitted(out.outbox, &published);
+            self.settings.routes.push_admitted(out.outbox, &published, self.now_ms);
         }
     }
 
@@ -601,7 +607,7 @@ impl AdmissionPartition {
             return;
         }
         let jobs = &self.jobs;
-        let mut seen = HashSet::with_capacity(queue.len());
+        let mut seen = HashSet::with_capacity_and_hasher(queue.len(), Default::default());
         queue.retain(|job_id| {
             jobs.get(job_id)
                 .is_some_and(|active| active.row.state.status == Status::Admitted)
@@ -636,7 +642,7 @@ impl AdmissionPartition {
         }
         let Some(dispatched) = self.with_admitted_span(job_id).map(|row| pb::DispatchedJob {
             lease_expires_at_ms: row.state.lease_expires_at_ms.unwrap_or_default(),
-            job: Some(self.settings.routes.admitted_job(&row)),
+            job: Some(self.settings.routes.admitted_job(&row, self.now_ms)),
             trace: Some(row.trace),
         }) else {
             return;
@@ -916,10 +922,10 @@ impl AdmissionPartition {
     ) -> Result<EnqueuePlan, EnqueueError> {
         let mut plan = EnqueuePlan {
             outcomes: Vec::with_capacity(rows.len()),
-            first_in_call: HashMap::new(),
+            first_in_call: HashMap::default(),
             new_rows: Vec::new(),
         };
-        let mut idempotency_in_call: HashMap<(String, String), String> = HashMap::new();
+        let mut idempotency_in_call: HashMap<(String, String), String> = HashMap::default();
         for (index, (row, incoming)) in rows.iter().zip(jobs).enumerate() {
             let job_id = &row.state.job_id;
             if let Some(holder) = self.idempotency_holder(now_ms, row, incoming, &mut idempotency_in_call) {
@@ -1110,7 +1116,7 @@ impl AdmissionPartition {
             return;
         };
         match active.row.state.status {
-            Status::Waiting => self.settings.routes.push_acquire(out.outbox, &active.row),
+            Status::Waiting => self.settings.routes.push_acquire(out.outbox, &active.row, self.now_ms),
             Status::Admitted => self.publish_admitted(job_id, out),
             _ => {}
         }
@@ -1130,7 +1136,7 @@ impl AdmissionPartition {
                 .acquire_route(&active.row)
                 .is_some_and(|(to, partition)| to == link && changed.contains(&partition));
             if on_path {
-                routes.push_acquire(outbox, &active.row);
+                routes.push_acquire(outbox, &active.row, self.now_ms);
             }
         }
     }
@@ -1288,6 +1294,7 @@ impl AdmissionPartition {
                 step_index: ticket.step,
                 reason: pb::ReleaseReason::UnwantedGrant,
                 run_ms: None,
+                sent_at_ms: self.now_ms,
             },
         );
     }
@@ -1298,7 +1305,8 @@ impl AdmissionPartition {
     /// attempt wins.
     fn claim(&mut self, now_ms: i64, worker_id: &str, attempts: &[(String, u32)]) -> Vec<pb::ClaimResult> {
         let mut results = Vec::with_capacity(attempts.len());
-        let mut answered: HashSet<(String, u32)> = HashSet::with_capacity(attempts.len());
+        let mut answered: HashSet<(String, u32)> =
+            HashSet::with_capacity_and_hasher(attempts.len(), Default::default());
         for (job_id, attempt) in attempts {
             let mut result = pb::ClaimResult {
                 job_id: job_id.clone(),
@@ -1487,7 +1495,9 @@ impl AdmissionPartition {
                         ..stored.row.state.clone()
                     };
                     let effects = finished.release_everything(pb::ReleaseReason::Succeeded);
-                    self.settings.routes.push_effects(out.outbox, &stored.row, &effects);
+                    self.settings
+                        .routes
+                        .push_effects(out.outbox, &stored.row, &effects, self.now_ms);
                     result.outcome = pb::CompleteOutcome::Accepted as i32;
                 } else {
                     result.outcome = pb::CompleteOutcome::Stale as i32;
@@ -1915,7 +1925,7 @@ impl OwnedState for AdmissionPartition {
     fn resend_all(&self, now_ms: i64, outbox: &mut Outbox) {
         for active in self.jobs.values() {
             if active.row.state.status == Status::Waiting {
-                self.settings.routes.push_acquire(outbox, &active.row);
+                self.settings.routes.push_acquire(outbox, &active.row, now_ms);
             }
         }
         self.stand_behind(now_ms, outbox);

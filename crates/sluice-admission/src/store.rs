@@ -329,8 +329,11 @@ impl OwnedStore for AdmissionStore {
             return Ok(prepared);
         }
         let mut connection = pool.acquire().await?;
-        prepared.stored = stored_jobs(&mut connection, &not_active).await?;
-        prepared.idempotency = read_idempotency_keys(&mut connection, &idempotency).await?;
+        prepared.stored = stored_jobs(&mut connection, &not_active).await?.into_iter().collect();
+        prepared.idempotency = read_idempotency_keys(&mut connection, &idempotency)
+            .await?
+            .into_iter()
+            .collect();
         if !payloads_needed.is_empty() {
             let rows: Vec<(String, Vec<u8>)> =
                 sqlx::query_as("SELECT job_id, payload FROM jobs WHERE job_id = ANY($1)")

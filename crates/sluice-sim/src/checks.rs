@@ -3,7 +3,7 @@
 //! jobs running than its max; and at the end, every job ended, with the
 //! stalls (a key with jobs waiting and nothing running) measured.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::world::SimConfig;
 
@@ -23,7 +23,7 @@ pub struct Checks {
     enqueued: Vec<Option<i64>>,
     ended: Vec<Option<i64>>,
     runs: BTreeMap<u64, Run>,
-    running_by_job: HashMap<usize, u64>,
+    running_by_job: BTreeMap<usize, u64>,
     running_by_key: Vec<usize>,
     attempts: BTreeSet<(usize, u32)>,
 }
@@ -37,7 +37,7 @@ impl Checks {
             enqueued: vec![None; config.jobs],
             ended: vec![None; config.jobs],
             runs: BTreeMap::new(),
-            running_by_job: HashMap::new(),
+            running_by_job: BTreeMap::new(),
             running_by_key: vec![0; config.keys],
             attempts: BTreeSet::new(),
         }
@@ -145,6 +145,21 @@ impl Checks {
     /// Every stretch of time a key had a job waiting (enqueued, not ended,
     /// not running) and nothing running, in ms.
     pub fn stalls(&self, now: i64) -> Vec<i64> {
+        self.stretches(now).into_iter().map(|(_, from, to)| to - from).collect()
+    }
+
+    /// The longest stall after `since` (the faults stopped), counted from
+    /// `since` at the earliest: (key, from, to).
+    pub fn longest_stall_after(&self, since: i64, now: i64) -> Option<(usize, i64, i64)> {
+        self.stretches(now)
+            .into_iter()
+            .filter(|(_, _, to)| *to > since)
+            .map(|(key, from, to)| (key, from.max(since), to))
+            .max_by_key(|(key, from, to)| (to - from, std::cmp::Reverse(*key)))
+    }
+
+    /// The stalls as (key, from, to).
+    fn stretches(&self, now: i64) -> Vec<(usize, i64, i64)> {
         let mut stalls = Vec::new();
         for key in 0..self.keys {
             // (time, pending change, running change)
@@ -174,7 +189,7 @@ impl Checks {
                     (true, None) => stalled_since = Some(at),
                     (false, Some(since)) => {
                         if at > since {
-                            stalls.push(at - since);
+                            stalls.push((key, since, at));
                         }
                         stalled_since = None;
                     }
@@ -182,7 +197,7 @@ impl Checks {
                 }
             }
             if let Some(since) = stalled_since {
-                stalls.push(now - since);
+                stalls.push((key, since, now));
             }
         }
         stalls

@@ -13,10 +13,19 @@
 //! attempt per job, no attempt run twice; when the faults stop, every job
 //! ends within a bound of simulated time.
 
+mod calls;
 mod checks;
+mod config;
+mod faults;
+mod links;
 mod model;
+mod owners;
+mod producer;
+mod report;
 mod services;
 mod workers;
 mod world;
 
-pub use world::{run, Bug, Report, SimConfig};
+pub use config::{Bug, SimConfig, Trace};
+pub use report::Report;
+pub use world::run;

@@ -131,6 +131,7 @@ impl<S: Service> ServiceModel<S> {
         now_ms: i64,
         commit_fails: bool,
         answer_without_fence: bool,
+        send_without_fence: bool,
     ) -> BatchEnd {
         let Some(task) = self.tasks[instance][partition]
             .as_mut()
@@ -166,6 +167,14 @@ impl<S: Service> ServiceModel<S> {
         }
         let store = &mut self.stores[partition];
         if answer_without_fence && sluice_common::owner::WriteSet::is_empty(&writes) && rejected.is_empty() {
+            return BatchEnd::Committed {
+                sends,
+                replies,
+                rejected,
+            };
+        }
+        let only_sends = sluice_common::owner::WriteSet::is_empty(&writes) && replies.is_empty() && rejected.is_empty();
+        if send_without_fence && only_sends {
             return BatchEnd::Committed {
                 sends,
                 replies,

@@ -5,7 +5,7 @@
 //! lease runs out, and complete. Some die, stall, abandon a job, hand one
 //! back or complete twice.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use rand::Rng;
 use sluice_admission::partition::Local;
@@ -16,6 +16,7 @@ use tokio::sync::oneshot;
 
 use crate::world::{job_index, Answer, CallKind, World};
 
+#[derive(Debug)]
 pub enum WorkerEvent {
     Poll,
     HeartbeatDue {
@@ -81,7 +82,7 @@ struct Worker {
     up: bool,
     incarnation: u32,
     active: BTreeMap<u64, ActiveRun>,
-    calls: HashMap<u64, Purpose>,
+    calls: BTreeMap<u64, Purpose>,
     /// Messages delivered to this worker and not dealt with yet.
     held: Vec<pb::AdmittedJob>,
     complete_twice_next: bool,
@@ -181,7 +182,7 @@ impl World {
                     .active
                     .values()
                     .any(|active| active.job_id == job.job_id && active.attempt == job.attempt);
-            if handled {
+            if handled && self.config.bug != Some(crate::config::Bug::WorkerRunsDuplicateDelivery) {
                 continue;
             }
             self.workers.list[worker].held.push(job.clone());

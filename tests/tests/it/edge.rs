@@ -395,7 +395,7 @@ async fn downstream(
         let mut job = row.clone();
         job.state.step = u32::try_from(step_index).unwrap_or(u32::MAX);
         let mut outbox = Outbox::new();
-        routes.push_acquire(&mut outbox, &job);
+        routes.push_acquire(&mut outbox, &job, sluice_common::clock::wall_clock_ms());
         let step = &row.state.chain[step_index];
         if step.is_ticketed() {
             let commands: Vec<(i32, pb::LimitCommand)> = link_entries(outbox, Link::LimitGrant);
