@@ -5,12 +5,25 @@ SHELL := /bin/bash
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/sluice/target
 CARGO ?= cargo
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo yes)
+# Inside `make test` (scripts/timed.sh) each step runs on its own, timed:
+# the setup steps are steps of their own there, not prerequisites.
+SETUP := $(if $(SLUICE_TIMED_STEP),,setup)
+TEST_TOOLS := $(if $(SLUICE_TIMED_STEP),,setup python-tools browser-tools)
 
-.PHONY: help setup python-tools browser-tools run build test fmt-check clippy unit-and-integration helm-check bench chaos chaos-short fmt sim sim-bugs
+# One dev build serves `make run`, the tests and the short chaos run, built
+# once. The same profile (dev), the same dependency features (--examples makes
+# cargo resolve features with the dev-dependencies, as `cargo test
+# --workspace` does, so the test build reuses every dependency) and the same
+# compiler wrapper: scripts/lint-build.sh compiles the workspace's crates
+# through clippy-driver, so compiling them is also linting them.
+LINT_BUILD := scripts/lint-build.sh
+BUILD_ARGS := --locked --workspace --exclude sluice-e2e --bins --examples
+
+.PHONY: help setup python-tools browser-tools run build test test-build fmt-check clippy unit-and-integration helm-check bench chaos chaos-short fmt sim sim-bugs
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
-	@echo "make test        set up and run every check: fmt, clippy, unit and integration tests, helm-check"
+	@echo "make test        set up and run every check: fmt, clippy, unit and integration tests, helm-check, short chaos; prints the time of each step"
 	@echo "make bench       run the benchmarks; the last line printed is one JSON object"
 	@echo "make helm-check  lint, render and schema-validate the Helm chart"
 	@echo "make sim         the deterministic simulation: SEEDS=N make sim runs N seeds (1000), SEED=n make sim replays one with its trace; one JSON line"
@@ -30,12 +43,14 @@ python-tools:
 browser-tools:
 	@scripts/dev-env.sh browser
 
-build: setup
-	$(CARGO) build --release --locked -p sluice-cli -p sluice-admission -p sluice-limit-grant -p sluice-rate-window -p sluice-refresh-dispatcher -p sluice-console
+# The service binaries, the CLI and the console (dev build, shared with the
+# tests). Inside `make test` a warning fails the build (clippy's lints).
+build: $(SETUP)
+	$(LINT_BUILD) $(if $(SLUICE_TIMED_STEP),--deny-warnings) $(CARGO) build $(BUILD_ARGS)
 
 run: build
 	@scripts/run-banner.sh
-	$(CARGO_TARGET_DIR)/release/sluice dev
+	$(CARGO_TARGET_DIR)/debug/sluice dev
 
 fmt:
 	$(CARGO) fmt --all
@@ -43,28 +58,39 @@ fmt:
 fmt-check:
 	$(CARGO) fmt --all -- --check
 
+# A check build of its own; `make test` lints in its build instead (build,
+# test-build: scripts/lint-build.sh).
 clippy: setup
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
+# Every test binary, compiled and linted (no warning allowed), without running.
+test-build: $(SETUP)
+	$(LINT_BUILD) --deny-warnings $(CARGO) test --locked --workspace --no-run
+
 # Against a fresh broker of their own (scripts/with-test-broker.sh).
-unit-and-integration: setup python-tools browser-tools
+unit-and-integration: $(TEST_TOOLS)
 ifeq ($(NEXTEST),yes)
-	scripts/with-test-broker.sh $(CARGO) nextest run --locked --workspace --no-fail-fast
-	$(CARGO) test --locked --workspace --doc
+	scripts/with-test-broker.sh $(LINT_BUILD) $(CARGO) nextest run --locked --workspace --no-fail-fast
+	$(LINT_BUILD) $(CARGO) test --locked --workspace --doc
 else
-	scripts/with-test-broker.sh $(CARGO) test --locked --workspace --no-fail-fast
+	scripts/with-test-broker.sh $(LINT_BUILD) $(CARGO) test --locked --workspace --no-fail-fast
 endif
 
 helm-check:
 	@bash scripts/helm-check.sh
 
-test: fmt-check clippy unit-and-integration helm-check chaos-short
+# Each step timed (scripts/timed.sh); the table of times is printed at the
+# end, or at the failing step. The builds come first, so a compile error or
+# a lint fails fast, and the dev build `make run` uses is the first.
+TEST_STEPS := setup python-tools browser-tools fmt-check build test-build unit-and-integration helm-check chaos-short
+test:
+	@MAKE="$(MAKE)" scripts/timed.sh $(TEST_STEPS)
 	@echo "make test: all checks passed"
 
-# A short `make chaos` (debug builds, its own broker port): for each worker
+# A short `make chaos` (the dev build, its own broker port): for each worker
 # kind, 600 jobs on 10 keys while instances, workers, the broker and
 # PostgreSQL fail (no run without faults: no throughput ratio).
-chaos-short: setup
+chaos-short: $(SETUP)
 	@CHAOS_PROFILE=debug CHAOS_JOBS=600 CHAOS_KEYS=10 CHAOS_RATE=15 CHAOS_DEADLINE_S=300 CHAOS_CLEAN=0 \
 	  SLUICE_CHAOS_BROKER_PORT=19293 scripts/chaos.sh
 
@@ -73,7 +99,7 @@ chaos-short: setup
 # the command line. Built like the tests (the dev profile gives the
 # simulation and the cores it drives an opt-level: Cargo.toml).
 sim:
-	@$(CARGO) run --locked -q -p sluice-sim --bin sluice-sim
+	@$(LINT_BUILD) $(CARGO) run --locked -q -p sluice-sim --bin sluice-sim
 
 sim-bugs:
 	@scripts/sim-bugs.sh

@@ -36,9 +36,16 @@ stop_broker() {
 }
 trap stop_broker EXIT
 echo "==> building the service binaries and the chaos runner ($PROFILE_DIR)"
-# One invocation, so the crates they share are built once with one feature set.
-cargo build $PROFILE_FLAG --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \
-  -p sluice-refresh-dispatcher -p sluice-e2e --bins
+if [ "$PROFILE_DIR" = debug ]; then
+  # The dev build `make run` and the tests use (see the Makefile): every
+  # binary of the workspace, with the test build's features and wrapper, so
+  # after `make test`'s builds nothing is compiled here.
+  scripts/lint-build.sh cargo build --locked --workspace --bins --examples
+else
+  # One invocation, so the crates they share are built once with one feature set.
+  cargo build $PROFILE_FLAG --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \
+    -p sluice-refresh-dispatcher -p sluice-e2e --bins
+fi
 echo "==> chaos (figures on the last line)"
 SLUICE__KAFKA__BROKERS="127.0.0.1:$PORT" RUST_LOG="${RUST_LOG:-error}" \
   CHAOS_BROKER_PID="$(cat "$STATE/tansu.pid")" \

@@ -646,26 +646,7 @@ impl Inner {
 }
 
 /// A certificate's common names and DNS / URI subject alternative names.
-pub fn certificate_names(certificate: &[u8]) -> Vec<String> {
-    let Ok((_, parsed)) = x509_parser::parse_x509_certificate(certificate) else {
-        return Vec::new();
-    };
-    let mut names: Vec<String> = parsed
-        .subject()
-        .iter_common_name()
-        .filter_map(|name| name.as_str().ok().map(str::to_string))
-        .collect();
-    if let Ok(Some(alternative)) = parsed.subject_alternative_name() {
-        for name in &alternative.value.general_names {
-            match name {
-                x509_parser::extensions::GeneralName::DNSName(dns) => names.push((*dns).to_string()),
-                x509_parser::extensions::GeneralName::URI(uri) => names.push((*uri).to_string()),
-                _ => {}
-            }
-        }
-    }
-    names
-}
+pub use crate::cert_names::certificate_names;
 
 impl tonic::service::Interceptor for Authenticator {
     fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, Status> {

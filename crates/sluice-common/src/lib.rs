@@ -3,6 +3,7 @@
 //! PostgreSQL storage, gRPC bootstrap and the owner runtime.
 
 pub mod auth;
+mod cert_names;
 pub mod cli;
 pub mod clock;
 pub mod config;

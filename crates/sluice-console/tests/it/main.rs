@@ -6,3 +6,4 @@
 mod browser;
 mod handlers;
 mod support;
+mod webdriver;
