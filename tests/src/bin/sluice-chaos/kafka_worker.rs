@@ -38,6 +38,11 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
         .set("group.id", format!("{}chaos-workers", config.kafka.topic_prefix))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "true")
+        // Offsets are stored once a message's claim is answered (as
+        // docs/worker-protocol.md §1 says): a worker killed between fetching
+        // a job and claiming it leaves the job to the next member, instead
+        // of to admission's claim_timeout re-publish (30 s of a held slot).
+        .set("enable.auto.offset.store", "false")
         .set("session.timeout.ms", config.kafka.session_timeout_ms.to_string())
         .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
     let consumer: Arc<StreamConsumer> = Arc::new(client_config.create()?);
@@ -66,23 +71,37 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
     let handling: Arc<std::sync::Mutex<HashSet<(String, u32)>>> = Arc::default();
     loop {
         let slot = slots.clone().acquire_owned().await?;
-        let job = match consumer.recv().await {
-            Ok(message) => pb::AdmittedJob::decode(message.payload().unwrap_or_default()),
+        let (job, position) = match consumer.recv().await {
+            Ok(message) => (
+                pb::AdmittedJob::decode(message.payload().unwrap_or_default()),
+                (message.topic().to_string(), message.partition(), message.offset()),
+            ),
             Err(error) => {
                 eprintln!("chaos worker {worker_id}: consuming: {error}");
                 tokio::time::sleep(RETRY_AFTER).await;
                 continue;
             }
         };
-        let Ok(job) = job else { continue };
+        let store = {
+            let consumer = consumer.clone();
+            move || {
+                let (topic, partition, offset) = position;
+                let _ = consumer.store_offset(&topic, partition, offset + 1);
+            }
+        };
+        let Ok(job) = job else {
+            store();
+            continue;
+        };
         let attempt = (job.job_id.clone(), job.attempt);
         if !lock(&handling).insert(attempt.clone()) {
+            store();
             continue;
         }
         let (client, worker_id, log, handling) = (client.clone(), worker_id.clone(), log.clone(), handling.clone());
         let abandon = rand::rng().random_bool(settings.abandon.clamp(0.0, 1.0));
         tokio::spawn(async move {
-            run_job(job, client, &worker_id, &log, abandon).await;
+            run_job(job, client, &worker_id, &log, abandon, store).await;
             lock(&handling).remove(&attempt);
             drop(slot);
         });
@@ -106,11 +125,17 @@ async fn run_job(
     worker_id: &str,
     log: &EventLog,
     abandon: bool,
+    claim_answered: impl FnOnce(),
 ) {
-    let Some(index) = job_index(&job.job_id) else { return };
+    let Some(index) = job_index(&job.job_id) else {
+        claim_answered();
+        return;
+    };
     let attempt = job.attempt;
     let lease_ms = i64::try_from(job.lease_ms).unwrap_or(i64::MAX).max(1);
-    let Some((via, claim_sent)) = claim(&client, worker_id, &job).await else {
+    let claimed = claim(&client, worker_id, &job).await;
+    claim_answered();
+    let Some((via, claim_sent)) = claimed else {
         return;
     };
     log.write(index, attempt, Event::Got { via: via.to_string() });
