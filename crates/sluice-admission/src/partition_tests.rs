@@ -134,23 +134,7 @@ impl Harness {
     }
 
     fn apply(&mut self, locals: Vec<Local>) {
-        let mut writes = AdmissionWrites::default();
-        let mut outbox = Outbox::new();
-        let mut replies: Vec<Reply> = Vec::new();
-        let mut rejected: Vec<Rejected> = Vec::new();
-        self.partition.apply(
-            self.now_ms,
-            &[],
-            locals,
-            &mut writes,
-            &mut outbox,
-            &mut replies,
-            &mut rejected,
-        );
-        self.save(writes);
-        for reply in replies {
-            reply();
-        }
+        self.apply_sending(locals);
     }
 
     /// `apply`, returning what the batch sends.
