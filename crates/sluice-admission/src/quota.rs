@@ -41,6 +41,9 @@ pub struct QuotaOverride {
 pub struct Quotas {
     defaults: Quota,
     overrides: RwLock<HashMap<String, QuotaOverride>>,
+    /// How many `set`s were applied (changed under the `overrides` lock): a
+    /// refresh whose read started before one must not undo it.
+    sets: std::sync::atomic::AtomicU64,
     partitions: u32,
 }
 
@@ -57,6 +60,7 @@ impl Quotas {
                 max_enqueues_per_second: positive(admission.default_max_enqueues_per_second),
             },
             overrides: RwLock::new(HashMap::new()),
+            sets: std::sync::atomic::AtomicU64::new(0),
             partitions: u32::try_from(config.kafka.partitions.jobs.max(1)).unwrap_or(1),
         }
     }
@@ -100,14 +104,30 @@ impl Quotas {
                 Some(stored) => overrides.insert(tenant.to_string(), stored),
                 None => overrides.remove(tenant),
             };
+            self.sets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         record_quota_gauges(tenant, self.of(tenant));
     }
 
-    /// Replace every override (the stored table, read again).
-    pub fn replace(&self, stored: HashMap<String, QuotaOverride>) {
+    /// How many `set`s were applied so far: take it before reading the
+    /// stored table, and give it to `replace`.
+    pub fn sets_so_far(&self) -> u64 {
+        self.sets.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Replace every override with the stored table, read again after
+    /// `sets_so_far` was `sets_before_read`. A `set` applied since (its row
+    /// stored after the read began, maybe) wins: the table is not applied,
+    /// and the next refresh reads it. Returns whether it was applied.
+    /// (Before, a refresh that read the table just before a `SetTenantQuota`
+    /// stored its row and applied it just after undid the new quota until
+    /// the next refresh.)
+    pub fn replace(&self, stored: HashMap<String, QuotaOverride>, sets_before_read: u64) -> bool {
         let changed: Vec<String> = {
             let mut overrides = self.overrides.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+            if self.sets_so_far() != sets_before_read {
+                return false;
+            }
             let changed = overrides
                 .keys()
                 .chain(stored.keys())
@@ -120,6 +140,7 @@ impl Quotas {
         for tenant in changed {
             record_quota_gauges(&tenant, self.of(&tenant));
         }
+        true
     }
 
     /// Partition `partition`'s share of `quota`: an even split whose parts
@@ -251,8 +272,11 @@ pub async fn refresh(
 ) -> Result<(), std::convert::Infallible> {
     let every = every.max(std::time::Duration::from_millis(100));
     loop {
+        let sets_before_read = quotas.sets_so_far();
         match load(&pool).await {
-            Ok(stored) => quotas.replace(stored),
+            Ok(stored) => {
+                quotas.replace(stored, sets_before_read);
+            }
             Err(error) => tracing::warn!(%error, "reading tenant quotas failed; keeping the last ones read"),
         }
         tokio::select! {
@@ -280,8 +304,36 @@ mod tests {
         Quotas {
             defaults: Quota::default(),
             overrides: RwLock::new(HashMap::new()),
+            sets: std::sync::atomic::AtomicU64::new(0),
             partitions,
         }
+    }
+
+    /// A refresh that read the table before a `SetTenantQuota` stored its
+    /// row, and applies what it read after the set, does not undo the set
+    /// (the race that let a tenant's second job through a new rate quota in
+    /// `quota::quotas_hold_on_grpc_and_kafka_and_leave_other_tenants_alone`).
+    #[test]
+    fn a_refresh_read_before_a_set_does_not_undo_it() {
+        let quotas = quotas(1);
+        let rate = QuotaOverride {
+            max_waiting: None,
+            max_enqueues_per_second: Some(0.001),
+        };
+        let sets_before_read = quotas.sets_so_far();
+        let read_before_the_set: HashMap<String, QuotaOverride> = HashMap::new();
+        quotas.set("globex", Some(rate));
+        assert!(!quotas.replace(read_before_the_set, sets_before_read));
+        assert_eq!(quotas.overridden("globex"), Some(rate), "the refresh undid the set");
+        // The next refresh reads the row the set stored, and applies.
+        let sets_before_read = quotas.sets_so_far();
+        let read_after: HashMap<String, QuotaOverride> = [("globex".to_string(), rate)].into_iter().collect();
+        assert!(quotas.replace(read_after, sets_before_read));
+        assert_eq!(quotas.overridden("globex"), Some(rate));
+        // A row removed through another instance goes at the next refresh.
+        let sets_before_read = quotas.sets_so_far();
+        assert!(quotas.replace(HashMap::new(), sets_before_read));
+        assert_eq!(quotas.overridden("globex"), None);
     }
 
     #[test]
