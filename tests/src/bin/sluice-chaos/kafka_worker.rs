@@ -8,7 +8,7 @@
 //! was this worker's. A heartbeat answered LEASE_LOST, or no renewal
 //! holding any more (§3), stops the handler without completing.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -69,6 +69,7 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
     // otherwise be resolved by a heartbeat answering EXTENDED, the
     // attempt being this worker's, and run a second time.)
     let handling: Arc<std::sync::Mutex<HashSet<(String, u32)>>> = Arc::default();
+    let unanswered: Arc<std::sync::Mutex<HashMap<(String, i32), Unanswered>>> = Arc::default();
     loop {
         let slot = slots.clone().acquire_owned().await?;
         let (job, position) = match consumer.recv().await {
@@ -82,11 +83,26 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
                 continue;
             }
         };
+        // In order per partition: the offset stored is the first one not
+        // answered yet (claims run concurrently; storing a later one first
+        // would skip a message a killed worker never claimed).
+        {
+            let mut partitions = lock(&unanswered);
+            let partition = partitions.entry((position.0.clone(), position.1)).or_default();
+            partition.pending.insert(position.2);
+            partition.high = partition.high.max(position.2);
+        }
         let store = {
-            let consumer = consumer.clone();
+            let (consumer, unanswered) = (consumer.clone(), unanswered.clone());
             move || {
                 let (topic, partition, offset) = position;
-                let _ = consumer.store_offset(&topic, partition, offset + 1);
+                let mut partitions = lock(&unanswered);
+                let Some(state) = partitions.get_mut(&(topic.clone(), partition)) else {
+                    return;
+                };
+                state.pending.remove(&offset);
+                let next = state.pending.first().copied().unwrap_or(state.high + 1);
+                let _ = consumer.store_offset(&topic, partition, next);
             }
         };
         let Ok(job) = job else {
@@ -106,6 +122,14 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
             drop(slot);
         });
     }
+}
+
+/// A partition's messages whose claim has no answer yet, and the highest
+/// offset delivered.
+#[derive(Default)]
+struct Unanswered {
+    pending: std::collections::BTreeSet<i64>,
+    high: i64,
 }
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
