@@ -8,7 +8,7 @@
 //! was this worker's. A heartbeat answered LEASE_LOST, or no renewal
 //! holding any more (§3), stops the handler without completing.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,11 +38,6 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
         .set("group.id", format!("{}chaos-workers", config.kafka.topic_prefix))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "true")
-        // Offsets are stored once a message's claim is answered (as
-        // docs/worker-protocol.md §1 says): a worker killed between fetching
-        // a job and claiming it leaves the job to the next member, instead
-        // of to admission's claim_timeout re-publish (30 s of a held slot).
-        .set("enable.auto.offset.store", "false")
         .set("session.timeout.ms", config.kafka.session_timeout_ms.to_string())
         .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
     let consumer: Arc<StreamConsumer> = Arc::new(client_config.create()?);
@@ -69,67 +64,29 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
     // otherwise be resolved by a heartbeat answering EXTENDED, the
     // attempt being this worker's, and run a second time.)
     let handling: Arc<std::sync::Mutex<HashSet<(String, u32)>>> = Arc::default();
-    let unanswered: Arc<std::sync::Mutex<HashMap<(String, i32), Unanswered>>> = Arc::default();
     loop {
         let slot = slots.clone().acquire_owned().await?;
-        let (job, position) = match consumer.recv().await {
-            Ok(message) => (
-                pb::AdmittedJob::decode(message.payload().unwrap_or_default()),
-                (message.topic().to_string(), message.partition(), message.offset()),
-            ),
+        let job = match consumer.recv().await {
+            Ok(message) => pb::AdmittedJob::decode(message.payload().unwrap_or_default()),
             Err(error) => {
                 eprintln!("chaos worker {worker_id}: consuming: {error}");
                 tokio::time::sleep(RETRY_AFTER).await;
                 continue;
             }
         };
-        // In order per partition: the offset stored is the first one not
-        // answered yet (claims run concurrently; storing a later one first
-        // would skip a message a killed worker never claimed).
-        {
-            let mut partitions = lock(&unanswered);
-            let partition = partitions.entry((position.0.clone(), position.1)).or_default();
-            partition.pending.insert(position.2);
-            partition.high = partition.high.max(position.2);
-        }
-        let store = {
-            let (consumer, unanswered) = (consumer.clone(), unanswered.clone());
-            move || {
-                let (topic, partition, offset) = position;
-                let mut partitions = lock(&unanswered);
-                let Some(state) = partitions.get_mut(&(topic.clone(), partition)) else {
-                    return;
-                };
-                state.pending.remove(&offset);
-                let next = state.pending.first().copied().unwrap_or(state.high + 1);
-                let _ = consumer.store_offset(&topic, partition, next);
-            }
-        };
-        let Ok(job) = job else {
-            store();
-            continue;
-        };
+        let Ok(job) = job else { continue };
         let attempt = (job.job_id.clone(), job.attempt);
         if !lock(&handling).insert(attempt.clone()) {
-            store();
             continue;
         }
         let (client, worker_id, log, handling) = (client.clone(), worker_id.clone(), log.clone(), handling.clone());
         let abandon = rand::rng().random_bool(settings.abandon.clamp(0.0, 1.0));
         tokio::spawn(async move {
-            run_job(job, client, &worker_id, &log, abandon, store).await;
+            run_job(job, client, &worker_id, &log, abandon).await;
             lock(&handling).remove(&attempt);
             drop(slot);
         });
     }
-}
-
-/// A partition's messages whose claim has no answer yet, and the highest
-/// offset delivered.
-#[derive(Default)]
-struct Unanswered {
-    pending: std::collections::BTreeSet<i64>,
-    high: i64,
 }
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -149,17 +106,11 @@ async fn run_job(
     worker_id: &str,
     log: &EventLog,
     abandon: bool,
-    claim_answered: impl FnOnce(),
 ) {
-    let Some(index) = job_index(&job.job_id) else {
-        claim_answered();
-        return;
-    };
+    let Some(index) = job_index(&job.job_id) else { return };
     let attempt = job.attempt;
     let lease_ms = i64::try_from(job.lease_ms).unwrap_or(i64::MAX).max(1);
-    let claimed = claim(&client, worker_id, &job).await;
-    claim_answered();
-    let Some((via, claim_sent)) = claimed else {
+    let Some((via, claim_sent)) = claim(&client, worker_id, &job).await else {
         return;
     };
     log.write(index, attempt, Event::Got { via: via.to_string() });
