@@ -169,6 +169,12 @@ class Worker:
             # Offsets are stored only once a message is dealt with, and
             # committed in the background.
             "enable.auto.offset.store": False,
+            # Incremental rebalances: when a worker joins or dies, the
+            # others keep their partitions and go on consuming.
+            "partition.assignment.strategy": "cooperative-sticky",
+            # A killed worker's partitions move after this (librdkafka's
+            # default is 45 s).
+            "session.timeout.ms": 6000,
             "fetch.wait.max.ms": self.args.fetch_wait_max_ms,
         }
         for setting in self.args.kafka_property:

@@ -172,7 +172,8 @@ impl ClientOptions {
     }
 
     /// A consumer configuration: manual offset store (an offset is stored only
-    /// once its message is dealt with), auto-commit of stored offsets.
+    /// once its message is dealt with), auto-commit of stored offsets, the
+    /// cooperative-sticky assignor.
     pub(crate) fn consumer_config(&self, group: &str) -> ClientConfig {
         let mut config = ClientConfig::new();
         config
@@ -182,6 +183,14 @@ impl ClientOptions {
             .set("enable.auto.offset.store", "false")
             .set("auto.commit.interval.ms", "1000")
             .set("auto.offset.reset", "earliest")
+            // Incremental rebalances: when a worker joins or dies, the
+            // others keep their partitions and go on consuming
+            // (docs/worker-protocol.md §1).
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            // A killed worker's partitions move after this (librdkafka's
+            // default is 45 s); heartbeats come from librdkafka's own
+            // thread, so a busy handler does not miss them.
+            .set("session.timeout.ms", "6000")
             .set("fetch.wait.max.ms", self.fetch_wait_max_ms.to_string());
         config.set_log_level(RDKafkaLogLevel::Warning);
         for (name, value) in self.kafka_properties.iter().chain(&self.consumer_properties) {

@@ -108,6 +108,12 @@ class RefreshConsumer:
                 "enable.auto.offset.store": False,
                 "auto.commit.interval.ms": 1000,
                 "auto.offset.reset": "earliest",
+                # Incremental rebalances: the other handlers keep consuming
+                # while one joins or dies (docs/worker-protocol.md §1).
+                "partition.assignment.strategy": "cooperative-sticky",
+                # A killed handler's partitions move after this (librdkafka's
+                # default is 45 s).
+                "session.timeout.ms": 6000,
                 "fetch.wait.max.ms": options.fetch_wait_max_ms,
             }
         )

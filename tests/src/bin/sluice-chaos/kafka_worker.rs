@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use prost::Message as _;
 use rand::Rng;
-use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::Message as _;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::{ClientContext, Message as _};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
 use tokio::time::Instant;
@@ -39,8 +39,11 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "true")
         .set("session.timeout.ms", config.kafka.session_timeout_ms.to_string())
+        // As docs/worker-protocol.md §1 advises: a worker's death moves only
+        // its own partitions, the others go on consuming.
+        .set("partition.assignment.strategy", "cooperative-sticky")
         .set("fetch.wait.max.ms", config.kafka.fetch_wait_max_ms.to_string());
-    let consumer: Arc<StreamConsumer> = Arc::new(client_config.create()?);
+    let consumer: Arc<StreamConsumer<Logged>> = Arc::new(client_config.create_with_context(Logged)?);
     consumer.subscribe(&[&config.admitted_topic(TASK_GROUP)])?;
     {
         // Ready once the group assigned this worker partitions (the
@@ -67,7 +70,20 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
     loop {
         let slot = slots.clone().acquire_owned().await?;
         let job = match consumer.recv().await {
-            Ok(message) => pb::AdmittedJob::decode(message.payload().unwrap_or_default()),
+            Ok(message) => {
+                let job = pb::AdmittedJob::decode(message.payload().unwrap_or_default());
+                if let Ok(job) = &job {
+                    eprintln!(
+                        "at {} ms received {} attempt {} from partition {} offset {}",
+                        now_ms(),
+                        job.job_id,
+                        job.attempt,
+                        message.partition(),
+                        message.offset()
+                    );
+                }
+                job
+            }
             Err(error) => {
                 eprintln!("chaos worker {worker_id}: consuming: {error}");
                 tokio::time::sleep(RETRY_AFTER).await;
@@ -86,6 +102,29 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
             lock(&handling).remove(&attempt);
             drop(slot);
         });
+    }
+}
+
+/// Logs every rebalance with the wall clock, to line a stall up with the
+/// group's moves (the worker's log file).
+struct Logged;
+
+impl ClientContext for Logged {}
+
+impl ConsumerContext for Logged {
+    fn pre_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(list) => eprintln!("at {} ms revoked {} partitions", now_ms(), list.count()),
+            Rebalance::Error(error) => eprintln!("at {} ms rebalance error: {error}", now_ms()),
+            Rebalance::Assign(_) => {}
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(list) = rebalance {
+            let partitions: Vec<i32> = list.elements().iter().map(|element| element.partition()).collect();
+            eprintln!("at {} ms assigned {partitions:?}", now_ms());
+        }
     }
 }
 
@@ -259,7 +298,15 @@ async fn claim(
                     Some(pb::ClaimOutcome::Claimed) => return Some(("claim", sent)),
                     // Maybe this worker's own claim that failed in transit.
                     Some(pb::ClaimOutcome::Taken) if unsure => break,
-                    _ => return None,
+                    other => {
+                        eprintln!(
+                            "at {} ms claim of {} attempt {} answered {other:?}",
+                            now_ms(),
+                            job.job_id,
+                            job.attempt
+                        );
+                        return None;
+                    }
                 }
             }
             Err(_) => {

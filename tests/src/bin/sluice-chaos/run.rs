@@ -457,11 +457,12 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
         tokio::spawn(async move {
             loop {
                 let logs = pool.lock().await.logs();
-                let (mut started, mut succeeded, mut last) = (HashSet::new(), HashSet::new(), 0);
+                let (mut started, mut succeeded, mut last) = (HashMap::new(), HashSet::new(), 0);
                 for line in logs.iter().flat_map(|log| events::read(log)) {
                     match &line.event {
                         Event::Start => {
-                            started.insert(line.job);
+                            let at = started.entry(line.job).or_insert(line.at_ms);
+                            *at = line.at_ms.max(*at);
                         }
                         Event::Complete { answer, .. } if answer == "ACCEPTED" => {
                             succeeded.insert(line.job);

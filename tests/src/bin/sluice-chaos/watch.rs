@@ -20,8 +20,8 @@ use crate::workload::{is_floating, job_id, rate_key_of, FLOATING_CEILING, FLOATI
 #[derive(Default)]
 pub struct Progress {
     pub enqueued: Mutex<HashMap<usize, i64>>,
-    /// Jobs some handler started.
-    pub started: Mutex<HashSet<usize>>,
+    /// Jobs some handler started, and when the last handler of each did.
+    pub started: Mutex<HashMap<usize, i64>>,
     /// Jobs whose success was ACCEPTED, and when the last one was.
     pub succeeded: Mutex<(HashSet<usize>, i64)>,
 }
@@ -44,13 +44,22 @@ pub async fn watch_slow_jobs(
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone();
+        let done = progress
+            .succeeded
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .0
+            .clone();
+        // Waiting since it was enqueued, or since its last attempt started
+        // (a retry: handlers run for milliseconds).
         let mut slow: Vec<(usize, i64)> = progress
             .enqueued
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .iter()
-            .filter(|(job, at)| !ran.contains(job) && now - **at > 10_000)
-            .map(|(job, at)| (*job, *at))
+            .filter(|(job, _)| !done.contains(job))
+            .map(|(job, at)| (*job, ran.get(job).copied().unwrap_or(*at)))
+            .filter(|(_, since)| now - since > 10_000)
             .collect();
         slow.sort_by_key(|(_, at)| *at);
         // The three oldest a stall counts (a rate or floating limit's wait
@@ -74,13 +83,14 @@ pub async fn watch_slow_jobs(
                 .and_then(|response| response.into_inner().job);
             let Some(view) = view else { continue };
             eprintln!(
-                "chaos: at {:.1}s chaos-{job} (key k{}) waited {:.1}s: {:?} attempt {} step {}; {}; history {:?}",
+                "chaos: at {:.1}s chaos-{job} (key k{}) waited {:.1}s: {:?} attempt {} step {} (admitted {:?} s ago); {}; history {:?}",
                 (now - started_ms) as f64 / 1000.0,
                 job % keys.max(1),
                 (now - at) as f64 / 1000.0,
                 pb::JobStatus::try_from(view.status).unwrap_or_default(),
                 view.attempt,
                 view.step,
+                view.admitted_at_ms.map(|at| (now - at) as f64 / 1000.0),
                 view.reason,
                 view.history
                     .iter()
