@@ -106,7 +106,7 @@ fn by_partition<T>(items: Vec<T>, partition_of: impl Fn(&T) -> i32) -> BTreeMap<
 }
 
 /// Answers of the groups put back in the call's order.
-fn in_call_order<R>(count: usize, answered: Vec<(Vec<usize>, Vec<R>)>) -> Result<Vec<R>, Status> {
+pub(crate) fn in_call_order<R>(count: usize, answered: Vec<(Vec<usize>, Vec<R>)>) -> Result<Vec<R>, Status> {
     let mut slots: Vec<Option<R>> = (0..count).map(|_| None).collect();
     for (indexes, results) in answered {
         if indexes.len() != results.len() {
@@ -127,6 +127,15 @@ fn in_call_order<R>(count: usize, answered: Vec<(Vec<usize>, Vec<R>)>) -> Result
 impl AdmissionApi {
     fn partition_of(&self, job_id: &str) -> i32 {
         job_partition(job_id, self.jobs_partitions)
+    }
+
+    /// `items` grouped by their job's partition, each item with its index in
+    /// `items`.
+    pub(crate) fn by_job_partition<T>(&self, items: Vec<T>, job_id: impl Fn(&T) -> &str) -> Vec<(Vec<usize>, Vec<T>)> {
+        by_partition(items, |item| self.partition_of(job_id(item)))
+            .into_values()
+            .map(|group| group.into_iter().unzip())
+            .collect()
     }
 
     /// Ask the partition task when this instance owns the partition, else
@@ -195,22 +204,30 @@ impl AdmissionApi {
         Fut: std::future::Future<Output = Result<Vec<R>, Status>>,
     {
         let count = attempts.len();
-        let mut answered = Vec::new();
-        for (partition, group) in by_partition(attempts, |(job_id, _)| self.partition_of(job_id)) {
-            let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
-            let results = match self
-                .ask(
-                    partition,
-                    forwarded,
-                    |reply| make(attempts.clone(), reply),
-                    |owner| forward(owner, job_attempts(&attempts)),
-                )
-                .await?
-            {
-                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
-            };
-            answered.push((indexes, results));
-        }
+        // The partitions are asked side by side: one whose owner is away
+        // (a takeover takes seconds) holds up none of the others.
+        let asks = by_partition(attempts, |(job_id, _)| self.partition_of(job_id))
+            .into_iter()
+            .map(|(partition, group)| {
+                let (indexes, attempts): (Vec<usize>, Vec<(String, u32)>) = group.into_iter().unzip();
+                let (make, forward) = (&make, &forward);
+                async move {
+                    let answer = self
+                        .ask(
+                            partition,
+                            forwarded,
+                            |reply| make(attempts.clone(), reply),
+                            |owner| forward(owner, job_attempts(&attempts)),
+                        )
+                        .await?;
+                    let (OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results)) = answer;
+                    Ok::<_, Status>((indexes, results))
+                }
+            });
+        let answered = futures::future::join_all(asks)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, Status>>()?;
         in_call_order(count, answered)
     }
 
@@ -899,39 +916,44 @@ impl AdmissionApi {
         let count = checked.len();
         let originals = by_partition(completions, |completion| self.partition_of(&completion.job_id));
         let mut groups = by_partition(checked, |(job_id, _, _)| self.partition_of(job_id));
-        let mut answered = Vec::new();
-        for (partition, original) in originals {
+        // The partitions are asked side by side, as in `ask_per_partition`.
+        let asks = originals.into_iter().map(|(partition, original)| {
             let group = groups.remove(&partition).unwrap_or_default();
             let (indexes, completions): (Vec<usize>, Vec<(String, u32, AttemptEnd)>) = group.into_iter().unzip();
-            let results = match self
-                .ask(
-                    partition,
-                    forwarded,
-                    |reply| Local::Complete {
-                        worker_id: worker_id.to_string(),
-                        completions: completions.clone(),
-                        scope: scope.clone(),
-                        caller_trace: caller_trace.clone(),
-                        reply,
-                    },
-                    |mut owner| {
-                        let mut request = forwarded_request(
-                            pb::CompleteRequest {
-                                worker_id: worker_id.to_string(),
-                                completions: original.iter().map(|(_, completion)| completion.clone()).collect(),
-                            },
-                            caller,
-                        );
-                        sluice_common::telemetry::inject_into_metadata(caller_trace, request.metadata_mut());
-                        async move { Ok(owner.complete(request).await?.into_inner().results) }
-                    },
-                )
-                .await?
-            {
-                OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results) => results,
-            };
-            answered.push((indexes, results));
-        }
+            let scope = &scope;
+            async move {
+                let answer = self
+                    .ask(
+                        partition,
+                        forwarded,
+                        |reply| Local::Complete {
+                            worker_id: worker_id.to_string(),
+                            completions: completions.clone(),
+                            scope: scope.clone(),
+                            caller_trace: caller_trace.clone(),
+                            reply,
+                        },
+                        |mut owner| {
+                            let mut request = forwarded_request(
+                                pb::CompleteRequest {
+                                    worker_id: worker_id.to_string(),
+                                    completions: original.iter().map(|(_, completion)| completion.clone()).collect(),
+                                },
+                                caller,
+                            );
+                            sluice_common::telemetry::inject_into_metadata(caller_trace, request.metadata_mut());
+                            async move { Ok(owner.complete(request).await?.into_inner().results) }
+                        },
+                    )
+                    .await?;
+                let (OwnerAnswer::Here(results) | OwnerAnswer::Forwarded(results)) = answer;
+                Ok::<_, Status>((indexes, results))
+            }
+        });
+        let answered = futures::future::join_all(asks)
+            .await
+            .into_iter()
+            .collect::<Result<Vec<_>, Status>>()?;
         in_call_order(count, answered)
     }
 
@@ -956,7 +978,7 @@ fn job_attempts(attempts: &[(String, u32)]) -> Vec<pb::JobAttempt> {
 }
 
 /// A completion, checked; its fields named by its place in the call.
-fn checked_completion(
+pub(crate) fn checked_completion(
     field: &str,
     index: usize,
     completion: &pb::Completion,

@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Response, Status, Streaming};
 
-use crate::service::{attempts_of, AdmissionApi};
+use crate::service::{attempts_of, check_batch, checked_completion, in_call_order, AdmissionApi};
 use crate::transitions::StreamEnd;
 use crate::work::{UndeliveredPush, WorkSession};
 
@@ -239,17 +239,27 @@ impl StreamReader {
                 Ok(())
             }
             Some(pb::work_request::Message::Heartbeat(heartbeat)) => {
-                let api = self.api.clone();
-                let worker_id = self.session.worker_id.clone();
-                let caller = self.caller.clone();
-                let job_ids = heartbeat.jobs.iter().map(|job| job.job_id.as_str());
-                let turn = self.enter(job_ids);
-                self.answer(heartbeat.id, turn, async move {
-                    let attempts = attempts_of("heartbeat.jobs", heartbeat.jobs)?;
-                    let results = api
-                        .heartbeat_attempts(&caller, false, &worker_id, attempts, None)
-                        .await?;
-                    Ok(pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results }))
+                let attempts = match attempts_of("heartbeat.jobs", heartbeat.jobs) {
+                    Ok(attempts) => attempts,
+                    Err(status) => {
+                        self.answer_error(heartbeat.id, &status).await;
+                        return Ok(());
+                    }
+                };
+                let count = attempts.len();
+                let mut parts = Vec::new();
+                for (indexes, attempts) in self.api.by_job_partition(attempts, |(job_id, _)| job_id) {
+                    let turn = self.enter(attempts.iter().map(|(job_id, _)| job_id.as_str()));
+                    let (api, worker_id, caller) =
+                        (self.api.clone(), self.session.worker_id.clone(), self.caller.clone());
+                    let work: Part<pb::HeartbeatResult> =
+                        Box::pin(
+                            async move { api.heartbeat_attempts(&caller, false, &worker_id, attempts, None).await },
+                        );
+                    parts.push((indexes, turn, work));
+                }
+                self.answer(heartbeat.id, count, parts, |results| {
+                    pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results })
                 })
                 .await;
                 Ok(())
@@ -261,23 +271,45 @@ impl StreamReader {
                         .iter()
                         .map(|completion| (completion.job_id.as_str(), completion.attempt)),
                 );
-                let api = self.api.clone();
-                let worker_id = self.session.worker_id.clone();
-                let caller = self.caller.clone();
-                let job_ids = complete.completions.iter().map(|completion| completion.job_id.as_str());
-                let turn = self.enter(job_ids);
-                self.answer(complete.id, turn, async move {
-                    let results = api
-                        .complete_attempts(
+                // Checked whole first, so that an error names the
+                // completion's place in this request, not in its part.
+                let checked = check_batch("complete.completions", &complete.completions).and_then(|()| {
+                    complete
+                        .completions
+                        .iter()
+                        .enumerate()
+                        .try_for_each(|(index, completion)| {
+                            checked_completion("complete.completions", index, completion).map(|_| ())
+                        })
+                });
+                if let Err(status) = checked {
+                    self.answer_error(complete.id, &status).await;
+                    return Ok(());
+                }
+                let count = complete.completions.len();
+                let mut parts = Vec::new();
+                for (indexes, completions) in self
+                    .api
+                    .by_job_partition(complete.completions, |completion| completion.job_id.as_str())
+                {
+                    let turn = self.enter(completions.iter().map(|completion| completion.job_id.as_str()));
+                    let (api, worker_id, caller) =
+                        (self.api.clone(), self.session.worker_id.clone(), self.caller.clone());
+                    let work: Part<pb::CompleteResult> = Box::pin(async move {
+                        api.complete_attempts(
                             &caller,
                             false,
                             &worker_id,
                             "complete.completions",
-                            complete.completions,
+                            completions,
                             &pb::TraceContext::default(),
                         )
-                        .await?;
-                    Ok(pb::work_answer::Result::Completed(pb::CompleteResponse { results }))
+                        .await
+                    });
+                    parts.push((indexes, turn, work));
+                }
+                self.answer(complete.id, count, parts, |results| {
+                    pb::work_answer::Result::Completed(pb::CompleteResponse { results })
                 })
                 .await;
                 Ok(())
@@ -309,51 +341,93 @@ impl StreamReader {
 
     /// A request about `job_ids` takes its turn after the earlier ones
     /// about the same jobs.
-    fn enter<'a>(&self, job_ids: impl Iterator<Item = &'a str>) -> (Vec<Arc<Completion>>, Arc<Completion>) {
+    fn enter<'a>(&self, job_ids: impl Iterator<Item = &'a str>) -> Turn {
         self.order
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .enter(job_ids)
     }
 
-    /// Run `work` beside the stream (at most `IN_FLIGHT_PER_STREAM` at
-    /// once), once the earlier requests about its jobs (`turn`) are done,
-    /// and send its answer under `id`.
-    async fn answer(
+    /// Run a request's `parts` (one per job partition) beside the stream
+    /// (at most `IN_FLIGHT_PER_STREAM` requests at once), each once the
+    /// earlier requests about its own jobs are done, and send their results,
+    /// in the request's order (`count` in all), under `id`. A part is done
+    /// for the requests after it as soon as it is applied: a partition whose
+    /// owner is away (seconds, during a takeover) holds up only the requests
+    /// about its own jobs, never a completion of another partition's job
+    /// that was heartbeaten in the same request.
+    async fn answer<R: Send + 'static>(
         &self,
         id: u64,
-        turn: (Vec<Arc<Completion>>, Arc<Completion>),
-        work: impl std::future::Future<Output = Result<pb::work_answer::Result, Status>> + Send + 'static,
+        count: usize,
+        parts: Vec<(Vec<usize>, Turn, Part<R>)>,
+        wrap: impl FnOnce(Vec<R>) -> pb::work_answer::Result + Send + 'static,
     ) {
-        let (before, own) = turn;
         // Finished however this ends (answered, the stream gone, a panic):
-        // the requests after it must not wait for ever.
-        let own = FinishOnDrop(own);
+        // the requests after them must not wait for ever.
+        let parts: Vec<_> = parts
+            .into_iter()
+            .map(|(indexes, (before, own), work)| (indexes, before, FinishOnDrop(own), work))
+            .collect();
         let Ok(permit) = self.in_flight.clone().acquire_owned().await else {
             return;
         };
         let sender = self.sender.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            for earlier in &before {
-                earlier.finished().await;
-            }
-            let result = work.await.unwrap_or_else(|status| {
-                pb::work_answer::Result::Error(pb::WorkError {
-                    code: status.code() as i32,
-                    message: status.message().to_string(),
-                })
+            let runs = parts.into_iter().map(|(indexes, before, own, work)| async move {
+                for earlier in &before {
+                    earlier.finished().await;
+                }
+                let results = work.await;
+                drop(own);
+                results.map(|results| (indexes, results))
             });
-            drop(own);
-            let answer = pb::WorkResponse {
-                message: Some(pb::work_response::Message::Answer(pb::WorkAnswer {
-                    id,
-                    result: Some(result),
-                })),
+            let answered = futures::future::join_all(runs)
+                .await
+                .into_iter()
+                .collect::<Result<Vec<_>, Status>>()
+                .and_then(|answered| in_call_order(count, answered));
+            let result = match answered {
+                Ok(results) => wrap(results),
+                Err(status) => error_result(&status),
             };
-            let _ = sender.send(Ok(answer)).await;
+            send_answer(&sender, id, result).await;
         });
     }
+
+    /// Answer `id` with an error at once (a request refused as a whole).
+    async fn answer_error(&self, id: u64, status: &Status) {
+        send_answer(&self.sender, id, error_result(status)).await;
+    }
+}
+
+/// A request's turn: the earlier requests about its jobs, and its own
+/// completion (`JobOrder::enter`).
+type Turn = (Vec<Arc<Completion>>, Arc<Completion>);
+
+/// One job partition's share of a request: its results, in its order.
+type Part<R> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<R>, Status>> + Send>>;
+
+fn error_result(status: &Status) -> pb::work_answer::Result {
+    pb::work_answer::Result::Error(pb::WorkError {
+        code: status.code() as i32,
+        message: status.message().to_string(),
+    })
+}
+
+async fn send_answer(
+    sender: &mpsc::Sender<Result<pb::WorkResponse, Status>>,
+    id: u64,
+    result: pb::work_answer::Result,
+) {
+    let answer = pb::WorkResponse {
+        message: Some(pb::work_response::Message::Answer(pb::WorkAnswer {
+            id,
+            result: Some(result),
+        })),
+    };
+    let _ = sender.send(Ok(answer)).await;
 }
 
 /// Tell the owners of the attempts a stream carried that it ended

@@ -562,3 +562,103 @@ async fn bad_work_stream_input_is_refused_by_field() -> anyhow::Result<()> {
     stack.stop().await;
     Ok(())
 }
+
+/// A heartbeat of jobs on two partitions, one of them without an owner that
+/// answers (its instance was killed; the takeover takes seconds), holds up only
+/// that partition's share: the completion of the other partition's job,
+/// sent after it on the same stream, is applied and answered at once
+/// (issue 29's default-size chaos run: three jobs run twice when the
+/// completion waited behind a heartbeat whose other jobs' owner was gone,
+/// until the lease ran out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_heartbeat_waiting_on_an_ownerless_partition_holds_up_no_other_partitions_completion() -> anyhow::Result<()> {
+    let mut stack = Stack::start(test_config_toml("workhol", TEN_MINUTE_LEASE, &[])?, 1).await?;
+    stack.add_admission(Faults::none()).await?;
+    let endpoint = stack.admissions[0].endpoint.clone();
+    let mut session = open_raw(&endpoint, "worker-hol", 1).await?;
+    let mut admission = stack.admission_client().await?;
+    // Jobs on every partition; the first one pushed on this stream is on a
+    // partition of the instance that stays.
+    for index in 0..16 {
+        let mut request = concurrency_job("acme", &format!("holkey{index}"), 1, 50, "x");
+        request.job_id = Some(format!("hol-{index}"));
+        admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    }
+    let pushed = next_push(&mut session).await?.job.unwrap();
+    // The other instance's partitions get an owner nobody can reach, as a
+    // killed instance's do until the group notices: the directory names an
+    // address that accepts connections and never answers.
+    let black_hole = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let unreachable = format!("http://{}", black_hole.local_addr()?);
+    let holding = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((connection, _)) = black_hole.accept().await {
+            held.push(connection);
+        }
+    });
+    let redirect = format!(
+        "UPDATE \"{}\".owners SET endpoint = $1 WHERE endpoint = $2",
+        stack.config.schema("admission")
+    );
+    let moved = sqlx::query(sqlx::AssertSqlSafe(redirect.clone()))
+        .bind(&unreachable)
+        .bind(&stack.admissions[1].endpoint)
+        .execute(&stack.pool)
+        .await?
+        .rows_affected();
+    assert!(moved > 0, "the second instance owns no job partition");
+    // Every job in one heartbeat: some of them are on those partitions,
+    // whose share waits for an owner that answers.
+    // (The pushed job is one of them, on its first attempt.)
+    let jobs: Vec<pb::JobAttempt> = (0..16)
+        .map(|index| pb::JobAttempt {
+            job_id: format!("hol-{index}"),
+            attempt: 1,
+        })
+        .collect();
+    session
+        .up
+        .send(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Heartbeat(pb::WorkHeartbeat { id: 1, jobs })),
+        })
+        .await?;
+    session
+        .up
+        .send(pb::WorkRequest {
+            message: Some(pb::work_request::Message::Complete(pb::WorkComplete {
+                id: 2,
+                completions: vec![pb::Completion {
+                    job_id: pushed.job_id.clone(),
+                    attempt: pushed.attempt,
+                    outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+                }],
+            })),
+        })
+        .await?;
+    let first = loop {
+        let message = tokio::time::timeout(Duration::from_secs(30), session.down.message())
+            .await??
+            .ok_or_else(|| anyhow::anyhow!("the stream ended"))?;
+        if let Some(pb::work_response::Message::Answer(answer)) = message.message {
+            break answer;
+        }
+    };
+    assert_eq!(
+        first.id, 2,
+        "the completion waited behind the heartbeat's ownerless partition: {first:?}"
+    );
+    let Some(pb::work_answer::Result::Completed(completed)) = first.result else {
+        panic!("a completion answer: {first:?}");
+    };
+    assert_eq!(completed.results[0].outcome, pb::CompleteOutcome::Accepted as i32);
+    // The directory right again, and the held connections closed: the
+    // heartbeat's other share is answered and the stack stops at once.
+    sqlx::query(sqlx::AssertSqlSafe(redirect))
+        .bind(&stack.admissions[1].endpoint)
+        .bind(&unreachable)
+        .execute(&stack.pool)
+        .await?;
+    holding.abort();
+    stack.stop().await;
+    Ok(())
+}
