@@ -66,7 +66,7 @@ pub(super) enum MemberEnd {
 /// is started again after a delay: the first time `RETAKE_FIRST`, doubling
 /// for each end within `RETAKE_FORGET` of the last, up to `RETAKE_MAX`.
 /// (A task fenced by a newer owner does not end: it stands by until that
-/// owner lets the partition go, `owner.rs`, so two members that both hold a
+/// owner lets the partition go, `owner/task.rs`, so two members that both hold a
 /// partition during an overlapping rebalance do not take it from each other
 /// back and forth.)
 pub(super) const RETAKE_FIRST: Duration = Duration::from_millis(500);
