@@ -15,6 +15,8 @@ use sluice_common::{Faults, SluiceConfig};
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
+use crate::transitions::JobState;
+
 use super::*;
 
 const JOBS: usize = 3;

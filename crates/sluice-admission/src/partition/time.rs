@@ -1,0 +1,123 @@
+//! Time: acting on jobs that fall due (run_at, backoffs, re-sends,
+//! leases, run timeouts) and the stand-behind statements.
+
+use sluice_common::kafka::Outbox;
+use sluice_common::link::Link;
+use sluice_proto::v1 as pb;
+
+use crate::transitions::{self, JobState, Status};
+
+use super::{AdmissionPartition, Out};
+
+impl AdmissionPartition {
+    /// Act on every job due by `now_ms`, and on the partition's own timers.
+    pub(super) fn run_timers(&mut self, now_ms: i64, out: &mut Out<'_>) {
+        let timing = self.settings.timing;
+        // Each due job once per batch, whatever its next due time.
+        let due: Vec<String> = self
+            .timers
+            .iter()
+            .take_while(|(due, _)| *due <= now_ms)
+            .map(|(_, job_id)| job_id.clone())
+            .collect();
+        for job_id in due {
+            let active_jobs = self.jobs.len();
+            // A waiting or admitted job's timer re-sends its pending command
+            // and moves only its own next time: kept in memory, so re-sends
+            // write nothing (a new owner re-sends every pending command at
+            // its takeover and starts these timers over:
+            // `restart_resend_timers`).
+            let resend = self
+                .jobs
+                .get(&job_id)
+                .is_some_and(|active| matches!(active.row.state.status, Status::Waiting | Status::Admitted));
+            let mut effects = Vec::new();
+            let decide = |state: &mut JobState| {
+                effects = transitions::on_due(state, now_ms, timing, active_jobs);
+            };
+            if resend {
+                self.update_unsaved(&job_id, decide);
+            } else {
+                self.update(&job_id, decide);
+            }
+            self.after_transition(&job_id, &effects, out);
+        }
+        if now_ms >= self.next_stand_behind_ms {
+            self.next_stand_behind_ms = now_ms + self.settings.stand_behind_interval_ms;
+            self.stand_behind(now_ms, out.outbox);
+        }
+    }
+
+    /// Tell every limit partition which tickets this job partition stands
+    /// behind, as of now. Sent to every limit partition, even with nothing
+    /// to list, so tickets nobody stands behind expire there (a lost release
+    /// then costs one grace period, not a slot for ever).
+    pub fn stand_behind(&self, now_ms: i64, outbox: &mut Outbox) {
+        let routes = &self.settings.routes;
+        let partitions = usize::try_from(routes.limit_partitions).unwrap_or_default();
+        let mut by_partition: Vec<Vec<pb::TicketId>> = vec![Vec::new(); partitions];
+        // The tickets whose grant the job waits for now.
+        let mut waiting_by_partition: Vec<Vec<pb::TicketId>> = vec![Vec::new(); partitions];
+        for active in self.jobs.values() {
+            let state = &active.row.state;
+            let held_through = match state.status {
+                Status::Waiting => state.step.saturating_add(1),
+                Status::Admitted | Status::Running | Status::Cancelling => state.chain_len(),
+                _ => 0,
+            };
+            for (index, step) in state.chain.iter().enumerate() {
+                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                if index >= held_through || !step.is_ticketed() {
+                    continue;
+                }
+                let partition =
+                    sluice_common::partition::key_partition(&step.tenant, &step.key, routes.limit_partitions);
+                let slot = usize::try_from(partition).unwrap_or(usize::MAX);
+                let ticket = pb::TicketId {
+                    job_id: state.job_id.clone(),
+                    attempt: state.attempt,
+                    step: index,
+                };
+                if state.status == Status::Waiting && index == state.step {
+                    if let Some(waiting) = waiting_by_partition.get_mut(slot) {
+                        waiting.push(ticket.clone());
+                    }
+                }
+                if let Some(tickets) = by_partition.get_mut(slot) {
+                    tickets.push(ticket);
+                }
+            }
+        }
+        const TICKETS_PER_PART: usize = 10_000;
+        let sweep_id = format!("{}-{}-{now_ms}", self.settings.partition, self.journal_seq);
+        let covered = vec![u32::try_from(self.settings.partition).unwrap_or_default()];
+        for (partition, (tickets, waiting)) in by_partition.into_iter().zip(waiting_by_partition).enumerate() {
+            let chunks: Vec<Vec<pb::TicketId>> = if tickets.is_empty() {
+                vec![Vec::new()]
+            } else {
+                tickets.chunks(TICKETS_PER_PART).map(<[pb::TicketId]>::to_vec).collect()
+            };
+            let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
+            // The waiting tickets go with the first part (a ticket of
+            // theirs in another part is still known: parts are one sweep).
+            let mut waiting = Some(waiting);
+            for (part, chunk) in chunks.into_iter().enumerate() {
+                let command = pb::LimitCommand {
+                    trace: None,
+                    sent_at_ms: now_ms,
+                    command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+                        sweep_id: sweep_id.clone(),
+                        snapshot_at_ms: now_ms,
+                        job_partitions: covered.clone(),
+                        part: u32::try_from(part).unwrap_or(u32::MAX),
+                        parts,
+                        tickets: chunk,
+                        grace_ms: u64::try_from(self.settings.ticket_grace_ms).unwrap_or_default(),
+                        waiting: waiting.take().unwrap_or_default(),
+                    })),
+                };
+                outbox.push_link(Link::LimitGrant, i32::try_from(partition).unwrap_or_default(), &command);
+            }
+        }
+    }
+}

@@ -1,0 +1,400 @@
+//! The owner runtime (`OwnerRuntime`) and one partition task's life: take
+//! the partition over, own it batch after batch, stand by when fenced.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use sqlx::PgPool;
+use tokio::sync::mpsc;
+
+use super::fence::release;
+use super::{lookup_owner, owner_let_go, OwnedState, OwnedStore, OwnerRegistry};
+use crate::faults::{FaultPoint, Faults};
+use crate::kafka::{InMsg, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher};
+use crate::link::LinkSink;
+
+/// Settings of one owner runtime.
+#[derive(Clone, Debug)]
+pub struct OwnerSettings {
+    pub service: &'static str,
+    /// Unique per instance (logs and the owner directory).
+    pub owner_id: String,
+    /// The gRPC address other instances forward to.
+    pub endpoint: String,
+    pub max_batch: usize,
+}
+
+/// The factory the partitioned consumer calls for each assigned partition.
+pub struct OwnerRuntime<S: OwnedStore> {
+    store: Arc<S>,
+    pool: PgPool,
+    publisher: Publisher,
+    links: Option<Arc<dyn LinkSink>>,
+    registry: Arc<OwnerRegistry<<S::State as OwnedState>::Local>>,
+    settings: OwnerSettings,
+    faults: Faults,
+}
+
+impl<S: OwnedStore> OwnerRuntime<S> {
+    pub fn new(
+        store: Arc<S>,
+        pool: PgPool,
+        publisher: Publisher,
+        registry: Arc<OwnerRegistry<<S::State as OwnedState>::Local>>,
+        settings: OwnerSettings,
+        faults: Faults,
+    ) -> Self {
+        OwnerRuntime {
+            store,
+            pool,
+            publisher,
+            links: None,
+            registry,
+            settings,
+            faults,
+        }
+    }
+
+    /// Where committed link entries go (the hot path's streams).
+    pub fn with_links(mut self, links: Arc<dyn LinkSink>) -> Self {
+        self.links = Some(links);
+        self
+    }
+}
+
+impl<S: OwnedStore> PartitionTaskFactory for OwnerRuntime<S> {
+    fn start(&self, input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
+        let task = PartitionTask {
+            store: self.store.clone(),
+            pool: self.pool.clone(),
+            publisher: self.publisher.clone(),
+            links: self.links.clone(),
+            registry: self.registry.clone(),
+            settings: self.settings.clone(),
+            faults: self.faults.clone(),
+        };
+        task.run(input).boxed()
+    }
+}
+
+pub(super) struct PartitionTask<S: OwnedStore> {
+    pub(super) store: Arc<S>,
+    pub(super) pool: PgPool,
+    pub(super) publisher: Publisher,
+    pub(super) links: Option<Arc<dyn LinkSink>>,
+    pub(super) registry: Arc<OwnerRegistry<<S::State as OwnedState>::Local>>,
+    pub(super) settings: OwnerSettings,
+    pub(super) faults: Faults,
+}
+
+/// How often an owned partition checks that no newer owner took it over.
+/// A commit finds out anyway; a partition with no input commits nothing,
+/// and while it believes it owns the partition (its consumer still assigned
+/// it after a rebalance that overlapped), nobody serves it: its callers are
+/// sent to the newer owner's row, which has given it up.
+const FENCE_CHECK_EVERY: Duration = Duration::from_secs(2);
+/// How often a fenced task that still has the partition assigned looks at
+/// whether the newer owner let it go.
+const STANDBY_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// An owner whose row has not moved for this long (no commit, no idle
+/// touch, which comes every `FENCE_CHECK_EVERY`: four of them missed) is gone: a member standing
+/// by takes the partition over. The group reassigns a dead member's
+/// partitions sooner (its session timeout); this covers a member that
+/// still holds an assignment the group already gave away.
+const OWNER_SILENT_AFTER: Duration = Duration::from_secs(8);
+/// How often an owned partition publishes its keys for per-key metrics.
+const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
+/// How long reading a partition's watermarks may take.
+pub(super) const WATERMARKS_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub(super) enum Step<T> {
+    Done(T),
+    Stop,
+}
+
+/// How one ownership of a partition ended.
+enum Ownership {
+    /// Revoked, or the service stops.
+    Ended,
+    /// A newer owner took it over.
+    Fenced,
+}
+
+/// Whether `messages` go back to or before an offset received earlier,
+/// updating `last_received`.
+fn went_back(last_received: &mut Option<i64>, messages: &[InMsg]) -> bool {
+    let mut back = false;
+    for message in messages {
+        if last_received.is_some_and(|last| message.offset <= last) {
+            back = true;
+        }
+        *last_received = Some(message.offset);
+    }
+    back
+}
+
+/// How one batch ended.
+pub(super) enum BatchEnd {
+    Done,
+    /// Fenced, or the partition was given up.
+    Stop,
+    /// It fails every time: its decision panicked, or PostgreSQL refuses its
+    /// commit for what it holds. The state was reloaded; nothing of it is saved.
+    Permanent(String),
+}
+
+impl<S: OwnedStore> PartitionTask<S> {
+    /// Say this owner is alive (its row's `updated_at`, which commits move
+    /// too), and whether a newer owner took the partition over while this
+    /// one had no input. The task then stands by. A failed read is not a
+    /// fence.
+    async fn alive_or_fenced(&self, partition: i32, epoch: i64) -> bool {
+        if self.faults.hit(FaultPoint::OwnerIdleFenceCheckMissed) {
+            return false;
+        }
+        let touched: Result<Option<i64>, sqlx::Error> = sqlx::query_scalar(
+            "UPDATE owners SET updated_at = now() WHERE partition = $1 AND epoch = $2 RETURNING epoch",
+        )
+        .bind(partition)
+        .bind(epoch)
+        .fetch_optional(&self.pool)
+        .await;
+        if !matches!(touched, Ok(None)) {
+            return false;
+        }
+        match lookup_owner(&self.pool, partition).await {
+            Ok(Some((endpoint, current))) if current > epoch => {
+                tracing::warn!(
+                    service = self.settings.service,
+                    partition,
+                    ours = epoch,
+                    current,
+                    %endpoint,
+                    "fenced by a newer owner while idle"
+                );
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Own the partition while it is assigned here: take it over, serve
+    /// it, and when a newer owner fences this one, stand by until that
+    /// owner lets it go (or the group moves it away), then take it over
+    /// again. Ownership moves only when the group moves the partition or
+    /// its owner is gone, never back and forth between two members that
+    /// both believe they hold it (an overlapping rebalance): the fenced one
+    /// waits instead of fencing back.
+    async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
+        let mut carried: Vec<InMsg> = Vec::new();
+        loop {
+            match self.own(&mut input, &mut carried).await? {
+                Ownership::Ended => return Ok(()),
+                Ownership::Fenced => {
+                    if !self.stand_by(&input).await {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Wait while a newer owner holds the partition. True when it let the
+    /// partition go (released it, or went silent: no commit and no touch of
+    /// its row for `OWNER_SILENT_AFTER`) and this task should take it over
+    /// again; false when the partition was revoked here or the service
+    /// stops.
+    async fn stand_by(&self, input: &PartitionInput) -> bool {
+        let partition = input.partition;
+        tracing::info!(
+            service = self.settings.service,
+            partition,
+            "a newer owner holds the partition: standing by until it lets it go or the group moves it"
+        );
+        let assigned_before = input.assignments.count(partition);
+        let mut check = tokio::time::interval(STANDBY_CHECK_EVERY);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = input.stop.cancelled() => return false,
+                _ = check.tick() => {}
+            }
+            if input.assignments.count(partition) > assigned_before {
+                // The group assigned it here anew (its owner left the group,
+                // say): this member is the one to own it.
+                tracing::info!(
+                    service = self.settings.service,
+                    partition,
+                    "the group assigned the partition here again; taking it over"
+                );
+                return true;
+            }
+            match owner_let_go(&self.pool, partition, OWNER_SILENT_AFTER).await {
+                Ok(Some(why)) => {
+                    tracing::info!(service = self.settings.service, partition, %why, "taking the partition over again");
+                    return true;
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(service = self.settings.service, partition, %error, "reading the owner row failed; standing by");
+                }
+            }
+        }
+    }
+
+    /// One ownership of the partition: take it over, then decide batch after
+    /// batch until the partition is revoked (`Ended`) or a newer owner
+    /// fences this one (`Fenced`; the input of the batch it was deciding is
+    /// left in `carried`, to decide again if it takes the partition back).
+    async fn own(&self, input: &mut PartitionInput, carried: &mut Vec<InMsg>) -> Result<Ownership, PartitionTaskError> {
+        let partition = input.partition;
+        self.registry.set_loading(partition);
+        let loading = self.registry.begin_loading(partition);
+        let (context, mut state, mut applied_offset) = match self.take_over(input).await {
+            Step::Done(loaded) => loaded,
+            Step::Stop => {
+                self.registry.clear_condition(partition);
+                return Ok(self.fenced_unless_stopped(input));
+            }
+        };
+        self.registry.clear_condition(partition);
+
+        let (local_sender, mut local_receiver) = mpsc::channel(1024);
+        let newly_owned = self.registry.register(partition, context.epoch, local_sender.clone());
+        drop(loading);
+        tracing::debug!(
+            service = self.settings.service,
+            partition,
+            epoch = context.epoch,
+            applied_offset,
+            "partition owned"
+        );
+        self.registry.taken_over(newly_owned);
+
+        let mut last_received: Option<i64> = None;
+        let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
+        let mut fence_check = tokio::time::interval(FENCE_CHECK_EVERY);
+        fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        fence_check.tick().await;
+        let outcome = loop {
+            let mut messages: Vec<InMsg> = std::mem::take(carried);
+            let mut locals = Vec::new();
+            if messages.is_empty() {
+                let wakeup = state.next_wakeup_ms().map(|at| context.clock.instant_at(at));
+                let sleep = async {
+                    match wakeup {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => futures::future::pending::<()>().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = input.stop.cancelled() => break Ok(Ownership::Ended),
+                    received = input.messages.recv() => match received {
+                        Some(message) => messages.push(message),
+                        None => break Ok(Ownership::Ended),
+                    },
+                    Some(local) = local_receiver.recv() => locals.push(local),
+                    _ = sleep => {}
+                    _ = fence_check.tick() => {
+                        if self.alive_or_fenced(partition, context.epoch).await {
+                            break Ok(Ownership::Fenced);
+                        }
+                        continue;
+                    }
+                }
+            }
+            self.fill_batch(input, &mut local_receiver, &mut messages, &mut locals);
+            // The consumer only goes back when its position was reset (the
+            // log it read is gone): see whether the log was lost.
+            if went_back(&mut last_received, &messages) {
+                match self
+                    .adopt_if_log_lost(&context, &mut state, &mut applied_offset, input)
+                    .await
+                {
+                    Step::Done(()) => {}
+                    Step::Stop => {
+                        *carried = messages;
+                        break Ok(self.fenced_unless_stopped(input));
+                    }
+                }
+            }
+            let last_offset = messages.last().map(|message| message.offset);
+            messages.retain(|message| message.offset > applied_offset);
+
+            match self
+                .process_batch(&context, &mut state, &mut applied_offset, &messages, locals, input)
+                .await
+            {
+                Ok(Step::Done(())) => {}
+                Ok(Step::Stop) => {
+                    *carried = messages;
+                    break Ok(self.fenced_unless_stopped(input));
+                }
+                Err(error) => break Err(error),
+            }
+            if let Some(offset) = last_offset {
+                input.offsets.store(offset + 1);
+            }
+            if last_key_stats.elapsed() >= KEY_STATS_EVERY {
+                last_key_stats = std::time::Instant::now();
+                crate::metrics::metrics().publish_keys(self.settings.service, partition, Some(state.key_stats()));
+            }
+        };
+        crate::metrics::metrics().publish_keys(self.settings.service, partition, None);
+        self.registry.unregister(partition, &local_sender);
+        self.registry.clear_condition(partition);
+        if matches!(outcome, Ok(Ownership::Ended)) {
+            // Given up in order (revoked, stopping): a member standing by
+            // for it may take it at once.
+            release(&self.pool, partition, context.epoch).await;
+        }
+        tracing::debug!(
+            service = self.settings.service,
+            partition,
+            epoch = context.epoch,
+            "partition released"
+        );
+        outcome
+    }
+
+    /// A batch or takeover gave the partition up: revoked or stopping, or
+    /// fenced by a newer owner.
+    fn fenced_unless_stopped(&self, input: &PartitionInput) -> Ownership {
+        if input.stop.is_cancelled() {
+            Ownership::Ended
+        } else {
+            Ownership::Fenced
+        }
+    }
+
+    /// Add to a batch what is already waiting, without waiting: messages up
+    /// to `max_batch` and the partition's byte budget, local requests up to
+    /// `max_batch`.
+    fn fill_batch(
+        &self,
+        input: &mut PartitionInput,
+        local_receiver: &mut mpsc::Receiver<<S::State as OwnedState>::Local>,
+        messages: &mut Vec<InMsg>,
+        locals: &mut Vec<<S::State as OwnedState>::Local>,
+    ) {
+        let mut bytes: usize = messages.iter().map(InMsg::size).sum();
+        while messages.len() + locals.len() < self.settings.max_batch && bytes < input.max_batch_bytes {
+            match input.messages.try_recv() {
+                Some(message) => {
+                    bytes += message.size();
+                    messages.push(message);
+                }
+                None => break,
+            }
+        }
+        while locals.len() < self.settings.max_batch {
+            match local_receiver.try_recv() {
+                Ok(local) => locals.push(local),
+                Err(_) => break,
+            }
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! What a service plugs into the owner runtime: its partition state
+//! (`OwnedState`, pure decisions) and the store that loads and saves it
+//! (`OwnedStore`), with the types they exchange.
+
+use async_trait::async_trait;
+use sqlx::{PgConnection, PgPool};
+
+use super::FencedStatement;
+use crate::clock::AnchoredClock;
+use crate::kafka::{batch_entries, InMsg, OutMsg, Outbox};
+
+/// What a partition task knows about its ownership.
+#[derive(Clone, Copy, Debug)]
+pub struct OwnerContext {
+    pub partition: i32,
+    pub epoch: i64,
+    pub clock: AnchoredClock,
+}
+
+/// Replies to local (gRPC) requests, sent once the batch is durable.
+pub type Reply = Box<dyn FnOnce() + Send>;
+
+/// An entry of the input that can never be applied (undecodable, invalid,
+/// not this partition's): set aside with its bytes and the reason.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rejected {
+    pub offset: i64,
+    pub entry: Vec<u8>,
+    pub reason: String,
+}
+
+pub trait WriteSet: Default + Send + 'static {
+    fn is_empty(&self) -> bool;
+}
+
+/// A partition's in-memory state and its decisions. Pure: no I/O.
+pub trait OwnedState: Send + 'static {
+    /// A request from this process's gRPC handlers, with its reply channel.
+    type Local: Send + 'static;
+    type Writes: WriteSet;
+    /// What `OwnedStore::prepare` read for a batch (`()` when nothing).
+    type Prepared: Default + Send;
+
+    /// Take what `OwnedStore::prepare` read for the batch `apply` is about
+    /// to decide on.
+    fn prepared(&mut self, _prepared: Self::Prepared) {}
+
+    /// Advance to `now_ms` (timers), then apply `messages` and `locals` in
+    /// order, recording writes, effects and replies.
+    ///
+    /// An entry that can never be applied changes nothing: it goes to
+    /// `rejected` with its bytes and the reason, and the other entries are
+    /// applied. Implementations check an entry completely before they change
+    /// any state for it (`apply_entries` helps).
+    #[allow(clippy::too_many_arguments)]
+    fn apply(
+        &mut self,
+        now_ms: i64,
+        messages: &[InMsg],
+        locals: Vec<Self::Local>,
+        writes: &mut Self::Writes,
+        outbox: &mut Outbox,
+        replies: &mut Vec<Reply>,
+        rejected: &mut Vec<Rejected>,
+    );
+
+    /// Every effect the saved state implies, for a new owner to re-send.
+    fn resend_all(&self, now_ms: i64, outbox: &mut Outbox);
+
+    /// When `apply` must run next even without input (lease expiry, slots).
+    fn next_wakeup_ms(&self) -> Option<i64>;
+
+    /// A fault hook of the state's own fired while deciding the last batch:
+    /// once that batch is committed, the partition stops as a crash would
+    /// (a crash point between the commit and what follows it). Asking
+    /// clears it.
+    fn crash_after_commit(&mut self) -> bool {
+        false
+    }
+
+    /// The partition's keys, for per-key metrics (bounded by configuration).
+    fn key_stats(&self) -> Vec<crate::metrics::KeyStat> {
+        Vec::new()
+    }
+}
+
+/// Apply each entry of a batch message (`LimitCommandBatch`, ...: field 1
+/// is the entry) with `apply`. An entry that does not decode, or that `apply`
+/// refuses (it must refuse before changing anything), is rejected with its
+/// own bytes; the others are applied. `what` names the entry in reasons.
+pub fn apply_entries<M: prost::Message + Default>(
+    message: &InMsg,
+    what: &str,
+    rejected: &mut Vec<Rejected>,
+    mut apply: impl FnMut(M) -> Result<(), String>,
+) {
+    let payload = message.payload.as_deref().unwrap_or_default();
+    let entries = match batch_entries(payload) {
+        Ok(entries) => entries,
+        Err(error) => {
+            rejected.push(Rejected {
+                offset: message.offset,
+                entry: payload.to_vec(),
+                reason: format!("undecodable {what} batch: {error}"),
+            });
+            return;
+        }
+    };
+    for entry in entries {
+        let outcome = M::decode(entry)
+            .map_err(|error| format!("undecodable {what}: {error}"))
+            .and_then(&mut apply);
+        if let Err(reason) = outcome {
+            rejected.push(Rejected {
+                offset: message.offset,
+                entry: entry.to_vec(),
+                reason,
+            });
+        }
+    }
+}
+
+/// Loads and saves a partition's state.
+#[async_trait]
+pub trait OwnedStore: Send + Sync + 'static {
+    type State: OwnedState;
+
+    async fn load(&self, connection: &mut PgConnection, context: &OwnerContext) -> Result<Self::State, sqlx::Error>;
+
+    async fn persist(
+        &self,
+        connection: &mut PgConnection,
+        context: &OwnerContext,
+        writes: <Self::State as OwnedState>::Writes,
+    ) -> Result<(), sqlx::Error>;
+
+    /// A batch whose writes are all plain inserts (the common case on the
+    /// hot path: a journal row, and outcome rows when jobs end) is committed
+    /// with the fence in one autocommitted statement instead of a
+    /// transaction's round trips. `None` (the default): `persist` in a
+    /// transaction.
+    fn one_statement(&self, _writes: &<Self::State as OwnedState>::Writes) -> Option<FencedStatement> {
+        None
+    }
+
+    /// Input that must be set aside can be sent somewhere instead of the
+    /// quarantine table: a message to publish (admission dead-letters a
+    /// producer's request PostgreSQL refuses to store). `None`: quarantine.
+    fn redirect_rejected(&self, _topic: &str, _partition: i32, _rejected: &Rejected) -> Option<OutMsg> {
+        None
+    }
+
+    /// Read what deciding on a batch needs and the in-memory state does not
+    /// hold (rows of finished jobs, say). Runs before `apply`, outside the
+    /// batch's transaction; the default reads nothing.
+    async fn prepare(
+        &self,
+        _pool: &PgPool,
+        _state: &Self::State,
+        _messages: &[InMsg],
+        _locals: &[<Self::State as OwnedState>::Local],
+    ) -> Result<<Self::State as OwnedState>::Prepared, sqlx::Error> {
+        Ok(Default::default())
+    }
+}
