@@ -13,6 +13,22 @@
 //! services, and the bench's own producer and workers), `postgres` every
 //! PostgreSQL process, `broker` the broker. They are read from /proc over the
 //! 1,000-key run, as are PostgreSQL's rows written and WAL bytes.
+//!
+//! The pipeline figures (issue 30) repeat the main stream-worker run:
+//! `admitted_jobs_per_s_one_partition` with one partition of `jobs.requested`,
+//! `sluice.jobs` and `sluice.limit-commands` (each a stage whose task waits
+//! for its own commit before its next batch), and `one_partition_share` that
+//! over the main run's figure; `admitted_jobs_per_s_1_thread` and
+//! `admitted_jobs_per_s_2_threads` with 1 and 2 runtime worker threads, each
+//! in a child process of this binary (`BENCH_ONLY=stream`, with
+//! `TOKIO_WORKER_THREADS` in its environment: the whole stack runs on this
+//! binary's runtime), and `thread_gain` the second over the first. Issue 30
+//! targets, on 2 cores, a share of at least 0.5 and a gain of at least 1.6.
+//!
+//! `BENCH_ONLY` runs one part and prints its own JSON line: `main`, `hot`,
+//! `latency`, `waiters`, `flows`, `backlog`, `stream` (the main stream-worker
+//! run alone, with the runtime threads it ran with) and `pipeline` (an
+//! all-partition run, then the pipeline figures).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -284,23 +300,6 @@ async fn main() -> anyhow::Result<()> {
         println!("{figures}");
         return Ok(());
     }
-    let waiter_count = env_number("BENCH_WAITERS", 200_000);
-    eprintln!("bench: memory per waiting job in limit-grant ({waiter_count} waiters on one key)");
-    let bytes_per_waiter = run_waiter_memory(waiter_count);
-    eprintln!("bench: {bytes_per_waiter:.0} resident bytes per waiter");
-    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "flows") {
-        let grant_ns_by_flows = run_grants_by_flows()?;
-        println!("{}", serde_json::json!({ "grant_ns_by_flows": grant_ns_by_flows }));
-        return Ok(());
-    }
-    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "waiters") {
-        println!(
-            "{}",
-            serde_json::json!({"bytes_per_waiter": bytes_per_waiter.round(), "waiters": waiter_count})
-        );
-        return Ok(());
-    }
-
     let jobs = env_number("BENCH_JOBS", 20_000);
     let keys = env_number("BENCH_KEYS", 1_000);
     let limit = u32::try_from(env_number("BENCH_LIMIT", 5))?;
@@ -319,6 +318,56 @@ async fn main() -> anyhow::Result<()> {
         ("limit_grant.ticket_grace", "60s"),
         ("admission.stand_behind_interval", "20s"),
     ];
+
+    let main = MainRun {
+        overrides: &overrides,
+        jobs,
+        keys,
+        limit,
+    };
+    if only == "stream" {
+        // The child of `run_in_child`: the main stream-worker run alone.
+        let run = main.measure("bench", Partitions::All).await?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "admitted_jobs_per_s": round(run.throughput.jobs_per_s),
+                "cpu_us_per_job": run.cpu_json(),
+                "runtime_threads": tokio::runtime::Handle::current().metrics().num_workers(),
+            })
+        );
+        return Ok(());
+    }
+    if only == "pipeline" {
+        eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit}, stream workers, all partitions");
+        let all = main.measure("bench", Partitions::All).await?;
+        let pipeline = run_pipeline(&main).await?;
+        let mut figures = serde_json::json!({
+            "admitted_jobs_per_s": round(all.throughput.jobs_per_s),
+            "jobs": jobs,
+            "keys": keys,
+            "limit": limit,
+        });
+        pipeline.insert_into(&mut figures, all.throughput.jobs_per_s);
+        println!("{figures}");
+        return Ok(());
+    }
+    let waiter_count = env_number("BENCH_WAITERS", 200_000);
+    eprintln!("bench: memory per waiting job in limit-grant ({waiter_count} waiters on one key)");
+    let bytes_per_waiter = run_waiter_memory(waiter_count);
+    eprintln!("bench: {bytes_per_waiter:.0} resident bytes per waiter");
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "flows") {
+        let grant_ns_by_flows = run_grants_by_flows()?;
+        println!("{}", serde_json::json!({ "grant_ns_by_flows": grant_ns_by_flows }));
+        return Ok(());
+    }
+    if std::env::var("BENCH_ONLY").is_ok_and(|only| only == "waiters") {
+        println!(
+            "{}",
+            serde_json::json!({"bytes_per_waiter": bytes_per_waiter.round(), "waiters": waiter_count})
+        );
+        return Ok(());
+    }
 
     let hot_jobs = env_number("BENCH_HOT_JOBS", 3_000);
     let wide_jobs = env_number("BENCH_WIDE_JOBS", 20_000);
@@ -348,7 +397,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     eprintln!("bench: end to end, {jobs} jobs over {keys} keys with limit {limit}, stream workers (fetch.wait.max.ms={fetch_wait_ms})");
-    let main_run = run_measured(&overrides, "bench", jobs, keys, limit, Workers::Stream).await?;
+    let main_run = main.measure("bench", Partitions::All).await?;
     eprintln!("bench: end to end, the same with Kafka workers (jobs.admitted + Claim)");
     let kafka_run = run_measured(&overrides, "benchkafka", jobs, keys, limit, Workers::Kafka).await?;
     if only == "main" {
@@ -364,6 +413,7 @@ async fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    let pipeline = run_pipeline(&main).await?;
     eprintln!("bench: end to end, {wide_jobs} jobs over 100000 keys with limit {limit}, stream workers");
     let wide_stack = Stack::start(bench_config("benchwide", &overrides)?, 1).await?;
     let wide_run = run_throughput(&wide_stack, wide_jobs, 100_000, limit, Workers::Stream).await?;
@@ -392,7 +442,7 @@ async fn main() -> anyhow::Result<()> {
     kafka_figures["hot_key_jobs_per_s"] = serde_json::json!(round(hot_kafka));
     kafka_figures["release_to_admit_p50_ms"] = serde_json::json!(round(percentile(&kafka_latencies, 0.50)));
     kafka_figures["release_to_admit_p99_ms"] = serde_json::json!(round(percentile(&kafka_latencies, 0.99)));
-    let figures = serde_json::json!({
+    let mut figures = serde_json::json!({
         "admitted_jobs_per_s": round(main_run.throughput.jobs_per_s),
         "jobs": jobs,
         "keys": keys,
@@ -417,6 +467,7 @@ async fn main() -> anyhow::Result<()> {
         "waiters": waiter_count,
         "grant_ns_by_flows": run_grants_by_flows()?,
     });
+    pipeline.insert_into(&mut figures, main_run.throughput.jobs_per_s);
     println!("{figures}");
     Ok(())
 }
@@ -448,6 +499,140 @@ impl MeasuredRun {
             "wal_bytes_per_job": self.wal_bytes_per_job,
         })
     }
+}
+
+/// The main end-to-end run: `jobs` jobs over `keys` keys of limit `limit`,
+/// stream workers, on a stack with `overrides`.
+struct MainRun<'a> {
+    overrides: &'a [(&'a str, &'a str)],
+    jobs: u64,
+    keys: u64,
+    limit: u32,
+}
+
+/// How many partitions the main run's stack has on a job's path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Partitions {
+    /// The main run's counts.
+    All,
+    /// One partition in each stage of a stream-worker job's path whose task
+    /// waits for its own commit before it takes its next batch
+    /// (`ONE_PARTITION`).
+    One,
+}
+
+/// The partition counts `Partitions::One` sets to 1: `jobs.requested` (its
+/// reader hands a batch over and waits until the job partition saved it),
+/// `sluice.jobs` (admission's job partitions) and `sluice.limit-commands`
+/// (limit-grant's). `jobs.admitted.<group>` keeps its count: stream workers
+/// get their jobs on `Work` streams, not from it.
+const ONE_PARTITION: [&str; 3] = [
+    "kafka.partitions.requested",
+    "kafka.partitions.jobs",
+    "kafka.partitions.limit_commands",
+];
+
+impl MainRun<'_> {
+    async fn measure(&self, name: &str, partitions: Partitions) -> anyhow::Result<MeasuredRun> {
+        let overrides: Vec<(&str, &str)> = match partitions {
+            Partitions::All => self.overrides.to_vec(),
+            Partitions::One => self
+                .overrides
+                .iter()
+                .copied()
+                .filter(|(key, _)| !ONE_PARTITION.contains(key))
+                .chain(ONE_PARTITION.iter().map(|key| (*key, "1")))
+                .collect(),
+        };
+        run_measured(&overrides, name, self.jobs, self.keys, self.limit, Workers::Stream).await
+    }
+}
+
+/// Issue 30's pipeline figures: the main stream-worker run with one
+/// partition (`Partitions::One`), and with 1 and with 2 runtime threads.
+struct Pipeline {
+    one_partition: f64,
+    one_thread: f64,
+    two_threads: f64,
+}
+
+impl Pipeline {
+    /// Add the figures to `figures`, with `all_partitions` (the main run's
+    /// admitted jobs/s) for `one_partition_share`.
+    fn insert_into(&self, figures: &mut serde_json::Value, all_partitions: f64) {
+        figures["admitted_jobs_per_s_one_partition"] = serde_json::json!(round(self.one_partition));
+        figures["one_partition_share"] = serde_json::json!(ratio(self.one_partition, all_partitions));
+        figures["admitted_jobs_per_s_1_thread"] = serde_json::json!(round(self.one_thread));
+        figures["admitted_jobs_per_s_2_threads"] = serde_json::json!(round(self.two_threads));
+        figures["thread_gain"] = serde_json::json!(ratio(self.two_threads, self.one_thread));
+    }
+}
+
+/// `part / whole` to 3 decimals (0 when `whole` is not positive).
+fn ratio(part: f64, whole: f64) -> f64 {
+    if whole > 0.0 {
+        (part / whole * 1000.0).round() / 1000.0
+    } else {
+        0.0
+    }
+}
+
+async fn run_pipeline(main: &MainRun<'_>) -> anyhow::Result<Pipeline> {
+    eprintln!(
+        "bench: end to end, the main stream-worker run with one partition ({})",
+        ONE_PARTITION.join(", ")
+    );
+    let one_partition = main.measure("benchone", Partitions::One).await?;
+    let one_thread = run_in_child(1).await?;
+    let two_threads = run_in_child(2).await?;
+    Ok(Pipeline {
+        one_partition: one_partition.throughput.jobs_per_s,
+        one_thread,
+        two_threads,
+    })
+}
+
+/// The main stream-worker run (`BENCH_ONLY=stream`) in a child process of
+/// this binary whose runtime has `threads` worker threads: `#[tokio::main]`
+/// sets no count, so tokio's multi-thread runtime takes it from
+/// `TOKIO_WORKER_THREADS`. The child inherits the environment (the broker,
+/// `BENCH_JOBS`, ...) and stderr; its last line on stdout is its JSON, which
+/// says how many worker threads it ran with. Returns its admitted jobs/s.
+async fn run_in_child(threads: usize) -> anyhow::Result<f64> {
+    eprintln!("bench: end to end, the main stream-worker run in a child process with {threads} runtime thread(s)");
+    let program = std::env::current_exe().context("find this bench's own executable")?;
+    let child = tokio::process::Command::new(program)
+        .env("BENCH_ONLY", "stream")
+        .env("TOKIO_WORKER_THREADS", threads.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("start the bench in a child process")?;
+    // `Command::output` would capture stderr as well; this keeps it inherited.
+    let output = child.wait_with_output().await.context("wait for the child bench")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "the child bench with {threads} runtime thread(s) failed: {}",
+        output.status
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|line| !line.trim().is_empty())
+        .context("the child bench printed nothing on stdout")?;
+    let figures: serde_json::Value =
+        serde_json::from_str(last).with_context(|| format!("the child bench's last line is not JSON: {last}"))?;
+    let ran_with = figures["runtime_threads"].as_u64();
+    anyhow::ensure!(
+        ran_with == Some(u64::try_from(threads)?),
+        "the child bench ran with {ran_with:?} runtime threads, not {threads}"
+    );
+    figures["admitted_jobs_per_s"]
+        .as_f64()
+        .with_context(|| format!("no admitted_jobs_per_s in the child bench's line: {last}"))
 }
 
 async fn run_measured(
