@@ -159,8 +159,6 @@ fn conflict_status(index: Option<usize>, job_id: &str, batch: bool) -> Status {
     }
 }
 
-/// A forwarded batch's conflict names its place in the forwarded call;
-/// name it in this call.
 /// A refusal of part of a call whose other partitions' jobs were saved
 /// already: say which, so the caller retries only the others.
 fn saved_before_refusal(status: Status, answered: &[(Vec<usize>, Vec<pb::EnqueueResponse>)]) -> Status {
@@ -183,6 +181,8 @@ fn saved_before_refusal(status: Status, answered: &[(Vec<usize>, Vec<pb::Enqueue
     )
 }
 
+/// A forwarded batch's conflict names its place in the forwarded call;
+/// name it in this call.
 fn renumber_conflict(status: Status, indexes: &[usize]) -> Status {
     if status.code() != tonic::Code::AlreadyExists {
         return status;
