@@ -239,79 +239,11 @@ impl StreamReader {
                 Ok(())
             }
             Some(pb::work_request::Message::Heartbeat(heartbeat)) => {
-                let attempts = match attempts_of("heartbeat.jobs", heartbeat.jobs) {
-                    Ok(attempts) => attempts,
-                    Err(status) => {
-                        self.answer_error(heartbeat.id, &status).await;
-                        return Ok(());
-                    }
-                };
-                let count = attempts.len();
-                let mut parts = Vec::new();
-                for (indexes, attempts) in self.api.by_job_partition(attempts, |(job_id, _)| job_id) {
-                    let turn = self.enter(attempts.iter().map(|(job_id, _)| job_id.as_str()));
-                    let (api, worker_id, caller) =
-                        (self.api.clone(), self.session.worker_id.clone(), self.caller.clone());
-                    let work: Part<pb::HeartbeatResult> =
-                        Box::pin(
-                            async move { api.heartbeat_attempts(&caller, false, &worker_id, attempts, None).await },
-                        );
-                    parts.push((indexes, turn, work));
-                }
-                self.answer(heartbeat.id, count, parts, |results| {
-                    pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results })
-                })
-                .await;
+                self.heartbeat(heartbeat).await;
                 Ok(())
             }
             Some(pb::work_request::Message::Complete(complete)) => {
-                self.session.completed(
-                    complete
-                        .completions
-                        .iter()
-                        .map(|completion| (completion.job_id.as_str(), completion.attempt)),
-                );
-                // Checked whole first, so that an error names the
-                // completion's place in this request, not in its part.
-                let checked = check_batch("complete.completions", &complete.completions).and_then(|()| {
-                    complete
-                        .completions
-                        .iter()
-                        .enumerate()
-                        .try_for_each(|(index, completion)| {
-                            checked_completion("complete.completions", index, completion).map(|_| ())
-                        })
-                });
-                if let Err(status) = checked {
-                    self.answer_error(complete.id, &status).await;
-                    return Ok(());
-                }
-                let count = complete.completions.len();
-                let mut parts = Vec::new();
-                for (indexes, completions) in self
-                    .api
-                    .by_job_partition(complete.completions, |completion| completion.job_id.as_str())
-                {
-                    let turn = self.enter(completions.iter().map(|completion| completion.job_id.as_str()));
-                    let (api, worker_id, caller) =
-                        (self.api.clone(), self.session.worker_id.clone(), self.caller.clone());
-                    let work: Part<pb::CompleteResult> = Box::pin(async move {
-                        api.complete_attempts(
-                            &caller,
-                            false,
-                            &worker_id,
-                            "complete.completions",
-                            completions,
-                            &pb::TraceContext::default(),
-                        )
-                        .await
-                    });
-                    parts.push((indexes, turn, work));
-                }
-                self.answer(complete.id, count, parts, |results| {
-                    pb::work_answer::Result::Completed(pb::CompleteResponse { results })
-                })
-                .await;
+                self.complete(complete).await;
                 Ok(())
             }
             Some(pb::work_request::Message::Withdraw(withdraw)) => {
@@ -332,6 +264,80 @@ impl StreamReader {
             }
             None => Err(FieldError::new("message", "set open, credits, heartbeat, complete or withdraw").into()),
         }
+    }
+
+    /// Heartbeats, applied partition by partition (`answer`).
+    async fn heartbeat(&self, heartbeat: pb::WorkHeartbeat) {
+        let attempts = match attempts_of("heartbeat.jobs", heartbeat.jobs) {
+            Ok(attempts) => attempts,
+            Err(status) => {
+                self.answer_error(heartbeat.id, &status).await;
+                return;
+            }
+        };
+        let count = attempts.len();
+        let mut parts = Vec::new();
+        for (indexes, attempts) in self.api.by_job_partition(attempts, |(job_id, _)| job_id) {
+            let turn = self.enter(attempts.iter().map(|(job_id, _)| job_id.as_str()));
+            let (api, worker_id, caller) = (self.api.clone(), self.session.worker_id.clone(), self.caller.clone());
+            let work: Part<pb::HeartbeatResult> =
+                Box::pin(async move { api.heartbeat_attempts(&caller, false, &worker_id, attempts, None).await });
+            parts.push((indexes, turn, work));
+        }
+        self.answer(heartbeat.id, count, parts, |results| {
+            pb::work_answer::Result::Heartbeats(pb::HeartbeatResponse { results })
+        })
+        .await;
+    }
+
+    /// Completions, checked whole, then applied partition by partition.
+    async fn complete(&self, complete: pb::WorkComplete) {
+        self.session.completed(
+            complete
+                .completions
+                .iter()
+                .map(|completion| (completion.job_id.as_str(), completion.attempt)),
+        );
+        // Checked whole first, so that an error names the
+        // completion's place in this request, not in its part.
+        let checked = check_batch("complete.completions", &complete.completions).and_then(|()| {
+            complete
+                .completions
+                .iter()
+                .enumerate()
+                .try_for_each(|(index, completion)| {
+                    checked_completion("complete.completions", index, completion).map(|_| ())
+                })
+        });
+        if let Err(status) = checked {
+            self.answer_error(complete.id, &status).await;
+            return;
+        }
+        let count = complete.completions.len();
+        let mut parts = Vec::new();
+        for (indexes, completions) in self
+            .api
+            .by_job_partition(complete.completions, |completion| completion.job_id.as_str())
+        {
+            let turn = self.enter(completions.iter().map(|completion| completion.job_id.as_str()));
+            let (api, worker_id, caller) = (self.api.clone(), self.session.worker_id.clone(), self.caller.clone());
+            let work: Part<pb::CompleteResult> = Box::pin(async move {
+                api.complete_attempts(
+                    &caller,
+                    false,
+                    &worker_id,
+                    "complete.completions",
+                    completions,
+                    &pb::TraceContext::default(),
+                )
+                .await
+            });
+            parts.push((indexes, turn, work));
+        }
+        self.answer(complete.id, count, parts, |results| {
+            pb::work_answer::Result::Completed(pb::CompleteResponse { results })
+        })
+        .await;
     }
 
     async fn add_credits(&self, credits: u32) {
