@@ -16,18 +16,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_RS = ROOT / "crates" / "sluice-common" / "src" / "config.rs"
+# config.rs and its submodules (the section structs live in config/sections.rs).
+CONFIG_SOURCES = [CONFIG_RS, *sorted((CONFIG_RS.parent / "config").glob("*.rs"))]
 DEFAULT_TOML = ROOT / "crates" / "sluice-common" / "src" / "default.toml"
 
 
 @lru_cache(maxsize=None)
 def rust_config_structs() -> dict:
-    """The `#[serde(deny_unknown_fields)]` structs of config.rs: name ->
+    """The `#[serde(deny_unknown_fields)]` structs of config.rs and its
+    submodules: name ->
     {field: (rust type, has a serde default)}. Fields are one per line there
     (`pub name: Type,`), so a line-based read is enough."""
     structs: dict[str, dict[str, tuple[str, bool]]] = {}
     current = None
     pending_default = False
-    for line in CONFIG_RS.read_text().splitlines():
+    lines = [line for source in CONFIG_SOURCES for line in source.read_text().splitlines()]
+    for line in lines:
         stripped = line.strip()
         opened = re.match(r"pub struct (\w+) \{$", stripped)
         if opened:
