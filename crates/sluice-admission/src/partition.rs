@@ -152,6 +152,9 @@ pub enum Local {
     Pushed {
         worker_id: String,
         attempts: Vec<(String, u32)>,
+        /// When the push stamped the lease ends it told the worker: the
+        /// partition's lease ends are never before those.
+        written_at_ms: i64,
     },
     /// The path to the owners of some limit or rate partitions changed: a
     /// link stream to their owner opened again after a break, or the owner

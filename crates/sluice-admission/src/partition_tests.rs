@@ -604,9 +604,12 @@ impl StreamWorkers {
             }
             // Written: the partition starts their leases now.
             while let Ok(written) = self.reports.written.try_recv() {
+                // (Stamped by the harness's clock, not the push's wall clock.)
+                let written_at_ms = harness.now_ms;
                 harness.apply(vec![Local::Pushed {
                     worker_id: written.worker_id,
                     attempts: written.attempts,
+                    written_at_ms,
                 }]);
             }
             let Ok(handed) = self.reports.undelivered.try_recv() else {
@@ -956,9 +959,11 @@ fn a_pushed_attempt_lease_runs_from_the_push() {
     );
     // The commit took 5 s; then the push was written.
     harness.now_ms += 5_000;
+    let written_at_ms = harness.now_ms;
     harness.apply(vec![Local::Pushed {
         worker_id: "worker-s".to_string(),
         attempts: vec![(job_id(job), 1)],
+        written_at_ms,
     }]);
     assert_eq!(
         harness.state(job).expect("active").lease_expires_at_ms,
@@ -967,13 +972,57 @@ fn a_pushed_attempt_lease_runs_from_the_push() {
     );
     // Another worker's report, or an old attempt's, changes nothing.
     harness.now_ms += 1_000;
+    let written_at_ms = harness.now_ms;
     harness.apply(vec![Local::Pushed {
         worker_id: "worker-other".to_string(),
         attempts: vec![(job_id(job), 1)],
+        written_at_ms,
     }]);
     assert_eq!(
         harness.state(job).expect("active").lease_expires_at_ms,
         Some(harness.now_ms - 1_000 + lease_ms)
+    );
+}
+
+/// A push stamps the lease end it tells the worker from its own clock,
+/// which may run a little ahead of the partition's: the partition's lease
+/// end, and a heartbeat's answer right after the push, are never before
+/// it (the flaky end-to-end test asserted exactly this and failed when the
+/// clocks were 1–2 ms apart).
+#[test]
+fn a_heartbeat_right_after_a_push_never_answers_a_lease_end_before_the_push_said() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let job = (0..JOBS)
+        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .expect("one push");
+    let lease_ms = harness.state(job).expect("active").lease_ms;
+    // The push's clock reads 2 ms later than the partition's.
+    let written_at_ms = harness.now_ms + 2;
+    harness.apply(vec![Local::Pushed {
+        worker_id: "worker-s".to_string(),
+        attempts: vec![(job_id(job), 1)],
+        written_at_ms,
+    }]);
+    let told = written_at_ms + lease_ms;
+    assert_eq!(harness.state(job).expect("active").lease_expires_at_ms, Some(told));
+    harness.now_ms += 1;
+    let (reply, mut answer) = oneshot::channel();
+    harness.apply(vec![Local::Heartbeat {
+        scope: sluice_common::auth::JobScope::All,
+        worker_id: "worker-s".to_string(),
+        attempts: vec![(job_id(job), 1)],
+        ended: None,
+        reply,
+    }]);
+    let result = answer.try_recv().expect("answered")[0].clone();
+    assert_eq!(result.outcome, pb::HeartbeatOutcome::Extended as i32);
+    assert!(
+        result.lease_expires_at_ms >= told,
+        "the heartbeat answered a lease end {} before the push's {told}",
+        result.lease_expires_at_ms
     );
 }
 

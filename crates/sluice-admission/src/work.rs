@@ -160,6 +160,8 @@ pub struct PushWritten {
     pub partition: i32,
     pub worker_id: String,
     pub attempts: Vec<(String, u32)>,
+    /// The wall-clock time the push's lease ends were stamped from.
+    pub written_at_ms: i64,
 }
 
 /// What the hub reports about pushes, for the instance to act on.
@@ -430,6 +432,7 @@ impl Push {
                     partition: self.partition,
                     worker_id: self.session.worker_id.clone(),
                     attempts,
+                    written_at_ms: now_ms,
                 });
             }
             Err(jobs) => {
@@ -553,15 +556,18 @@ mod tests {
         let written = receiver.try_recv().unwrap().unwrap();
         assert!(matches!(written.message, Some(pb::work_response::Message::Jobs(_))));
         assert!(reports.undelivered.try_recv().is_err());
+        let reported = reports.written.try_recv().unwrap();
         assert_eq!(
-            reports.written.try_recv().unwrap(),
+            reported,
             PushWritten {
                 partition: 0,
                 worker_id: "w".to_string(),
                 attempts: vec![("j1".to_string(), 1)],
+                written_at_ms: reported.written_at_ms,
             },
             "the partition hears when its push was written"
         );
+        assert!(reported.written_at_ms > 0);
         assert_eq!(session.credits(), 0);
     }
 

@@ -488,6 +488,7 @@ pub async fn start_leases_at_the_push(
         let pushed = crate::partition::Local::Pushed {
             worker_id: push.worker_id,
             attempts: push.attempts,
+            written_at_ms: push.written_at_ms,
         };
         let _ = registry.submit(push.partition, pushed).await;
     }

@@ -110,7 +110,13 @@ impl AdmissionPartition {
             }
             Local::Grants(events) => self.grants(now_ms, events, out),
             Local::Dispatch => self.dispatch_unclaimed(),
-            Local::Pushed { worker_id, attempts } => self.pushed(now_ms, &worker_id, &attempts),
+            // The push told the worker its lease runs from `written_at_ms`
+            // (another clock than the partition's, possibly a little ahead).
+            Local::Pushed {
+                worker_id,
+                attempts,
+                written_at_ms,
+            } => self.pushed(now_ms.max(written_at_ms), &worker_id, &attempts),
             Local::PathChanged { link, partitions } => self.resend_on_path(link, &partitions, out.outbox),
             Local::HandOver { handovers, reply } => {
                 for handover in handovers {

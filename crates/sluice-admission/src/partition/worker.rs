@@ -107,7 +107,11 @@ impl AdmissionPartition {
                         }
                     }
                     None => {
-                        state.lease_expires_at_ms = Some(now_ms + state.lease_ms);
+                        // Never before the lease end already told (a push
+                        // stamps its lease from its own clock).
+                        let renewed = now_ms + state.lease_ms;
+                        state.lease_expires_at_ms =
+                            Some(state.lease_expires_at_ms.map_or(renewed, |lease| lease.max(renewed)));
                         state.confirmed = true;
                         state.heard_at_ms = Some(now_ms);
                         state.due_at_ms = transitions::running_due_at(state);
