@@ -23,7 +23,7 @@ mod owner;
 mod view;
 mod worker;
 
-pub(crate) use owner::in_call_order;
+pub(crate) use owner::side_by_side;
 pub(crate) use worker::checked_completion;
 
 use owner::OwnerAnswer;

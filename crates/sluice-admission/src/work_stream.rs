@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Response, Status, Streaming};
 
-use crate::service::{attempts_of, check_batch, checked_completion, in_call_order, AdmissionApi};
+use crate::service::{attempts_of, check_batch, checked_completion, side_by_side, AdmissionApi};
 use crate::transitions::StreamEnd;
 use crate::work::{UndeliveredPush, WorkSession};
 
@@ -389,12 +389,7 @@ impl StreamReader {
                 drop(own);
                 results.map(|results| (indexes, results))
             });
-            let answered = futures::future::join_all(runs)
-                .await
-                .into_iter()
-                .collect::<Result<Vec<_>, Status>>()
-                .and_then(|answered| in_call_order(count, answered));
-            let result = match answered {
+            let result = match side_by_side(count, runs).await {
                 Ok(results) => wrap(results),
                 Err(status) => error_result(&status),
             };

@@ -54,6 +54,20 @@ pub(super) fn by_partition<T>(items: Vec<T>, partition_of: impl Fn(&T) -> i32) -
     groups
 }
 
+/// Run the groups' asks side by side (one whose owner is away holds up
+/// none of the others); their answers in the call's order, or the first
+/// error.
+pub(crate) async fn side_by_side<R>(
+    count: usize,
+    asks: impl IntoIterator<Item = impl std::future::Future<Output = Result<(Vec<usize>, Vec<R>), Status>>>,
+) -> Result<Vec<R>, Status> {
+    let answered = futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, Status>>()?;
+    in_call_order(count, answered)
+}
+
 /// Answers of the groups put back in the call's order.
 pub(crate) fn in_call_order<R>(count: usize, answered: Vec<(Vec<usize>, Vec<R>)>) -> Result<Vec<R>, Status> {
     let mut slots: Vec<Option<R>> = (0..count).map(|_| None).collect();
@@ -173,11 +187,7 @@ impl AdmissionApi {
                     Ok::<_, Status>((indexes, results))
                 }
             });
-        let answered = futures::future::join_all(asks)
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, Status>>()?;
-        in_call_order(count, answered)
+        side_by_side(count, asks).await
     }
 }
 

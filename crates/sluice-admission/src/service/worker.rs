@@ -8,7 +8,7 @@ use sluice_common::validate::{check_name, check_text, FieldError, MAX_ID_BYTES, 
 use sluice_proto::v1 as pb;
 use tonic::Status;
 
-use super::owner::{by_partition, in_call_order, OwnerAnswer};
+use super::owner::{by_partition, side_by_side, OwnerAnswer};
 use super::{check_batch, AdmissionApi};
 use crate::partition::Local;
 use crate::transitions::{AttemptEnd, StreamEnd};
@@ -104,11 +104,7 @@ impl AdmissionApi {
                 Ok::<_, Status>((indexes, results))
             }
         });
-        let answered = futures::future::join_all(asks)
-            .await
-            .into_iter()
-            .collect::<Result<Vec<_>, Status>>()?;
-        in_call_order(count, answered)
+        side_by_side(count, asks).await
     }
 
     /// Wake job partitions of this instance (stream workers have credits).
