@@ -97,7 +97,7 @@ chaos-short: $(SETUP)
 # The deterministic simulation (crates/sluice-sim): SEEDS, SEED_FROM, SEED,
 # SIM_BUG, SIM_TRACE, SIM_FAULTS_UNTIL_MS, SIM_JOBS from the environment or
 # the command line. Built like the tests (the dev profile gives the
-# simulation and the cores it drives an opt-level: Cargo.toml).
+# simulation's own crate an opt-level: Cargo.toml).
 sim:
 	@$(LINT_BUILD) $(CARGO) run --locked -q -p sluice-sim --bin sluice-sim
 
