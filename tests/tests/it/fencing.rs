@@ -172,6 +172,10 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
         Ok(owner_epoch(&stack.pool, &schema, job_partition).await? > 0)
     })
     .await?;
+    // Everything the owner had to commit since it took the partition (its
+    // first commits after a takeover) is committed: the only commit of the
+    // partition the row lock below can hold up is the release.
+    stack.barrier().await?;
     // Another instance is taking the job partition over (its new epoch not
     // committed yet: the row stays locked, so the order below is fixed), and
     // the running one's check of its owner row misses it.
@@ -207,8 +211,17 @@ async fn only_the_current_owner_releases_a_grant_of_a_job_it_does_not_know() -> 
     )
     .await?;
 
-    // Its release waits for the owner row, as a commit does (unfenced, it
-    // would have been sent at once and nothing would wait) ...
+    // limit-grant grants it (the ticket saved, held) ...
+    eventually(Duration::from_secs(30), "the ghost job's ticket granted", || async {
+        Ok(stack
+            .saved_tickets()
+            .await?
+            .iter()
+            .any(|ticket| &*ticket.ticket.job_id == job_id))
+    })
+    .await?;
+    // ... its release waits for the owner row, as a commit does (unfenced,
+    // it would have been sent at once and nothing would wait) ...
     let fence_waits = "SELECT count(*) FROM pg_stat_activity \
          WHERE $1 = ANY(pg_blocking_pids(pid)) AND query LIKE '%applied_offset = GREATEST%'";
     eventually(Duration::from_secs(30), "the release waiting for the owner row", || {

@@ -196,9 +196,9 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     let worker_task = tokio::spawn(worker.run(stop.clone()));
 
     // The blocker holds the concurrency key until the traced job waits
-    // behind it, and a TryAcquire made just before the traced job is
-    // produced holds the only unit of its rate window for 3 s: the traced
-    // job waits on both, in that order.
+    // behind it, and a TryAcquire made just before the blocker goes holds
+    // the only unit of its rate window for 3 s: the traced job waits on
+    // both, in that order.
     let job = |payload: &str| {
         let mut request = concurrency_job("acme", "traced", 1, 0, payload);
         request
@@ -214,23 +214,6 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     )
     .await?;
     wait_status(&admission, "blocker", pb::JobStatus::Running, Duration::from_secs(30)).await?;
-    let taken = stack
-        .rates_client()
-        .await?
-        .try_acquire(pb::TryAcquireRequest {
-            tenant: "acme".to_string(),
-            limit: rate_job("acme", "traced-rate", 1, 3_000, "").limits[0]
-                .kind
-                .as_ref()
-                .and_then(|kind| match kind {
-                    pb::limit::Kind::Rate(rate) => Some(rate.clone()),
-                    _ => None,
-                }),
-            cost: 1,
-        })
-        .await?
-        .into_inner();
-    assert!(taken.allowed, "the rate window's only unit is taken: {taken:?}");
 
     // The producer's span is the root; its context rides in the Kafka headers.
     let now = std::time::SystemTime::now();
@@ -265,6 +248,27 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
     )
     .await?;
     let seen_waiting_ns = unix_nanos();
+    // The rate window's only unit is taken now, just before the blocker
+    // goes (taken earlier, a slow enqueue could outlast the window): the
+    // job's rate step, right after its concurrency step, waits for it.
+    let rate_taken_ns = unix_nanos();
+    let taken = stack
+        .rates_client()
+        .await?
+        .try_acquire(pb::TryAcquireRequest {
+            tenant: "acme".to_string(),
+            limit: rate_job("acme", "traced-rate", 1, 3_000, "").limits[0]
+                .kind
+                .as_ref()
+                .and_then(|kind| match kind {
+                    pb::limit::Kind::Rate(rate) => Some(rate.clone()),
+                    _ => None,
+                }),
+            cost: 1,
+        })
+        .await?
+        .into_inner();
+    assert!(taken.allowed, "the rate window's only unit is taken: {taken:?}");
     release_blocker.send_replace(true);
     wait_status(&admission, "traced", pb::JobStatus::Succeeded, Duration::from_secs(60)).await?;
 
@@ -358,10 +362,14 @@ async fn one_job_is_one_trace_across_every_service() -> anyhow::Result<()> {
         concurrency_wait.start_ns <= seen_waiting_ns + 5_000_000 && concurrency_wait.end_ns + 5_000_000 >= seen_waiting_ns,
         "the concurrency wait covers the time the job was seen waiting behind the blocker: {concurrency_wait:?}, seen at {seen_waiting_ns}"
     );
+    // The rate wait ends when the window gives its unit back, 3 s after the
+    // test took it (rate-window's clock is anchored to PostgreSQL's, on this
+    // machine: 50 ms for the anchoring and the rounding to ms).
     assert!(
-        millis(rate_wait) >= 1_000,
-        "waited for the rate slot: {} ms",
-        millis(rate_wait)
+        rate_wait.end_ns + 50_000_000 >= rate_taken_ns + 3_000_000_000,
+        "waited for the rate slot until the window gave it back: {} ms, ended {} ms after the unit was taken",
+        millis(rate_wait),
+        (rate_wait.end_ns.saturating_sub(rate_taken_ns)) / 1_000_000
     );
     assert!(
         rate_wait.start_ns >= concurrency_wait.end_ns.saturating_sub(5_000_000),
