@@ -64,24 +64,38 @@ pub async fn watch_slow_jobs(
         slow.sort_by_key(|(_, at)| *at);
         // The three oldest a stall counts (a rate or floating limit's wait
         // is its capacity), and the oldest floating-limit job once it has
-        // waited 20 s.
+        // waited 20 s. A job admission already counts as ended (its success
+        // answered to a worker this run has not heard back from yet, or
+        // failed for good) is not waiting: the next one is shown instead.
         let counted = slow
             .iter()
-            .filter(|(job, _)| rate_key_of(*job).is_none() && !is_floating(*job))
-            .take(3);
-        let floating = slow
-            .iter()
-            .filter(|(job, at)| is_floating(*job) && now - *at > 20_000)
-            .take(1);
-        let shown: Vec<(usize, i64)> = counted.chain(floating).copied().collect();
-        for (job, at) in shown {
-            let mut client = client.clone();
-            let view = client
-                .get_job(pb::GetJobRequest { job_id: job_id(job) })
-                .await
-                .ok()
-                .and_then(|response| response.into_inner().job);
-            let Some(view) = view else { continue };
+            .filter(|(job, _)| rate_key_of(*job).is_none() && !is_floating(*job));
+        let floating = slow.iter().filter(|(job, at)| is_floating(*job) && now - *at > 20_000);
+        let mut shown = Vec::new();
+        for (candidates, wanted) in [
+            (counted.copied().collect::<Vec<_>>(), 3),
+            (floating.copied().collect(), 1),
+        ] {
+            let mut found = 0;
+            for (job, at) in candidates {
+                if found == wanted {
+                    break;
+                }
+                let mut client = client.clone();
+                let view = client
+                    .get_job(pb::GetJobRequest { job_id: job_id(job) })
+                    .await
+                    .ok()
+                    .and_then(|response| response.into_inner().job);
+                let Some(view) = view else { continue };
+                if is_ended(view.status) {
+                    continue;
+                }
+                found += 1;
+                shown.push((job, at, view));
+            }
+        }
+        for (job, at, view) in shown {
             eprintln!(
                 "chaos: at {:.1}s chaos-{job} (key k{}) waited {:.1}s: {:?} attempt {} step {} (admitted {:?} s ago); {}; history {:?}",
                 (now - started_ms) as f64 / 1000.0,
@@ -192,4 +206,12 @@ pub fn start_refresh_worker(
     Ok(tokio::spawn(async move {
         let _ = worker.run(sluice_client::CancellationToken::new()).await;
     }))
+}
+
+/// A status admission counts as ended: nothing of the job waits any more.
+fn is_ended(status: i32) -> bool {
+    matches!(
+        pb::JobStatus::try_from(status),
+        Ok(pb::JobStatus::Succeeded | pb::JobStatus::Failed | pb::JobStatus::Cancelled)
+    )
 }
