@@ -48,7 +48,11 @@ browser-tools:
 build: $(SETUP)
 	$(LINT_BUILD) $(if $(SLUICE_TIMED_STEP),--deny-warnings) $(CARGO) build $(BUILD_ARGS)
 
-run: build
+# `make run` builds only the binary it starts: still the whole workspace
+# selected with --examples, so cargo resolves the same features and every
+# artifact is one `make build` and the tests reuse.
+run: $(SETUP)
+	$(LINT_BUILD) $(CARGO) build --locked --workspace --exclude sluice-e2e --bin sluice --examples
 	@scripts/run-banner.sh
 	$(CARGO_TARGET_DIR)/debug/sluice dev
 
