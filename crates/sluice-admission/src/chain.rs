@@ -10,7 +10,7 @@
 
 use std::collections::HashSet;
 
-use sluice_common::config::{parse_duration, CapScope, SluiceConfig};
+use sluice_common::config::{parse_duration, CapScope, SluiceConfig, TaskGroupConfig};
 use sluice_common::validate::{
     check_adaptive_values, check_floating_values, check_i64, check_name, check_rate_window, check_u32,
     check_unique_key, FieldError, MAX_BACKOFF_MS, MAX_CONCURRENCY, MAX_IDEMPOTENCY_WINDOW_MS, MAX_ID_BYTES,
@@ -216,17 +216,7 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
     if request.task_group.is_empty() {
         return Err(FieldError::new("task_group", "must not be empty"));
     }
-    let Some(group) = config.task_groups.get(&request.task_group) else {
-        let declared: Vec<&str> = config.task_groups.keys().map(String::as_str).collect();
-        return Err(FieldError::new(
-            "task_group",
-            format!(
-                "undeclared task group {:?} (declared: {})",
-                request.task_group,
-                declared.join(", ")
-            ),
-        ));
-    };
+    let group = declared_task_group(config, &request.task_group)?;
     let priority = request.priority.unwrap_or(limits.default_priority);
     if priority > 99 {
         return Err(FieldError::new("priority", "must be 0 (most urgent) to 99"));
@@ -244,6 +234,52 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
             ),
         ));
     }
+    let idempotency_window_ms = idempotency_window_ms(&request, limits)?;
+    let retry = RetrySettings::from_request(request.retry.as_ref())?;
+    if request.limits.len() > limits.max_limits_per_job {
+        return Err(FieldError::new(
+            "limits",
+            format!("at most {} limits per job", limits.max_limits_per_job),
+        ));
+    }
+    if !request.fairness_key.is_empty() {
+        check_name("fairness_key", &request.fairness_key, limits.max_key_bytes)?;
+    }
+
+    let chain = acquisition_chain(&request, group, limits)?;
+
+    Ok(ValidJob {
+        priority,
+        chain,
+        retry,
+        idempotency_window_ms,
+        lease_ms: group.lease.as_millis_i64(),
+        run_timeout_ms: group.run_timeout.map(|timeout| timeout.as_millis_i64()),
+        request,
+    })
+}
+
+fn declared_task_group<'a>(config: &'a SluiceConfig, task_group: &str) -> Result<&'a TaskGroupConfig, FieldError> {
+    let Some(group) = config.task_groups.get(task_group) else {
+        let declared: Vec<&str> = config.task_groups.keys().map(String::as_str).collect();
+        return Err(FieldError::new(
+            "task_group",
+            format!(
+                "undeclared task group {:?} (declared: {})",
+                task_group,
+                declared.join(", ")
+            ),
+        ));
+    };
+    Ok(group)
+}
+
+/// The idempotency window of a job with an idempotency key (the default
+/// when not set); `None` without a key.
+fn idempotency_window_ms(
+    request: &pb::JobRequest,
+    limits: &sluice_common::config::AdmissionConfig,
+) -> Result<Option<i64>, FieldError> {
     let idempotency_window_ms = if request.idempotency_key.is_empty() {
         if !request.idempotency_window.is_empty() {
             return Err(FieldError::new(
@@ -264,17 +300,17 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
     if idempotency_window_ms == Some(0) {
         return Err(FieldError::new("idempotency_window", "must be greater than 0"));
     }
-    let retry = RetrySettings::from_request(request.retry.as_ref())?;
-    if request.limits.len() > limits.max_limits_per_job {
-        return Err(FieldError::new(
-            "limits",
-            format!("at most {} limits per job", limits.max_limits_per_job),
-        ));
-    }
-    if !request.fairness_key.is_empty() {
-        check_name("fairness_key", &request.fairness_key, limits.max_key_bytes)?;
-    }
+    Ok(idempotency_window_ms)
+}
 
+/// The job's limits in the order it acquires them: its own concurrency,
+/// floating and adaptive keys, then the task group's caps, then rate
+/// windows, each part sorted by tenant and key.
+fn acquisition_chain(
+    request: &pb::JobRequest,
+    group: &TaskGroupConfig,
+    limits: &sluice_common::config::AdmissionConfig,
+) -> Result<Vec<StoredStep>, FieldError> {
     let mut own_steps: Vec<StoredStep> = Vec::new();
     let mut rate_steps: Vec<StoredStep> = Vec::new();
     let mut seen: HashSet<(String, String, bool)> = HashSet::new();
@@ -316,16 +352,7 @@ pub fn validate(config: &SluiceConfig, request: pb::JobRequest) -> Result<ValidJ
     let mut chain = own_steps;
     chain.extend(cap_steps);
     chain.extend(rate_steps);
-
-    Ok(ValidJob {
-        priority,
-        chain,
-        retry,
-        idempotency_window_ms,
-        lease_ms: group.lease.as_millis_i64(),
-        run_timeout_ms: group.run_timeout.map(|timeout| timeout.as_millis_i64()),
-        request,
-    })
+    Ok(chain)
 }
 
 fn validate_limit(
@@ -387,48 +414,53 @@ fn validate_limit(
                 ..Default::default()
             })
         }
-        Some(pb::limit::Kind::Rate(rate)) => match &rate.spec {
-            None => Err(FieldError::new("rate.spec", "set inline or rate_limit_key")),
-            Some(pb::rate_limit::Spec::RateLimitKey(resource_key)) => {
-                check_name("rate.rate_limit_key", resource_key, max_key_bytes)?;
-                Ok(StoredStep {
+        Some(pb::limit::Kind::Rate(rate)) => validate_rate(tenant, rate, max_key_bytes),
+    }
+}
+
+/// A rate limit: a stored resource's window or an inline one.
+fn validate_rate(tenant: &str, rate: &pb::RateLimit, max_key_bytes: usize) -> Result<StoredStep, FieldError> {
+    match &rate.spec {
+        None => Err(FieldError::new("rate.spec", "set inline or rate_limit_key")),
+        Some(pb::rate_limit::Spec::RateLimitKey(resource_key)) => {
+            check_name("rate.rate_limit_key", resource_key, max_key_bytes)?;
+            Ok(StoredStep {
+                tenant: tenant.to_string(),
+                key: format!("resource:{resource_key}"),
+                kind: pb::LimitKind::Rate as i32,
+                rate_key: Some(pb::RateKeyRef {
                     tenant: tenant.to_string(),
-                    key: format!("resource:{resource_key}"),
-                    kind: pb::LimitKind::Rate as i32,
-                    rate_key: Some(pb::RateKeyRef {
-                        tenant: tenant.to_string(),
-                        kind: Some(pb::rate_key_ref::Kind::ResourceKey(resource_key.clone())),
-                    }),
-                    rate_cost: 1,
-                    origin: "job".to_string(),
-                    ..Default::default()
-                })
-            }
-            Some(pb::rate_limit::Spec::Inline(inline)) => {
-                check_name("rate.inline.name", &inline.name, max_key_bytes)?;
-                check_unique_key("rate.inline.unique_key", &inline.unique_key, max_key_bytes)?;
-                let cost = if inline.cost == 0 { 1 } else { inline.cost };
-                check_rate_window("rate.inline", inline.limit, inline.duration_ms, inline.cost)?;
-                check_rate_window("rate.inline", inline.limit, inline.duration_ms, cost)?;
-                Ok(StoredStep {
+                    kind: Some(pb::rate_key_ref::Kind::ResourceKey(resource_key.clone())),
+                }),
+                rate_cost: 1,
+                origin: "job".to_string(),
+                ..Default::default()
+            })
+        }
+        Some(pb::rate_limit::Spec::Inline(inline)) => {
+            check_name("rate.inline.name", &inline.name, max_key_bytes)?;
+            check_unique_key("rate.inline.unique_key", &inline.unique_key, max_key_bytes)?;
+            let cost = if inline.cost == 0 { 1 } else { inline.cost };
+            check_rate_window("rate.inline", inline.limit, inline.duration_ms, inline.cost)?;
+            check_rate_window("rate.inline", inline.limit, inline.duration_ms, cost)?;
+            Ok(StoredStep {
+                tenant: tenant.to_string(),
+                key: format!("inline:{}:{}", inline.name, inline.unique_key),
+                kind: pb::LimitKind::Rate as i32,
+                rate_key: Some(pb::RateKeyRef {
                     tenant: tenant.to_string(),
-                    key: format!("inline:{}:{}", inline.name, inline.unique_key),
-                    kind: pb::LimitKind::Rate as i32,
-                    rate_key: Some(pb::RateKeyRef {
-                        tenant: tenant.to_string(),
-                        kind: Some(pb::rate_key_ref::Kind::Inline(pb::InlineKey {
-                            name: inline.name.clone(),
-                            unique_key: inline.unique_key.clone(),
-                        })),
-                    }),
-                    rate_limit: inline.limit,
-                    rate_window_ms: inline.duration_ms,
-                    rate_cost: cost,
-                    origin: "job".to_string(),
-                    ..Default::default()
-                })
-            }
-        },
+                    kind: Some(pb::rate_key_ref::Kind::Inline(pb::InlineKey {
+                        name: inline.name.clone(),
+                        unique_key: inline.unique_key.clone(),
+                    })),
+                }),
+                rate_limit: inline.limit,
+                rate_window_ms: inline.duration_ms,
+                rate_cost: cost,
+                origin: "job".to_string(),
+                ..Default::default()
+            })
+        }
     }
 }
 

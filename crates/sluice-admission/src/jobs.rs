@@ -163,63 +163,98 @@ pub async fn fetch_jobs(connection: &mut PgConnection, job_ids: &[String]) -> Re
     rows.iter().map(JobRow::from_row).collect()
 }
 
+/// Job rows as one array per column, for an insert through UNNEST.
+struct JobColumns {
+    job_ids: Vec<String>,
+    tenants: Vec<String>,
+    task_groups: Vec<String>,
+    priorities: Vec<i16>,
+    statuses: Vec<i16>,
+    max_attempts: Vec<i32>,
+    chain_lens: Vec<i32>,
+    chains: Vec<Vec<u8>>,
+    specs: Vec<Vec<u8>>,
+    payloads: Vec<Vec<u8>>,
+    partitions: Vec<i32>,
+    leases: Vec<i64>,
+    run_timeouts: Vec<Option<i64>>,
+    enqueued: Vec<i64>,
+    run_ats: Vec<Option<i64>>,
+    due_ats: Vec<Option<i64>>,
+    step_starts: Vec<Option<i64>>,
+    admitted_ats: Vec<Option<i64>>,
+    idempotency_keys: Vec<Option<String>>,
+    traceparents: Vec<String>,
+    tracestates: Vec<String>,
+    request_hashes: Vec<Option<Vec<u8>>>,
+}
+
+impl JobColumns {
+    fn of(jobs: &[JobRow]) -> Self {
+        let count = jobs.len();
+        let mut columns = JobColumns {
+            job_ids: Vec::with_capacity(count),
+            tenants: Vec::with_capacity(count),
+            task_groups: Vec::with_capacity(count),
+            priorities: Vec::with_capacity(count),
+            statuses: Vec::with_capacity(count),
+            max_attempts: Vec::with_capacity(count),
+            chain_lens: Vec::with_capacity(count),
+            chains: Vec::with_capacity(count),
+            specs: Vec::with_capacity(count),
+            payloads: Vec::with_capacity(count),
+            partitions: Vec::with_capacity(count),
+            leases: Vec::with_capacity(count),
+            run_timeouts: Vec::with_capacity(count),
+            enqueued: Vec::with_capacity(count),
+            run_ats: Vec::with_capacity(count),
+            due_ats: Vec::with_capacity(count),
+            step_starts: Vec::with_capacity(count),
+            admitted_ats: Vec::with_capacity(count),
+            idempotency_keys: Vec::with_capacity(count),
+            traceparents: Vec::with_capacity(count),
+            tracestates: Vec::with_capacity(count),
+            request_hashes: Vec::with_capacity(count),
+        };
+        for job in jobs {
+            columns.job_ids.push(job.state.job_id.clone());
+            columns.tenants.push(job.tenant.clone());
+            columns.task_groups.push(job.task_group.clone());
+            columns.priorities.push(i16::try_from(job.priority).unwrap_or(i16::MAX));
+            columns.statuses.push(status_code(job.state.status));
+            columns.max_attempts.push(to_i32(job.state.max_attempts));
+            columns.chain_lens.push(to_i32(job.state.chain_len()));
+            columns.chains.push(
+                StoredChain {
+                    steps: job.state.chain.clone(),
+                }
+                .encode_to_vec(),
+            );
+            columns.specs.push(job.spec.encode_to_vec());
+            columns.payloads.push(job.payload.clone());
+            columns.partitions.push(job.job_partition);
+            columns.leases.push(job.state.lease_ms);
+            columns.run_timeouts.push(job.state.run_timeout_ms);
+            columns.enqueued.push(job.enqueued_at_us);
+            columns.run_ats.push(job.run_at_ms);
+            columns.due_ats.push(job.state.due_at_ms);
+            columns.step_starts.push(job.state.step_started_at_ms);
+            columns.admitted_ats.push(job.state.admitted_at_ms);
+            columns.idempotency_keys.push(job.idempotency_key.clone());
+            columns.traceparents.push(job.trace.traceparent.clone());
+            columns.tracestates.push(job.trace.tracestate.clone());
+            columns.request_hashes.push(job.request_hash.clone());
+        }
+        columns
+    }
+}
+
 /// Insert new rows; returns the ids that were new (the others existed).
 pub async fn insert_jobs(connection: &mut PgConnection, jobs: &[JobRow]) -> Result<HashSet<String>, sqlx::Error> {
     if jobs.is_empty() {
         return Ok(HashSet::new());
     }
-    let count = jobs.len();
-    let mut job_ids = Vec::with_capacity(count);
-    let mut tenants = Vec::with_capacity(count);
-    let mut task_groups = Vec::with_capacity(count);
-    let mut priorities = Vec::with_capacity(count);
-    let mut statuses = Vec::with_capacity(count);
-    let mut max_attempts = Vec::with_capacity(count);
-    let mut chain_lens = Vec::with_capacity(count);
-    let mut chains = Vec::with_capacity(count);
-    let mut specs = Vec::with_capacity(count);
-    let mut payloads = Vec::with_capacity(count);
-    let mut partitions = Vec::with_capacity(count);
-    let mut leases = Vec::with_capacity(count);
-    let mut run_timeouts: Vec<Option<i64>> = Vec::with_capacity(count);
-    let mut enqueued = Vec::with_capacity(count);
-    let mut run_ats: Vec<Option<i64>> = Vec::with_capacity(count);
-    let mut due_ats: Vec<Option<i64>> = Vec::with_capacity(count);
-    let mut step_starts: Vec<Option<i64>> = Vec::with_capacity(count);
-    let mut admitted_ats: Vec<Option<i64>> = Vec::with_capacity(count);
-    let mut idempotency_keys: Vec<Option<String>> = Vec::with_capacity(count);
-    let mut traceparents = Vec::with_capacity(count);
-    let mut tracestates = Vec::with_capacity(count);
-    let mut request_hashes: Vec<Option<Vec<u8>>> = Vec::with_capacity(count);
-    for job in jobs {
-        job_ids.push(job.state.job_id.clone());
-        tenants.push(job.tenant.clone());
-        task_groups.push(job.task_group.clone());
-        priorities.push(i16::try_from(job.priority).unwrap_or(i16::MAX));
-        statuses.push(status_code(job.state.status));
-        max_attempts.push(to_i32(job.state.max_attempts));
-        chain_lens.push(to_i32(job.state.chain_len()));
-        chains.push(
-            StoredChain {
-                steps: job.state.chain.clone(),
-            }
-            .encode_to_vec(),
-        );
-        specs.push(job.spec.encode_to_vec());
-        payloads.push(job.payload.clone());
-        partitions.push(job.job_partition);
-        leases.push(job.state.lease_ms);
-        run_timeouts.push(job.state.run_timeout_ms);
-        enqueued.push(job.enqueued_at_us);
-        run_ats.push(job.run_at_ms);
-        due_ats.push(job.state.due_at_ms);
-        step_starts.push(job.state.step_started_at_ms);
-        admitted_ats.push(job.state.admitted_at_ms);
-        idempotency_keys.push(job.idempotency_key.clone());
-        traceparents.push(job.trace.traceparent.clone());
-        tracestates.push(job.trace.tracestate.clone());
-        request_hashes.push(job.request_hash.clone());
-    }
+    let columns = JobColumns::of(jobs);
     let inserted: Vec<String> = sqlx::query_scalar(
         "INSERT INTO jobs (job_id, tenant, task_group, priority, status, attempt, attempts_used, max_attempts, step,
                            chain_len, chain, spec, payload, job_partition, lease_ms, run_timeout_ms, enqueued_at_us,
@@ -239,28 +274,28 @@ pub async fn insert_jobs(connection: &mut PgConnection, jobs: &[JobRow]) -> Resu
          ON CONFLICT (job_id) DO NOTHING
          RETURNING job_id",
     )
-    .bind(job_ids)
-    .bind(tenants)
-    .bind(task_groups)
-    .bind(priorities)
-    .bind(statuses)
-    .bind(max_attempts)
-    .bind(chain_lens)
-    .bind(chains)
-    .bind(specs)
-    .bind(payloads)
-    .bind(partitions)
-    .bind(leases)
-    .bind(run_timeouts)
-    .bind(enqueued)
-    .bind(run_ats)
-    .bind(due_ats)
-    .bind(step_starts)
-    .bind(admitted_ats)
-    .bind(idempotency_keys)
-    .bind(traceparents)
-    .bind(tracestates)
-    .bind(request_hashes)
+    .bind(columns.job_ids)
+    .bind(columns.tenants)
+    .bind(columns.task_groups)
+    .bind(columns.priorities)
+    .bind(columns.statuses)
+    .bind(columns.max_attempts)
+    .bind(columns.chain_lens)
+    .bind(columns.chains)
+    .bind(columns.specs)
+    .bind(columns.payloads)
+    .bind(columns.partitions)
+    .bind(columns.leases)
+    .bind(columns.run_timeouts)
+    .bind(columns.enqueued)
+    .bind(columns.run_ats)
+    .bind(columns.due_ats)
+    .bind(columns.step_starts)
+    .bind(columns.admitted_ats)
+    .bind(columns.idempotency_keys)
+    .bind(columns.traceparents)
+    .bind(columns.tracestates)
+    .bind(columns.request_hashes)
     .fetch_all(connection)
     .await?;
     Ok(inserted.into_iter().collect())

@@ -179,156 +179,233 @@ pub async fn run(
         faults.clone(),
     )
     .with_links(Arc::new(links.clone()));
+    set_barrier(&faults, &registry, &links);
 
-    {
-        let registry = registry.clone();
-        let links = links.clone();
-        faults.set_barrier(Arc::new(move || {
-            let registry = registry.clone();
-            let links = links.clone();
-            async move { barrier(&registry, &links).await }.boxed()
-        }));
-    }
-    let jobs_partitions = config.kafka.partitions.jobs;
-    let (mut grpc_routes, health) = grpc::base_routes(vec!["sluice.v1.Admission"], config.process.grpc_reflection)?;
-    let api = service::AdmissionApi {
-        config: config.clone(),
-        registry: registry.clone(),
-        pool: pool.clone(),
-        own_endpoint: endpoint.clone(),
-        channels: Arc::default(),
-        jobs_partitions,
-        limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
-        rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
-        hub,
-        quotas: quotas.clone(),
-        shutdown: shutdown.clone(),
+    let instance = Instance {
+        config,
+        registry,
+        pool,
+        readiness,
+        shutdown,
     };
+    let (mut grpc_routes, health) =
+        grpc::base_routes(vec!["sluice.v1.Admission"], instance.config.process.grpc_reflection)?;
+    let api = instance.api(endpoint.clone(), hub, quotas.clone())?;
     grpc_routes.add_service(sluice_common::auth::guarded(
         sluice_proto::v1::admission_server::AdmissionServer::new(api.clone()),
         &auth,
     ));
 
-    let mut supervisor = Supervisor::new(shutdown.clone(), config.process.drain_timeout.0);
-    let jobs_topic = config.topic(&config.topics.jobs);
-    spawn_consumer(
-        &mut supervisor,
-        "job partitions",
-        &config,
-        ConsumerOptions {
-            group: config.group(&format!("{}-jobs", config.admission.consumer_group)),
-            topic: jobs_topic.clone(),
-            channel_capacity: 10_000,
-            track_end: false,
-            readiness: readiness.clone(),
-        },
-        Arc::new(runtime),
-        &shutdown,
-    );
-    spawn_request_consumers(
-        &mut supervisor,
-        &config,
-        |topic, tenants| consumers::RequestConsumer {
-            config: config.clone(),
-            routes: routes.clone(),
-            publisher: publisher.clone(),
-            readiness: readiness.clone(),
-            faults: faults.clone(),
-            topic,
-            tenants,
-            jobs_topic: Arc::from(jobs_topic.as_str()),
-            registry: registry.clone(),
-        },
-        &readiness,
-        &shutdown,
-    );
-    supervisor.spawn(
-        "tenant quotas",
-        quota::refresh(
-            quotas,
-            pool.clone(),
-            config.admission.quota_refresh_interval.0,
-            shutdown.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "link grants",
-        consumers::run_link_grants(
-            registry.clone(),
-            pool.clone(),
-            jobs_partitions,
-            grants_receiver,
-            shutdown.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "written pushes",
-        work_stream::start_leases_at_the_push(registry.clone(), push_reports.written, shutdown.clone()),
-    );
-    supervisor.spawn(
-        "undelivered pushes",
-        work_stream::hand_back_undelivered(api, push_reports.undelivered, shutdown.clone()),
-    );
-    supervisor.spawn(
-        "limit-grant path changes",
-        resend_on_path_changes(
-            Link::LimitGrant,
-            links.limit.path_changes(),
-            config.kafka.partitions.limit_commands,
-            registry.clone(),
-            shutdown.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "rate-window path changes",
-        resend_on_path_changes(
-            Link::RateWindow,
-            links.rate.path_changes(),
-            config.kafka.partitions.rate_commands,
-            registry.clone(),
-            shutdown.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "job partition claims",
-        claim_job_partitions(links, registry, shutdown.clone()),
-    );
-    supervisor.spawn(
-        "idempotency key cleanup",
-        drop_expired_idempotency_keys(pool.clone(), config.admission.sweep_interval.0, shutdown.clone()),
-    );
-    supervisor.spawn(
-        "grpc server",
-        grpc::serve(
-            listener,
-            grpc_routes,
-            tls,
-            grpc::ServerLimits::of(&config.process),
-            shutdown.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "topic watch",
-        kafka::watch_topics(
-            config.kafka.clone(),
-            all_topics(&config),
-            readiness.clone(),
-            shutdown.clone(),
-        ),
-    );
-    supervisor.spawn(
-        "readiness",
-        sluice_common::service::report_readiness(readiness, health.clone(), shutdown.clone()),
-    );
+    let mut supervisor = Supervisor::new(instance.shutdown.clone(), instance.config.process.drain_timeout.0);
+    instance.spawn_consumers(&mut supervisor, runtime, routes, &publisher, &faults);
+    instance.spawn_link_tasks(&mut supervisor, links, grants_receiver, push_reports, api, quotas);
+    instance.spawn_serving(&mut supervisor, listener, grpc_routes, tls, health.clone());
     tracing::info!(%endpoint, "admission started");
     let outcome = supervisor.wait().await;
     health.set_serving(false).await;
     tracing::debug!("admission tasks ended; flushing the producer");
     publisher.flush(Duration::from_secs(5)).await;
     tracing::debug!("closing the database pool");
-    pool.close().await;
+    instance.pool.close().await;
     tracing::debug!("admission stopped");
     outcome.map_err(AdmissionServiceError::Stopped)
+}
+
+/// Tests wait on admission's barrier (`barrier`) through the faults handle.
+fn set_barrier(faults: &Faults, registry: &Arc<OwnerRegistry<Local>>, links: &AdmissionLinks) {
+    let registry = registry.clone();
+    let links = links.clone();
+    faults.set_barrier(Arc::new(move || {
+        let registry = registry.clone();
+        let links = links.clone();
+        async move { barrier(&registry, &links).await }.boxed()
+    }));
+}
+
+/// What the tasks of one admission instance share.
+struct Instance {
+    config: Arc<SluiceConfig>,
+    registry: Arc<OwnerRegistry<Local>>,
+    pool: sqlx::PgPool,
+    readiness: Readiness,
+    shutdown: Shutdown,
+}
+
+impl Instance {
+    /// The gRPC API (`Admission`).
+    fn api(
+        &self,
+        own_endpoint: String,
+        hub: Arc<work::WorkerHub>,
+        quotas: Arc<quota::Quotas>,
+    ) -> Result<service::AdmissionApi, AdmissionServiceError> {
+        let config = &self.config;
+        Ok(service::AdmissionApi {
+            config: config.clone(),
+            registry: self.registry.clone(),
+            pool: self.pool.clone(),
+            own_endpoint,
+            channels: Arc::default(),
+            jobs_partitions: config.kafka.partitions.jobs,
+            limits: LimitsClient::new(lazy_channel(&config.admission.limit_grant_endpoint)?),
+            rates: RateLimitsClient::new(lazy_channel(&config.admission.rate_window_endpoint)?),
+            hub,
+            quotas,
+            shutdown: self.shutdown.clone(),
+        })
+    }
+
+    /// The job partitions (owned on `sluice.jobs`) and the request consumers
+    /// that hand new jobs over to them.
+    fn spawn_consumers(
+        &self,
+        supervisor: &mut Supervisor,
+        runtime: OwnerRuntime<store::AdmissionStore>,
+        routes: Arc<effects::Routes>,
+        publisher: &Publisher,
+        faults: &Faults,
+    ) {
+        let config = &self.config;
+        let jobs_topic = config.topic(&config.topics.jobs);
+        spawn_consumer(
+            supervisor,
+            "job partitions",
+            config,
+            ConsumerOptions {
+                group: config.group(&format!("{}-jobs", config.admission.consumer_group)),
+                topic: jobs_topic.clone(),
+                channel_capacity: 10_000,
+                track_end: false,
+                readiness: self.readiness.clone(),
+            },
+            Arc::new(runtime),
+            &self.shutdown,
+        );
+        spawn_request_consumers(
+            supervisor,
+            config,
+            |topic, tenants| consumers::RequestConsumer {
+                config: config.clone(),
+                routes: routes.clone(),
+                publisher: publisher.clone(),
+                readiness: self.readiness.clone(),
+                faults: faults.clone(),
+                topic,
+                tenants,
+                jobs_topic: Arc::from(jobs_topic.as_str()),
+                registry: self.registry.clone(),
+            },
+            &self.readiness,
+            &self.shutdown,
+        );
+    }
+
+    /// The tasks around the links and the worker streams: grants in, pushes
+    /// written or not, paths changed, job partitions claimed; and the
+    /// housekeeping (tenant quotas, expired idempotency keys).
+    fn spawn_link_tasks(
+        &self,
+        supervisor: &mut Supervisor,
+        links: AdmissionLinks,
+        grants_receiver: tokio::sync::mpsc::Receiver<Downlink>,
+        push_reports: work::PushReports,
+        api: service::AdmissionApi,
+        quotas: Arc<quota::Quotas>,
+    ) {
+        supervisor.spawn(
+            "tenant quotas",
+            quota::refresh(
+                quotas,
+                self.pool.clone(),
+                self.config.admission.quota_refresh_interval.0,
+                self.shutdown.clone(),
+            ),
+        );
+        supervisor.spawn(
+            "link grants",
+            consumers::run_link_grants(
+                self.registry.clone(),
+                self.pool.clone(),
+                self.config.kafka.partitions.jobs,
+                grants_receiver,
+                self.shutdown.clone(),
+            ),
+        );
+        supervisor.spawn(
+            "written pushes",
+            work_stream::start_leases_at_the_push(self.registry.clone(), push_reports.written, self.shutdown.clone()),
+        );
+        supervisor.spawn(
+            "undelivered pushes",
+            work_stream::hand_back_undelivered(api, push_reports.undelivered, self.shutdown.clone()),
+        );
+        supervisor.spawn(
+            "limit-grant path changes",
+            resend_on_path_changes(
+                Link::LimitGrant,
+                links.limit.path_changes(),
+                self.config.kafka.partitions.limit_commands,
+                self.registry.clone(),
+                self.shutdown.clone(),
+            ),
+        );
+        supervisor.spawn(
+            "rate-window path changes",
+            resend_on_path_changes(
+                Link::RateWindow,
+                links.rate.path_changes(),
+                self.config.kafka.partitions.rate_commands,
+                self.registry.clone(),
+                self.shutdown.clone(),
+            ),
+        );
+        supervisor.spawn(
+            "job partition claims",
+            claim_job_partitions(links, self.registry.clone(), self.shutdown.clone()),
+        );
+        supervisor.spawn(
+            "idempotency key cleanup",
+            drop_expired_idempotency_keys(
+                self.pool.clone(),
+                self.config.admission.sweep_interval.0,
+                self.shutdown.clone(),
+            ),
+        );
+    }
+
+    /// The gRPC server, the topic watch and readiness reporting.
+    fn spawn_serving(
+        &self,
+        supervisor: &mut Supervisor,
+        listener: TcpListener,
+        grpc_routes: tonic::service::RoutesBuilder,
+        tls: Option<Arc<sluice_common::tls::ServerTls>>,
+        health: grpc::Health,
+    ) {
+        supervisor.spawn(
+            "grpc server",
+            grpc::serve(
+                listener,
+                grpc_routes,
+                tls,
+                grpc::ServerLimits::of(&self.config.process),
+                self.shutdown.clone(),
+            ),
+        );
+        supervisor.spawn(
+            "topic watch",
+            kafka::watch_topics(
+                self.config.kafka.clone(),
+                all_topics(&self.config),
+                self.readiness.clone(),
+                self.shutdown.clone(),
+            ),
+        );
+        supervisor.spawn(
+            "readiness",
+            sluice_common::service::report_readiness(self.readiness.clone(), health, self.shutdown.clone()),
+        );
+    }
 }
 
 /// One link client per owner service, both handing the grants they receive

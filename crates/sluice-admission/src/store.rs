@@ -284,41 +284,7 @@ impl OwnedStore for AdmissionStore {
             }
         }
         for local in locals {
-            match local {
-                Local::Enqueue { jobs, .. } => {
-                    for incoming in jobs {
-                        note_incoming(incoming, &mut job_ids, &mut idempotency);
-                    }
-                }
-                Local::Cancel { job_id, .. } => {
-                    job_ids.insert(job_id.clone());
-                }
-                Local::Claim { attempts, .. } => {
-                    for (job_id, _) in attempts {
-                        job_ids.insert(job_id.clone());
-                        claimed.push(job_id.clone());
-                    }
-                }
-                Local::Complete { completions, .. } => {
-                    for (job_id, _, _) in completions {
-                        job_ids.insert(job_id.clone());
-                    }
-                }
-                Local::HandOver { handovers, .. } => {
-                    for handover in handovers {
-                        if let Ok(incoming) = &handover.checked {
-                            note_incoming(incoming, &mut job_ids, &mut idempotency);
-                        }
-                    }
-                }
-                Local::Describe { .. }
-                | Local::Heartbeat { .. }
-                | Local::Grants(_)
-                | Local::Dispatch
-                | Local::Pushed { .. }
-                | Local::PathChanged { .. }
-                | Local::Barrier(_) => {}
-            }
+            note_local(local, &mut job_ids, &mut idempotency, &mut claimed);
         }
         let not_active: Vec<String> = job_ids
             .into_iter()
@@ -399,6 +365,51 @@ async fn bootstrap(connection: &mut PgConnection, partition: i32) -> Result<Hash
             Ok((job.state.job_id.clone(), job))
         })
         .collect()
+}
+
+/// Notes what a local request needs read: the jobs it names, the
+/// idempotency keys of jobs it enqueues, the jobs it claims (their payloads).
+fn note_local(
+    local: &Local,
+    job_ids: &mut HashSet<String>,
+    idempotency: &mut HashSet<(String, String)>,
+    claimed: &mut Vec<String>,
+) {
+    match local {
+        Local::Enqueue { jobs, .. } => {
+            for incoming in jobs {
+                note_incoming(incoming, job_ids, idempotency);
+            }
+        }
+        Local::Cancel { job_id, .. } => {
+            job_ids.insert(job_id.clone());
+        }
+        Local::Claim { attempts, .. } => {
+            for (job_id, _) in attempts {
+                job_ids.insert(job_id.clone());
+                claimed.push(job_id.clone());
+            }
+        }
+        Local::Complete { completions, .. } => {
+            for (job_id, _, _) in completions {
+                job_ids.insert(job_id.clone());
+            }
+        }
+        Local::HandOver { handovers, .. } => {
+            for handover in handovers {
+                if let Ok(incoming) = &handover.checked {
+                    note_incoming(incoming, job_ids, idempotency);
+                }
+            }
+        }
+        Local::Describe { .. }
+        | Local::Heartbeat { .. }
+        | Local::Grants(_)
+        | Local::Dispatch
+        | Local::Pushed { .. }
+        | Local::PathChanged { .. }
+        | Local::Barrier(_) => {}
+    }
 }
 
 /// Note a new job's id and idempotency key (`prepare`).

@@ -324,24 +324,7 @@ pub fn running_due_at(job: &JobState) -> Option<i64> {
 pub fn end_attempt(job: &mut JobState, now_ms: i64, end: AttemptEnd, timing: Timing) -> Vec<Effect> {
     debug_assert!(matches!(job.status, Status::Running | Status::Cancelling));
     let was_cancelling = job.status == Status::Cancelling;
-    let (reason, outcome, detail) = match &end {
-        AttemptEnd::Succeeded => (pb::ReleaseReason::Succeeded, "succeeded", String::new()),
-        AttemptEnd::Failed { error, .. } => (pb::ReleaseReason::Failed, "failed", error.clone()),
-        AttemptEnd::HandedBack { reason } => (pb::ReleaseReason::HandedBack, "handed_back", reason.clone()),
-        AttemptEnd::LeaseExpired => (
-            pb::ReleaseReason::LeaseExpired,
-            "lease_expired",
-            format!("no heartbeat within the {} ms lease", job.lease_ms),
-        ),
-        AttemptEnd::RunTimedOut => (
-            pb::ReleaseReason::Failed,
-            "run_timed_out",
-            format!(
-                "ran longer than the task group's {} ms run timeout",
-                job.run_timeout_ms.unwrap_or_default()
-            ),
-        ),
-    };
+    let (reason, outcome, detail) = attempt_outcome(job, &end);
     let mut effects = job.release_everything(if was_cancelling {
         pb::ReleaseReason::Cancelled
     } else {
@@ -401,6 +384,29 @@ pub fn end_attempt(job: &mut JobState, now_ms: i64, end: AttemptEnd, timing: Tim
         }
     }
     all_effects
+}
+
+/// How an attempt's end is released and recorded: the release reason, the
+/// history outcome and its detail.
+fn attempt_outcome(job: &JobState, end: &AttemptEnd) -> (pb::ReleaseReason, &'static str, String) {
+    match end {
+        AttemptEnd::Succeeded => (pb::ReleaseReason::Succeeded, "succeeded", String::new()),
+        AttemptEnd::Failed { error, .. } => (pb::ReleaseReason::Failed, "failed", error.clone()),
+        AttemptEnd::HandedBack { reason } => (pb::ReleaseReason::HandedBack, "handed_back", reason.clone()),
+        AttemptEnd::LeaseExpired => (
+            pb::ReleaseReason::LeaseExpired,
+            "lease_expired",
+            format!("no heartbeat within the {} ms lease", job.lease_ms),
+        ),
+        AttemptEnd::RunTimedOut => (
+            pb::ReleaseReason::Failed,
+            "run_timed_out",
+            format!(
+                "ran longer than the task group's {} ms run timeout",
+                job.run_timeout_ms.unwrap_or_default()
+            ),
+        ),
+    }
 }
 
 fn schedule_retry(job: &mut JobState, now_ms: i64) {

@@ -28,10 +28,11 @@ use sluice_common::kafka::client_config;
 use sluice_common::SluiceConfig;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
+use sluice_proto::v1::limits_client::LimitsClient;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::endpoints::Endpoints;
+use crate::endpoints::{Endpoints, Service};
 use crate::output::{self, OutputFormat, Render, Table};
 
 #[derive(Debug, clap::Args)]
@@ -104,6 +105,11 @@ struct Shared {
 }
 
 impl Shared {
+    /// Jobs done, all keys together.
+    fn done(&self) -> u64 {
+        self.stats.iter().map(|stats| stats.done.load(Ordering::Relaxed)).sum()
+    }
+
     fn key_index(&self, key: &str) -> Option<usize> {
         self.keys.iter().position(|name| name == key)
     }
@@ -166,13 +172,10 @@ pub async fn run(
     start_producers(config, &args, &shared, &stop, &mut tasks)?;
 
     let live = Live::new(&args, &shared, format);
-    let mut peak_holders = vec![0usize; shared.keys.len()];
-    let mut overruns: Vec<String> = Vec::new();
-    let mut views = vec![KeyView::default(); shared.keys.len()];
+    let mut watched = Watched::new(shared.keys.len());
     let mut ticker = tokio::time::interval(Duration::from_millis(250));
     let deadline = started + args.timeout;
-    let mut unanswered_since: Option<Instant> = None;
-    let outcome: anyhow::Result<()> = 'watch: loop {
+    let outcome: anyhow::Result<()> = loop {
         tokio::select! {
             _ = ticker.tick() => {}
             _ = tokio::signal::ctrl_c() => break Ok(()),
@@ -183,41 +186,11 @@ pub async fn run(
                 continue;
             }
         }
-        for (index, key) in shared.keys.iter().enumerate() {
-            // A key's owner can be briefly away (a rebalance moving its
-            // partition): keep the last view, give up only if it stays away.
-            let state = match describe(&mut limits.client, &args.tenant, key).await {
-                Ok(state) => {
-                    unanswered_since = None;
-                    state
-                }
-                Err(status) => {
-                    let since = *unanswered_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() > Duration::from_secs(30) {
-                        break 'watch Err(limits.error(status).into());
-                    }
-                    continue;
-                }
-            };
-            let holders = state.holders.len();
-            let max = state.effective_max.unwrap_or(i64::from(args.limit));
-            peak_holders[index] = peak_holders[index].max(holders);
-            if i64::try_from(holders).unwrap_or(i64::MAX) > max {
-                overruns.push(format!("{key}: {holders} holders against a max of {max}"));
-            }
-            views[index] = KeyView {
-                key: key.clone(),
-                holders,
-                max,
-                waiting: state.waiting,
-            };
+        if let Err(error) = watched.look(&mut limits, &args, &shared).await {
+            break Err(error);
         }
-        live.update(&shared, &views, started);
-        let done: u64 = shared
-            .stats
-            .iter()
-            .map(|stats| stats.done.load(Ordering::Relaxed))
-            .sum();
+        live.update(&shared, &watched.views, started);
+        let done = shared.done();
         if args.jobs > 0 && done >= args.jobs {
             break Ok(());
         }
@@ -230,45 +203,13 @@ pub async fn run(
         }
     };
     stop.cancel();
-    // One last look, so the view ends on the keys' final state.
-    for (index, key) in shared.keys.iter().enumerate() {
-        if let Ok(state) = describe(&mut limits.client, &args.tenant, key).await {
-            views[index].holders = state.holders.len();
-            views[index].waiting = state.waiting;
-        }
-    }
-    live.update(&shared, &views, started);
+    watched.last_look(&mut limits, &args, &shared).await;
+    live.update(&shared, &watched.views, started);
     live.finish();
     tasks.shutdown().await;
     outcome?;
 
-    let summary = Summary {
-        run_id: shared.run_id.clone(),
-        elapsed_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-        produced: shared.produced.load(Ordering::Relaxed),
-        done: shared
-            .stats
-            .iter()
-            .map(|stats| stats.done.load(Ordering::Relaxed))
-            .sum(),
-        keys: shared
-            .keys
-            .iter()
-            .enumerate()
-            .map(|(index, key)| {
-                let stats = &shared.stats[index];
-                KeySummary {
-                    key: key.clone(),
-                    max: views[index].max,
-                    produced: stats.produced.load(Ordering::Relaxed),
-                    done: stats.done.load(Ordering::Relaxed),
-                    peak_running: stats.peak_running.load(Ordering::Relaxed),
-                    peak_holders: peak_holders[index],
-                }
-            })
-            .collect(),
-        overruns,
-    };
+    let summary = watched.summary(&shared, started);
     output::print(format, &summary)?;
     anyhow::ensure!(
         summary.overruns.is_empty(),
@@ -278,11 +219,104 @@ pub async fn run(
     Ok(())
 }
 
-async fn describe(
-    limits: &mut sluice_proto::v1::limits_client::LimitsClient<Channel>,
-    tenant: &str,
-    key: &str,
-) -> Result<pb::KeyState, tonic::Status> {
+/// What the view has seen of the keys so far.
+struct Watched {
+    views: Vec<KeyView>,
+    peak_holders: Vec<usize>,
+    overruns: Vec<String>,
+    /// Since when a key's owner has not answered.
+    unanswered_since: Option<Instant>,
+}
+
+impl Watched {
+    fn new(keys: usize) -> Self {
+        Watched {
+            views: vec![KeyView::default(); keys],
+            peak_holders: vec![0; keys],
+            overruns: Vec::new(),
+            unanswered_since: None,
+        }
+    }
+
+    /// Asks each key's owner for the key's state; an error once an owner
+    /// has not answered for 30 s.
+    async fn look(
+        &mut self,
+        limits: &mut Service<LimitsClient<Channel>>,
+        args: &DemoArgs,
+        shared: &Shared,
+    ) -> anyhow::Result<()> {
+        for (index, key) in shared.keys.iter().enumerate() {
+            // A key's owner can be briefly away (a rebalance moving its
+            // partition): keep the last view, give up only if it stays away.
+            let state = match describe(&mut limits.client, &args.tenant, key).await {
+                Ok(state) => {
+                    self.unanswered_since = None;
+                    state
+                }
+                Err(status) => {
+                    let since = *self.unanswered_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() > Duration::from_secs(30) {
+                        return Err(limits.error(status).into());
+                    }
+                    continue;
+                }
+            };
+            let holders = state.holders.len();
+            let max = state.effective_max.unwrap_or(i64::from(args.limit));
+            self.peak_holders[index] = self.peak_holders[index].max(holders);
+            if i64::try_from(holders).unwrap_or(i64::MAX) > max {
+                self.overruns
+                    .push(format!("{key}: {holders} holders against a max of {max}"));
+            }
+            self.views[index] = KeyView {
+                key: key.clone(),
+                holders,
+                max,
+                waiting: state.waiting,
+            };
+        }
+        Ok(())
+    }
+
+    /// One last look, so the view ends on the keys' final state.
+    async fn last_look(&mut self, limits: &mut Service<LimitsClient<Channel>>, args: &DemoArgs, shared: &Shared) {
+        for (index, key) in shared.keys.iter().enumerate() {
+            if let Ok(state) = describe(&mut limits.client, &args.tenant, key).await {
+                self.views[index].holders = state.holders.len();
+                self.views[index].waiting = state.waiting;
+            }
+        }
+    }
+
+    fn summary(self, shared: &Shared, started: Instant) -> Summary {
+        Summary {
+            run_id: shared.run_id.clone(),
+            elapsed_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            produced: shared.produced.load(Ordering::Relaxed),
+            done: shared.done(),
+            keys: shared
+                .keys
+                .iter()
+                .enumerate()
+                .map(|(index, key)| {
+                    let stats = &shared.stats[index];
+                    KeySummary {
+                        key: key.clone(),
+                        max: self.views[index].max,
+                        produced: stats.produced.load(Ordering::Relaxed),
+                        done: stats.done.load(Ordering::Relaxed),
+                        peak_running: stats.peak_running.load(Ordering::Relaxed),
+                        peak_holders: self.peak_holders[index],
+                    }
+                })
+                .collect(),
+            overruns: self.overruns,
+        }
+    }
+}
+
+async fn describe(limits: &mut LimitsClient<Channel>, tenant: &str, key: &str) -> Result<pb::KeyState, tonic::Status> {
     Ok(limits
         .describe_key(pb::DescribeKeyRequest {
             key: Some(pb::KeyRef {
@@ -307,6 +341,46 @@ struct DemoPayload {
     work_ms: u64,
 }
 
+/// What every demo job's request carries besides its id, key and payload.
+struct JobTemplate {
+    tenant: String,
+    task_group: String,
+    limit: u32,
+    json: bool,
+}
+
+impl JobTemplate {
+    /// One job's request, encoded as JSON or protobuf, and its content type.
+    fn encode(&self, job_id: &str, key: &str, payload: String) -> anyhow::Result<(Vec<u8>, &'static str)> {
+        if self.json {
+            let request = serde_json::json!({
+                "job_id": job_id,
+                "tenant": self.tenant,
+                "task_group": self.task_group,
+                "payload": payload,
+                "limits": [{"concurrency": {"key": key, "max_concurrency": self.limit}}],
+            });
+            Ok((serde_json::to_vec(&request)?, "application/json"))
+        } else {
+            let request = pb::JobRequest {
+                job_id: Some(job_id.to_string()),
+                tenant: self.tenant.clone(),
+                task_group: self.task_group.clone(),
+                payload: payload.into_bytes(),
+                limits: vec![pb::Limit {
+                    kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                        key: key.to_string(),
+                        max_concurrency: self.limit,
+                        shadow: false,
+                    })),
+                }],
+                ..Default::default()
+            };
+            Ok((request.encode_to_vec(), "application/x-protobuf"))
+        }
+    }
+}
+
 fn start_producers(
     config: &SluiceConfig,
     args: &DemoArgs,
@@ -326,13 +400,13 @@ fn start_producers(
         let shared = shared.clone();
         let stop = stop.clone();
         let next_job = next_job.clone();
-        let (total, limit, json, tenant, task_group) = (
-            args.jobs,
-            args.limit,
-            args.json,
-            args.tenant.clone(),
-            args.task_group.clone(),
-        );
+        let total = args.jobs;
+        let template = JobTemplate {
+            tenant: args.tenant.clone(),
+            task_group: args.task_group.clone(),
+            limit: args.limit,
+            json: args.json,
+        };
         let (min_work, max_work) = (args.min_work, args.max_work);
         tasks.spawn(async move {
             let mut ticker = tokio::time::interval(interval);
@@ -357,32 +431,7 @@ fn start_producers(
                     key: key.clone(),
                     work_ms: u64::try_from(work.as_millis()).unwrap_or(u64::MAX),
                 })?;
-                let (body, content_type) = if json {
-                    let request = serde_json::json!({
-                        "job_id": job_id,
-                        "tenant": tenant,
-                        "task_group": task_group,
-                        "payload": payload,
-                        "limits": [{"concurrency": {"key": key, "max_concurrency": limit}}],
-                    });
-                    (serde_json::to_vec(&request)?, "application/json")
-                } else {
-                    let request = pb::JobRequest {
-                        job_id: Some(job_id.clone()),
-                        tenant: tenant.clone(),
-                        task_group: task_group.clone(),
-                        payload: payload.into_bytes(),
-                        limits: vec![pb::Limit {
-                            kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
-                                key: key.clone(),
-                                max_concurrency: limit,
-                                shadow: false,
-                            })),
-                        }],
-                        ..Default::default()
-                    };
-                    (request.encode_to_vec(), "application/x-protobuf")
-                };
+                let (body, content_type) = template.encode(&job_id, &key, payload)?;
                 let headers = OwnedHeaders::new().insert(Header {
                     key: "content-type",
                     value: Some(content_type),

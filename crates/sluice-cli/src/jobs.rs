@@ -289,6 +289,17 @@ impl Render for JobOut {
             }
         }
         let mut out = fields(&pairs);
+        self.push_acquisition_order(&mut out);
+        if !self.history.is_empty() {
+            self.push_history(&mut out);
+        }
+        out
+    }
+}
+
+impl JobOut {
+    /// The job's limits in the order it acquires them, each with its state.
+    fn push_acquisition_order(&self, out: &mut String) {
         let mut order = Table::new(&["STEP", "KIND", "TENANT", "KEY", "MAX", "ORIGIN", "STATE"]);
         for (index, step) in self.acquisition_order.iter().enumerate() {
             let index_u32 = u32::try_from(index).unwrap_or(u32::MAX);
@@ -318,20 +329,20 @@ impl Render for JobOut {
         } else {
             out.push_str(&order.render(2));
         }
-        if !self.history.is_empty() {
-            let mut history = Table::new(&["ATTEMPT", "OUTCOME", "AT", "DETAIL"]);
-            for record in &self.history {
-                history.row(vec![
-                    record.attempt.to_string(),
-                    record.outcome.clone(),
-                    time_ms(record.at_ms),
-                    record.detail.clone(),
-                ]);
-            }
-            out.push_str("\nhistory\n");
-            out.push_str(&history.render(2));
+    }
+
+    fn push_history(&self, out: &mut String) {
+        let mut history = Table::new(&["ATTEMPT", "OUTCOME", "AT", "DETAIL"]);
+        for record in &self.history {
+            history.row(vec![
+                record.attempt.to_string(),
+                record.outcome.clone(),
+                time_ms(record.at_ms),
+                record.detail.clone(),
+            ]);
         }
-        out
+        out.push_str("\nhistory\n");
+        out.push_str(&history.render(2));
     }
 }
 

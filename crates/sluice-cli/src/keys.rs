@@ -4,7 +4,10 @@
 use serde::Serialize;
 use sluice_proto::v1 as pb;
 
-use crate::endpoints::Endpoints;
+use sluice_common::auth::Channel;
+use sluice_proto::v1::limits_client::LimitsClient;
+
+use crate::endpoints::{Endpoints, Service};
 use crate::jobs::kind_word;
 use crate::output::{fields, optional_time_ms, or_dash, time_ms, Printable, Render, Table};
 
@@ -109,53 +112,16 @@ pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<
             limit,
             page_token,
         } => {
-            let response = limits
-                .client
-                .list_keys(pb::ListKeysRequest {
-                    tenant: tenant.tenant.clone(),
-                    prefix,
-                    page_size: limit,
-                    page_token,
-                })
-                .await
-                .map_err(|status| limits.error(status))?
-                .into_inner();
-            return Ok(Box::new(KeyListOut {
-                keys: response
-                    .keys
-                    .into_iter()
-                    .map(|summary| {
-                        let key = summary.key.unwrap_or_default();
-                        KeySummaryOut {
-                            tenant: key.tenant,
-                            key: key.key,
-                            kind: kind_word(summary.kind),
-                            holders: summary.holders,
-                            waiting: summary.waiting,
-                            override_max: summary.override_max,
-                            floating_max: summary.floating_max,
-                            adaptive_max: summary.adaptive_max,
-                        }
-                    })
-                    .collect(),
-                next_page_token: (!response.next_page_token.is_empty()).then_some(response.next_page_token),
-            }));
+            let request = pb::ListKeysRequest {
+                tenant: tenant.tenant,
+                prefix,
+                page_size: limit,
+                page_token,
+            };
+            return Ok(Box::new(list(&mut limits, request).await?));
         }
         KeysCommand::Describe { tenant, key, waiters } => {
-            let response = limits
-                .client
-                .describe_key(pb::DescribeKeyRequest {
-                    key: Some(pb::KeyRef {
-                        tenant: tenant.tenant,
-                        key,
-                    }),
-                    ticket: None,
-                    first_waiters: waiters.max(1),
-                })
-                .await
-                .map_err(|status| limits.error(status))?
-                .into_inner();
-            return Ok(Box::new(KeyOut::from(response.state.unwrap_or_default())));
+            return Ok(Box::new(describe(&mut limits, (tenant.tenant, key), waiters).await?));
         }
         KeysCommand::SetLimit {
             tenant,
@@ -188,18 +154,11 @@ pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<
             key,
             mode,
             clear,
-        } => {
-            let mode = match (mode, clear) {
-                (Some(ModeArg::Shadow), false) => pb::LimitMode::Shadow,
-                (Some(ModeArg::Enforce), false) => pb::LimitMode::Enforce,
-                _ => pb::LimitMode::Unspecified,
-            };
-            (
-                (tenant.tenant, key),
-                pb::set_limit_request::Change::Mode(mode as i32),
-                "mode set",
-            )
-        }
+        } => (
+            (tenant.tenant, key),
+            pb::set_limit_request::Change::Mode(limit_mode(mode, clear) as i32),
+            "mode set",
+        ),
         KeysCommand::Pause { tenant, key } => ((tenant.tenant, key), pb::set_limit_request::Change::Max(0), "paused"),
         KeysCommand::Resume { tenant, key } => (
             (tenant.tenant, key),
@@ -207,23 +166,84 @@ pub async fn run(endpoints: &Endpoints, command: KeysCommand) -> anyhow::Result<
             "resumed",
         ),
     };
+    let state = set_limit(&mut limits, key, change).await?;
+    Ok(Box::new(SetLimitOut {
+        change: verb.to_string(),
+        state,
+    }))
+}
+
+type Limits = Service<LimitsClient<Channel>>;
+
+/// The stored mode `keys set-mode` asks for; Unspecified clears it.
+fn limit_mode(mode: Option<ModeArg>, clear: bool) -> pb::LimitMode {
+    match (mode, clear) {
+        (Some(ModeArg::Shadow), false) => pb::LimitMode::Shadow,
+        (Some(ModeArg::Enforce), false) => pb::LimitMode::Enforce,
+        _ => pb::LimitMode::Unspecified,
+    }
+}
+
+/// `keys list`: one page of a tenant's keys.
+async fn list(limits: &mut Limits, request: pb::ListKeysRequest) -> anyhow::Result<KeyListOut> {
+    let response = limits
+        .client
+        .list_keys(request)
+        .await
+        .map_err(|status| limits.error(status))?
+        .into_inner();
+    Ok(KeyListOut {
+        keys: response.keys.into_iter().map(summary_out).collect(),
+        next_page_token: (!response.next_page_token.is_empty()).then_some(response.next_page_token),
+    })
+}
+
+fn summary_out(summary: pb::KeySummary) -> KeySummaryOut {
+    let key = summary.key.unwrap_or_default();
+    KeySummaryOut {
+        tenant: key.tenant,
+        key: key.key,
+        kind: kind_word(summary.kind),
+        holders: summary.holders,
+        waiting: summary.waiting,
+        override_max: summary.override_max,
+        floating_max: summary.floating_max,
+        adaptive_max: summary.adaptive_max,
+    }
+}
+
+/// `keys describe`: a key's state with its first `waiters` waiters.
+async fn describe(limits: &mut Limits, (tenant, key): (String, String), waiters: u32) -> anyhow::Result<KeyOut> {
+    let response = limits
+        .client
+        .describe_key(pb::DescribeKeyRequest {
+            key: Some(pb::KeyRef { tenant, key }),
+            ticket: None,
+            first_waiters: waiters.max(1),
+        })
+        .await
+        .map_err(|status| limits.error(status))?
+        .into_inner();
+    Ok(KeyOut::from(response.state.unwrap_or_default()))
+}
+
+/// The change of every other subcommand, sent to the key's owner; returns
+/// the key's state after it.
+async fn set_limit(
+    limits: &mut Limits,
+    (tenant, key): (String, String),
+    change: pb::set_limit_request::Change,
+) -> anyhow::Result<KeyOut> {
     let response = limits
         .client
         .set_limit(pb::SetLimitRequest {
-            key: Some(pb::KeyRef {
-                tenant: key.0,
-                key: key.1,
-            }),
+            key: Some(pb::KeyRef { tenant, key }),
             change: Some(change),
         })
         .await
         .map_err(|status| limits.error(status))?
         .into_inner();
-    let state = KeyOut::from(response.state.unwrap_or_default());
-    Ok(Box::new(SetLimitOut {
-        change: verb.to_string(),
-        state,
-    }))
+    Ok(KeyOut::from(response.state.unwrap_or_default()))
 }
 
 #[derive(Debug, Serialize)]
@@ -534,114 +554,137 @@ impl Render for KeyOut {
             pairs.push(("mode", format!("{mode} (stored)")));
         }
         if let Some(adaptive) = &self.adaptive {
-            let target = match adaptive.target_latency_ms {
-                0 => "no latency target".to_string(),
-                ms => format!("target {ms} ms"),
-            };
-            pairs.push((
-                "adaptive",
-                format!(
-                    "{} to {}, {target}, errors up to {:.0} %, smoothing {}{}",
-                    adaptive.min,
-                    adaptive.max,
-                    adaptive.max_error_ratio * 100.0,
-                    adaptive.smoothing,
-                    if adaptive.slow_start { ", slow start" } else { "" }
-                ),
-            ));
-            pairs.push((
-                "last window",
-                match adaptive.window_mean_run_ms {
-                    Some(mean) => format!(
-                        "{} completions, mean run {mean:.0} ms, {:.0} % failed",
-                        adaptive.window_samples,
-                        adaptive.window_error_ratio * 100.0
-                    ),
-                    None => "none closed yet".to_string(),
-                },
-            ));
-            pairs.push((
-                "last change",
-                match &adaptive.last_change {
-                    Some(change) => format!(
-                        "{} -> {} at {} ({}); {} changes in all",
-                        change.from,
-                        change.to,
-                        time_ms(change.at_ms),
-                        change.reason,
-                        adaptive.changes
-                    ),
-                    None => "none yet".to_string(),
-                },
-            ));
+            adaptive_pairs(adaptive, &mut pairs);
         }
         if let Some(shadow) = &self.shadow {
-            #[allow(clippy::cast_precision_loss)]
-            let mean = if shadow.would_have_waited_count == 0 {
-                0.0
-            } else {
-                shadow.would_have_waited_ms_total as f64 / shadow.would_have_waited_count as f64
-            };
-            pairs.push((
-                "shadow",
-                format!(
-                    "would hold {}, would wait {}; {} would-be grants waited {mean:.0} ms on average, {} ms at most; {} grants over the max",
-                    shadow.would_hold,
-                    shadow.would_wait,
-                    shadow.would_have_waited_count,
-                    shadow.would_have_waited_ms_max,
-                    shadow.would_have_exceeded
-                ),
-            ));
+            shadow_pair(shadow, &mut pairs);
         }
         pairs.push(("owner", format!("partition {}, epoch {}", self.partition, self.epoch)));
         let mut out = fields(&pairs);
         if !self.holder_tickets.is_empty() {
-            let mut holders = Table::new(&["JOB", "ATTEMPT", "STEP", "GRANTED"]);
-            for holder in &self.holder_tickets {
-                holders.row(vec![
-                    holder.job_id.clone(),
-                    holder.attempt.to_string(),
-                    (holder.step + 1).to_string(),
-                    time_ms(holder.granted_at_ms),
-                ]);
-            }
-            out.push_str("\nholders\n");
-            out.push_str(&holders.render(2));
+            self.push_holders(&mut out);
         }
         if !self.first_waiters.is_empty() {
-            let mut waiters = Table::new(&["#", "JOB", "ATTEMPT", "PRIORITY", "JOB MAX", "WAITING SINCE"]);
-            for (position, waiter) in self.first_waiters.iter().enumerate() {
-                waiters.row(vec![
-                    position.to_string(),
-                    waiter.job_id.clone(),
-                    waiter.attempt.to_string(),
-                    waiter.priority.to_string(),
-                    waiter.job_max.to_string(),
-                    time_ms(waiter.waiting_since_ms),
-                ]);
-            }
-            out.push_str("\nfirst waiters\n");
-            out.push_str(&waiters.render(2));
+            self.push_first_waiters(&mut out);
         }
         if self.flows.len() > 1 || self.flows.iter().any(|flow| flow.stored_weight.is_some()) {
-            let mut flows = Table::new(&["FAIRNESS KEY", "WEIGHT", "WAITING", "HOLDERS"]);
-            for flow in &self.flows {
-                flows.row(vec![
-                    if flow.fairness_key.is_empty() {
-                        "(default)".to_string()
-                    } else {
-                        flow.fairness_key.clone()
-                    },
-                    flow.weight.to_string(),
-                    flow.waiting.to_string(),
-                    flow.holders.to_string(),
-                ]);
-            }
-            out.push_str(&format!("\nflows ({} with waiters)\n", self.flows_waiting));
-            out.push_str(&flows.render(2));
+            self.push_flows(&mut out);
         }
         out
+    }
+}
+
+/// The adaptive settings, the last closed window and the last change.
+fn adaptive_pairs(adaptive: &AdaptiveOut, pairs: &mut Vec<(&'static str, String)>) {
+    let target = match adaptive.target_latency_ms {
+        0 => "no latency target".to_string(),
+        ms => format!("target {ms} ms"),
+    };
+    pairs.push((
+        "adaptive",
+        format!(
+            "{} to {}, {target}, errors up to {:.0} %, smoothing {}{}",
+            adaptive.min,
+            adaptive.max,
+            adaptive.max_error_ratio * 100.0,
+            adaptive.smoothing,
+            if adaptive.slow_start { ", slow start" } else { "" }
+        ),
+    ));
+    pairs.push((
+        "last window",
+        match adaptive.window_mean_run_ms {
+            Some(mean) => format!(
+                "{} completions, mean run {mean:.0} ms, {:.0} % failed",
+                adaptive.window_samples,
+                adaptive.window_error_ratio * 100.0
+            ),
+            None => "none closed yet".to_string(),
+        },
+    ));
+    pairs.push((
+        "last change",
+        match &adaptive.last_change {
+            Some(change) => format!(
+                "{} -> {} at {} ({}); {} changes in all",
+                change.from,
+                change.to,
+                time_ms(change.at_ms),
+                change.reason,
+                adaptive.changes
+            ),
+            None => "none yet".to_string(),
+        },
+    ));
+}
+
+fn shadow_pair(shadow: &ShadowOut, pairs: &mut Vec<(&'static str, String)>) {
+    #[allow(clippy::cast_precision_loss)]
+    let mean = if shadow.would_have_waited_count == 0 {
+        0.0
+    } else {
+        shadow.would_have_waited_ms_total as f64 / shadow.would_have_waited_count as f64
+    };
+    pairs.push((
+        "shadow",
+        format!(
+            "would hold {}, would wait {}; {} would-be grants waited {mean:.0} ms on average, {} ms at most; {} grants over the max",
+            shadow.would_hold,
+            shadow.would_wait,
+            shadow.would_have_waited_count,
+            shadow.would_have_waited_ms_max,
+            shadow.would_have_exceeded
+        ),
+    ));
+}
+
+impl KeyOut {
+    fn push_holders(&self, out: &mut String) {
+        let mut holders = Table::new(&["JOB", "ATTEMPT", "STEP", "GRANTED"]);
+        for holder in &self.holder_tickets {
+            holders.row(vec![
+                holder.job_id.clone(),
+                holder.attempt.to_string(),
+                (holder.step + 1).to_string(),
+                time_ms(holder.granted_at_ms),
+            ]);
+        }
+        out.push_str("\nholders\n");
+        out.push_str(&holders.render(2));
+    }
+
+    fn push_first_waiters(&self, out: &mut String) {
+        let mut waiters = Table::new(&["#", "JOB", "ATTEMPT", "PRIORITY", "JOB MAX", "WAITING SINCE"]);
+        for (position, waiter) in self.first_waiters.iter().enumerate() {
+            waiters.row(vec![
+                position.to_string(),
+                waiter.job_id.clone(),
+                waiter.attempt.to_string(),
+                waiter.priority.to_string(),
+                waiter.job_max.to_string(),
+                time_ms(waiter.waiting_since_ms),
+            ]);
+        }
+        out.push_str("\nfirst waiters\n");
+        out.push_str(&waiters.render(2));
+    }
+
+    fn push_flows(&self, out: &mut String) {
+        let mut flows = Table::new(&["FAIRNESS KEY", "WEIGHT", "WAITING", "HOLDERS"]);
+        for flow in &self.flows {
+            flows.row(vec![
+                if flow.fairness_key.is_empty() {
+                    "(default)".to_string()
+                } else {
+                    flow.fairness_key.clone()
+                },
+                flow.weight.to_string(),
+                flow.waiting.to_string(),
+                flow.holders.to_string(),
+            ]);
+        }
+        out.push_str(&format!("\nflows ({} with waiters)\n", self.flows_waiting));
+        out.push_str(&flows.render(2));
     }
 }
 

@@ -12,7 +12,7 @@ mod rate_limits;
 mod tenants;
 mod try_it;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -160,16 +160,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Some(endpoint) => vec![("", endpoints::normalized(&endpoint))],
                 None => cli.endpoints.all().to_vec(),
             };
-            let report = health(checks, &service).await;
-            output::print(format, &report)?;
-            let failing: Vec<String> = report
-                .services
-                .iter()
-                .filter(|check| check.status != "SERVING")
-                .map(|check| format!("{} is {}", check.endpoint, check.status))
-                .collect();
-            anyhow::ensure!(failing.is_empty(), "not serving: {}", failing.join(", "));
-            return Ok(());
+            return check_health(checks, &service, format).await;
         }
         Command::Try {
             endpoint,
@@ -199,58 +190,81 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let config = SluiceConfig::load(cli.config.as_deref())?;
             return demo::run(&config, &cli.endpoints, args, format).await;
         }
-        Command::Dev { expose } => {
-            let mut config = SluiceConfig::load_dev(cli.config.as_deref())?;
-            let moved = if expose { Vec::new() } else { loopback_only(&mut config) };
-            let config = Arc::new(config);
-            let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
-            config.warn_removed_settings();
-            if !moved.is_empty() {
-                let moved: Vec<String> = moved
-                    .iter()
-                    .map(|(setting, configured, bound)| format!("{setting} {configured} -> {bound}"))
-                    .collect();
-                tracing::info!(
-                    moved = %moved.join(", "),
-                    "sluice dev binds to loopback: authentication is off (--expose keeps all interfaces)"
-                );
-            }
-            if expose {
-                tracing::warn!("sluice dev --expose: authentication is off and listeners on all interfaces stay there; anyone who can reach them can act on every tenant");
-            }
-            return dev(config, &telemetry).await;
-        }
-        Command::Migrate => {
-            let config = SluiceConfig::load(cli.config.as_deref())?;
-            let _telemetry = telemetry::init_for_command(&config.telemetry, "sluice")?;
-            config.warn_removed_settings();
-            sluice_admission::migrate(&config).await?;
-            sluice_limit_grant::migrate(&config).await?;
-            sluice_rate_window::migrate(&config).await?;
-            sluice_refresh_dispatcher::migrate(&config).await?;
-            Box::new(Migrated {
-                schemas: ["admission", "limit_grant", "rate_window", "refresh_dispatcher"]
-                    .iter()
-                    .map(|service| config.schema(service))
-                    .collect(),
-            })
-        }
+        Command::Dev { expose } => return run_dev(cli.config.as_deref(), expose).await,
+        Command::Migrate => Box::new(migrate(cli.config.as_deref()).await?),
         Command::Topics {
             command: TopicsCommand::Ensure,
-        } => {
-            let config = SluiceConfig::load(cli.config.as_deref())?;
-            let _telemetry = telemetry::init_for_command(&config.telemetry, "sluice")?;
-            config.warn_removed_settings();
-            let counts = ensure_topics(&config.kafka, &all_topics(&config), true).await?;
-            let mut topics: Vec<TopicOut> = counts
-                .into_iter()
-                .map(|(name, partitions)| TopicOut { name, partitions })
-                .collect();
-            topics.sort_by(|left, right| left.name.cmp(&right.name));
-            Box::new(Topics { topics })
-        }
+        } => Box::new(ensure_all_topics(cli.config.as_deref()).await?),
     };
     output::print(format, printable.as_ref())
+}
+
+/// `sluice health`: prints each service's status; an error when one is not serving.
+async fn check_health(checks: Vec<(&'static str, String)>, service: &str, format: OutputFormat) -> anyhow::Result<()> {
+    let report = health(checks, service).await;
+    output::print(format, &report)?;
+    let failing: Vec<String> = report
+        .services
+        .iter()
+        .filter(|check| check.status != "SERVING")
+        .map(|check| format!("{} is {}", check.endpoint, check.status))
+        .collect();
+    anyhow::ensure!(failing.is_empty(), "not serving: {}", failing.join(", "));
+    Ok(())
+}
+
+/// `sluice dev`: all four services in this process, on loopback unless `expose`.
+async fn run_dev(config_path: Option<&Path>, expose: bool) -> anyhow::Result<()> {
+    let mut config = SluiceConfig::load_dev(config_path)?;
+    let moved = if expose { Vec::new() } else { loopback_only(&mut config) };
+    let config = Arc::new(config);
+    let telemetry = telemetry::init(&config.telemetry, "sluice-dev")?;
+    config.warn_removed_settings();
+    if !moved.is_empty() {
+        let moved: Vec<String> = moved
+            .iter()
+            .map(|(setting, configured, bound)| format!("{setting} {configured} -> {bound}"))
+            .collect();
+        tracing::info!(
+            moved = %moved.join(", "),
+            "sluice dev binds to loopback: authentication is off (--expose keeps all interfaces)"
+        );
+    }
+    if expose {
+        tracing::warn!("sluice dev --expose: authentication is off and listeners on all interfaces stay there; anyone who can reach them can act on every tenant");
+    }
+    dev(config, &telemetry).await
+}
+
+/// `sluice migrate`: every service's schema.
+async fn migrate(config_path: Option<&Path>) -> anyhow::Result<Migrated> {
+    let config = SluiceConfig::load(config_path)?;
+    let _telemetry = telemetry::init_for_command(&config.telemetry, "sluice")?;
+    config.warn_removed_settings();
+    sluice_admission::migrate(&config).await?;
+    sluice_limit_grant::migrate(&config).await?;
+    sluice_rate_window::migrate(&config).await?;
+    sluice_refresh_dispatcher::migrate(&config).await?;
+    Ok(Migrated {
+        schemas: ["admission", "limit_grant", "rate_window", "refresh_dispatcher"]
+            .iter()
+            .map(|service| config.schema(service))
+            .collect(),
+    })
+}
+
+/// `sluice topics ensure`: creates the topics that are missing.
+async fn ensure_all_topics(config_path: Option<&Path>) -> anyhow::Result<Topics> {
+    let config = SluiceConfig::load(config_path)?;
+    let _telemetry = telemetry::init_for_command(&config.telemetry, "sluice")?;
+    config.warn_removed_settings();
+    let counts = ensure_topics(&config.kafka, &all_topics(&config), true).await?;
+    let mut topics: Vec<TopicOut> = counts
+        .into_iter()
+        .map(|(name, partitions)| TopicOut { name, partitions })
+        .collect();
+    topics.sort_by(|left, right| left.name.cmp(&right.name));
+    Ok(Topics { topics })
 }
 
 #[derive(Debug, Serialize)]

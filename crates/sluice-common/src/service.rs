@@ -329,7 +329,7 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
 ) -> Result<(), ServiceError> {
     use std::sync::Arc;
 
-    use crate::kafka::{ConsumerOptions, ConsumerProgress, Publisher};
+    use crate::kafka::Publisher;
     use crate::owner::{OwnerRegistry, OwnerRuntime, OwnerSettings};
 
     let tls = crate::tls::ServerTls::load(&config.tls).map_err(crate::grpc::GrpcError::from)?;
@@ -354,24 +354,11 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
         },
         faults.clone(),
     );
-    let mut grpc_services = vec![spec.grpc_service];
-    let mut runtime = runtime;
-    let link_service = match link_local {
-        Some(make_local) => {
-            // The hot path: commands in from admission's links, grants out.
-            let router = crate::link::GrantRouter::new(faults.clone());
-            runtime = runtime.with_links(router.clone());
-            grpc_services.push("sluice.v1.OwnerLink");
-            Some(crate::link::LinkService {
-                service: spec.service,
-                registry: registry.clone(),
-                router,
-                pool: pool.clone(),
-                make_local,
-                shutdown: shutdown.clone(),
-            })
-        }
-        None => None,
+    let (runtime, link_service) =
+        with_link_service(runtime, link_local, spec.service, &registry, &pool, &faults, &shutdown);
+    let grpc_services = match link_service {
+        Some(_) => vec![spec.grpc_service, "sluice.v1.OwnerLink"],
+        None => vec![spec.grpc_service],
     };
     let (mut routes, health) = crate::grpc::base_routes(grpc_services, config.process.grpc_reflection)?;
     if let Some(link_service) = link_service {
@@ -391,32 +378,109 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
     );
 
     let mut supervisor = Supervisor::new(shutdown.clone(), config.process.drain_timeout.0);
-    {
-        let config = config.clone();
-        let shutdown = shutdown.clone();
-        let options = ConsumerOptions {
-            group: config.group(&spec.consumer_group),
-            topic: config.topic(&spec.input_topic),
-            channel_capacity: 10_000,
-            track_end: false,
-            readiness: readiness.clone(),
-        };
-        supervisor.spawn(spec.consumer_task, async move {
-            crate::kafka::run_partitioned_consumer(
-                &config.kafka,
-                options,
-                Arc::new(runtime),
-                Arc::new(ConsumerProgress::default()),
-                shutdown,
-            )
-            .await
-        });
-    }
+    spawn_input_consumer(&mut supervisor, &config, &spec, runtime, &readiness, &shutdown);
+    spawn_serving(
+        &mut supervisor,
+        &config,
+        (listener, routes, tls),
+        readiness,
+        health,
+        &shutdown,
+    );
+    tracing::info!(service = spec.service, %endpoint, "service started");
+    let outcome = supervisor.wait().await;
+    publisher.flush(std::time::Duration::from_secs(5)).await;
+    pool.close().await;
+    outcome.map_err(|reason| ServiceError::Stopped {
+        service: spec.service,
+        reason,
+    })
+}
+
+type OwnerLocal<S> = <<S as crate::owner::OwnedStore>::State as crate::owner::OwnedState>::Local;
+
+/// The hot path, for a service that has one (`link_local`): commands in
+/// from admission's links, grants out (through the router `runtime` is given).
+fn with_link_service<S: crate::owner::OwnedStore>(
+    runtime: crate::owner::OwnerRuntime<S>,
+    link_local: Option<LinkLocal<S>>,
+    service: &'static str,
+    registry: &std::sync::Arc<crate::owner::OwnerRegistry<OwnerLocal<S>>>,
+    pool: &PgPool,
+    faults: &crate::faults::Faults,
+    shutdown: &Shutdown,
+) -> (
+    crate::owner::OwnerRuntime<S>,
+    Option<crate::link::LinkService<OwnerLocal<S>>>,
+) {
+    let Some(make_local) = link_local else {
+        return (runtime, None);
+    };
+    let router = crate::link::GrantRouter::new(faults.clone());
+    let runtime = runtime.with_links(router.clone());
+    let link_service = crate::link::LinkService {
+        service,
+        registry: registry.clone(),
+        router,
+        pool: pool.clone(),
+        make_local,
+        shutdown: shutdown.clone(),
+    };
+    (runtime, Some(link_service))
+}
+
+/// The owner runtime on the input topic's consumer group.
+fn spawn_input_consumer<S: crate::owner::OwnedStore>(
+    supervisor: &mut Supervisor,
+    config: &std::sync::Arc<SluiceConfig>,
+    spec: &OwnerServiceSpec,
+    runtime: crate::owner::OwnerRuntime<S>,
+    readiness: &crate::readiness::Readiness,
+    shutdown: &Shutdown,
+) {
+    use std::sync::Arc;
+
+    use crate::kafka::{ConsumerOptions, ConsumerProgress};
+
+    let config = config.clone();
+    let shutdown = shutdown.clone();
+    let options = ConsumerOptions {
+        group: config.group(&spec.consumer_group),
+        topic: config.topic(&spec.input_topic),
+        channel_capacity: 10_000,
+        track_end: false,
+        readiness: readiness.clone(),
+    };
+    supervisor.spawn(spec.consumer_task, async move {
+        crate::kafka::run_partitioned_consumer(
+            &config.kafka,
+            options,
+            Arc::new(runtime),
+            Arc::new(ConsumerProgress::default()),
+            shutdown,
+        )
+        .await
+    });
+}
+
+/// The gRPC server, the topic watch and readiness reporting.
+fn spawn_serving(
+    supervisor: &mut Supervisor,
+    config: &SluiceConfig,
+    (listener, routes, tls): (
+        TcpListener,
+        tonic::service::RoutesBuilder,
+        Option<std::sync::Arc<crate::tls::ServerTls>>,
+    ),
+    readiness: crate::readiness::Readiness,
+    health: crate::grpc::Health,
+    shutdown: &Shutdown,
+) {
     supervisor.spawn(
         "topic watch",
         crate::kafka::watch_topics(
             config.kafka.clone(),
-            all_topics(&config),
+            all_topics(config),
             readiness.clone(),
             shutdown.clone(),
         ),
@@ -432,14 +496,6 @@ pub async fn run_owner_service<S: crate::owner::OwnedStore>(
             shutdown.clone(),
         ),
     );
-    tracing::info!(service = spec.service, %endpoint, "service started");
-    let outcome = supervisor.wait().await;
-    publisher.flush(std::time::Duration::from_secs(5)).await;
-    pool.close().await;
-    outcome.map_err(|reason| ServiceError::Stopped {
-        service: spec.service,
-        reason,
-    })
 }
 
 #[cfg(test)]

@@ -236,30 +236,9 @@ pub fn key_chart(
     now_ms: i64,
     window_ms: i64,
 ) -> Markup {
-    let longest_ms = window_ms.max(1);
-    // Span what there is to show: from the first sample or grant (a key
-    // just opened has seconds of data, not minutes), at least 30 s, at most
-    // the window.
-    let first_data_ms = samples
-        .iter()
-        .map(|sample| sample.at_ms)
-        .chain(
-            grants_per_second
-                .iter()
-                .position(|count| *count > 0)
-                .map(|index| (first_second + i64::try_from(index).unwrap_or(0)) * 1000),
-        )
-        .min()
-        .unwrap_or(now_ms);
-    let span_ms = (now_ms - first_data_ms + 1_000).clamp(MIN_CHART_SPAN_MS.min(longest_ms), longest_ms);
+    let span_ms = chart_span_ms(samples, grants_per_second, first_second, now_ms, window_ms);
     let start_ms = now_ms - span_ms;
-    let highest = samples
-        .iter()
-        .map(|sample| u64::from(sample.holders.max(sample.waiting)))
-        .chain(grants_per_second.iter().copied())
-        .max()
-        .unwrap_or(0)
-        .max(1);
+    let highest = chart_highest(samples, grants_per_second);
     let plot_width = CHART_WIDTH - CHART_LEFT - CHART_RIGHT;
     let plot_height = CHART_HEIGHT - CHART_TOP - CHART_BOTTOM;
     let x = |at_ms: i64| CHART_LEFT + ((at_ms - start_ms).clamp(0, span_ms) as f64 / span_ms as f64) * plot_width;
@@ -319,6 +298,36 @@ pub fn key_chart(
             }
         }
     }
+}
+
+/// How long a chart spans: what there is to show, from the first sample or
+/// grant (a key just opened has seconds of data, not minutes), at least
+/// 30 s, at most the window.
+fn chart_span_ms(samples: &[Sample], grants_per_second: &[u64], first_second: i64, now_ms: i64, window_ms: i64) -> i64 {
+    let longest_ms = window_ms.max(1);
+    let first_data_ms = samples
+        .iter()
+        .map(|sample| sample.at_ms)
+        .chain(
+            grants_per_second
+                .iter()
+                .position(|count| *count > 0)
+                .map(|index| (first_second + i64::try_from(index).unwrap_or(0)) * 1000),
+        )
+        .min()
+        .unwrap_or(now_ms);
+    (now_ms - first_data_ms + 1_000).clamp(MIN_CHART_SPAN_MS.min(longest_ms), longest_ms)
+}
+
+/// The chart's top value: the highest count shown, at least 1.
+fn chart_highest(samples: &[Sample], grants_per_second: &[u64]) -> u64 {
+    samples
+        .iter()
+        .map(|sample| u64::from(sample.holders.max(sample.waiting)))
+        .chain(grants_per_second.iter().copied())
+        .max()
+        .unwrap_or(0)
+        .max(1)
 }
 
 #[cfg(test)]

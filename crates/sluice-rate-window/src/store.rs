@@ -70,84 +70,10 @@ impl OwnedStore for RateStore {
             granted_retention_ms: topology.granted_retention_ms,
             input: topology.input,
         });
-        let resources: Vec<(String, String, i64, i64)> = sqlx::query_as(
-            "SELECT tenant, resource_key, max_count, window_seconds FROM resources WHERE partition = $1",
-        )
-        .bind(context.partition)
-        .fetch_all(&mut *connection)
-        .await?;
-        let resources = resources
-            .into_iter()
-            .map(|(tenant, resource_key, max_count, window_seconds)| {
-                (
-                    (tenant, resource_key),
-                    ResourceRecord {
-                        max_count,
-                        window_seconds,
-                    },
-                )
-            })
-            .collect();
-        let window_rows = sqlx::query(
-            "SELECT window_key, tenant, name, unique_key, resource_key, rate_limit, window_ms
-             FROM windows WHERE partition = $1",
-        )
-        .bind(context.partition)
-        .fetch_all(&mut *connection)
-        .await?;
-        let mut windows: HashMap<String, (WindowRecord, Vec<(i64, u64)>)> = HashMap::new();
-        for row in window_rows {
-            let stored: String = row.try_get(0)?;
-            let record = WindowRecord {
-                key: key_of(row.try_get(1)?, row.try_get(2)?, row.try_get(3)?, row.try_get(4)?),
-                rate_limit: row.try_get(5)?,
-                window_ms: row.try_get(6)?,
-            };
-            windows.insert(stored, (record, Vec::new()));
-        }
-        let grants: Vec<(String, i64, i64)> = sqlx::query_as(
-            "SELECT g.window_key, g.at_ms, g.units FROM window_grants g JOIN windows w USING (window_key)
-             WHERE w.partition = $1 AND g.at_ms > $2 - w.window_ms ORDER BY g.window_key, g.at_ms",
-        )
-        .bind(context.partition)
-        .bind(now_ms)
-        .fetch_all(&mut *connection)
-        .await?;
-        for (stored, at_ms, units) in grants {
-            if let Some((_, entries)) = windows.get_mut(&stored) {
-                entries.push((at_ms, u64::try_from(units).unwrap_or_default()));
-            }
-        }
-        let ticket_rows = sqlx::query(
-            "SELECT job_id, attempt, step, window_key, granted, priority, enqueued_at_us, cost, waiting_since_ms,
-                    position_at_enqueue, granted_at_ms, unthrottled, traceparent, tracestate
-             FROM tickets WHERE partition = $1",
-        )
-        .bind(context.partition)
-        .fetch_all(&mut *connection)
-        .await?;
-        let mut tickets = Vec::with_capacity(ticket_rows.len());
-        for row in ticket_rows {
-            tickets.push(TicketRecord {
-                ticket: TicketKey {
-                    job_id: std::sync::Arc::from(row.try_get::<String, _>(0)?.as_str()),
-                    attempt: to_u32(row.try_get(1)?),
-                    step: to_u32(row.try_get(2)?),
-                },
-                window_key: row.try_get(3)?,
-                granted: row.try_get(4)?,
-                priority: u32::try_from(row.try_get::<i16, _>(5)?).unwrap_or_default(),
-                enqueued_at_us: row.try_get(6)?,
-                cost: u64::try_from(row.try_get::<i64, _>(7)?).unwrap_or(1),
-                waiting_since_ms: row.try_get(8)?,
-                position_at_enqueue: to_u32(row.try_get(9)?),
-                granted_at_ms: row.try_get(10)?,
-                unthrottled: row.try_get(11)?,
-                traceparent: row.try_get(12)?,
-                tracestate: row.try_get(13)?,
-            });
-        }
-        partition.restore(now_ms, resources, windows.into_values().collect(), tickets);
+        let resources = load_resources(connection, context.partition).await?;
+        let windows = load_windows(connection, context.partition, now_ms).await?;
+        let tickets = load_tickets(connection, context.partition).await?;
+        partition.restore(now_ms, resources, windows, tickets);
         Ok(partition)
     }
 
@@ -175,6 +101,102 @@ impl OwnedStore for RateStore {
 }
 
 /// Save resources set and removed.
+/// The partition's stored resources (their max and window), by tenant and key.
+async fn load_resources(
+    connection: &mut PgConnection,
+    partition: i32,
+) -> Result<Vec<((String, String), ResourceRecord)>, sqlx::Error> {
+    let resources: Vec<(String, String, i64, i64)> =
+        sqlx::query_as("SELECT tenant, resource_key, max_count, window_seconds FROM resources WHERE partition = $1")
+            .bind(partition)
+            .fetch_all(&mut *connection)
+            .await?;
+    Ok(resources
+        .into_iter()
+        .map(|(tenant, resource_key, max_count, window_seconds)| {
+            (
+                (tenant, resource_key),
+                ResourceRecord {
+                    max_count,
+                    window_seconds,
+                },
+            )
+        })
+        .collect())
+}
+
+/// The partition's windows, each with its grants still inside the window at `now_ms`.
+async fn load_windows(
+    connection: &mut PgConnection,
+    partition: i32,
+    now_ms: i64,
+) -> Result<Vec<(WindowRecord, Vec<(i64, u64)>)>, sqlx::Error> {
+    let window_rows = sqlx::query(
+        "SELECT window_key, tenant, name, unique_key, resource_key, rate_limit, window_ms
+         FROM windows WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut windows: HashMap<String, (WindowRecord, Vec<(i64, u64)>)> = HashMap::new();
+    for row in window_rows {
+        let stored: String = row.try_get(0)?;
+        let record = WindowRecord {
+            key: key_of(row.try_get(1)?, row.try_get(2)?, row.try_get(3)?, row.try_get(4)?),
+            rate_limit: row.try_get(5)?,
+            window_ms: row.try_get(6)?,
+        };
+        windows.insert(stored, (record, Vec::new()));
+    }
+    let grants: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT g.window_key, g.at_ms, g.units FROM window_grants g JOIN windows w USING (window_key)
+         WHERE w.partition = $1 AND g.at_ms > $2 - w.window_ms ORDER BY g.window_key, g.at_ms",
+    )
+    .bind(partition)
+    .bind(now_ms)
+    .fetch_all(&mut *connection)
+    .await?;
+    for (stored, at_ms, units) in grants {
+        if let Some((_, entries)) = windows.get_mut(&stored) {
+            entries.push((at_ms, u64::try_from(units).unwrap_or_default()));
+        }
+    }
+    Ok(windows.into_values().collect())
+}
+
+async fn load_tickets(connection: &mut PgConnection, partition: i32) -> Result<Vec<TicketRecord>, sqlx::Error> {
+    let ticket_rows = sqlx::query(
+        "SELECT job_id, attempt, step, window_key, granted, priority, enqueued_at_us, cost, waiting_since_ms,
+                position_at_enqueue, granted_at_ms, unthrottled, traceparent, tracestate
+         FROM tickets WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_all(&mut *connection)
+    .await?;
+    let mut tickets = Vec::with_capacity(ticket_rows.len());
+    for row in ticket_rows {
+        tickets.push(TicketRecord {
+            ticket: TicketKey {
+                job_id: std::sync::Arc::from(row.try_get::<String, _>(0)?.as_str()),
+                attempt: to_u32(row.try_get(1)?),
+                step: to_u32(row.try_get(2)?),
+            },
+            window_key: row.try_get(3)?,
+            granted: row.try_get(4)?,
+            priority: u32::try_from(row.try_get::<i16, _>(5)?).unwrap_or_default(),
+            enqueued_at_us: row.try_get(6)?,
+            cost: u64::try_from(row.try_get::<i64, _>(7)?).unwrap_or(1),
+            waiting_since_ms: row.try_get(8)?,
+            position_at_enqueue: to_u32(row.try_get(9)?),
+            granted_at_ms: row.try_get(10)?,
+            unthrottled: row.try_get(11)?,
+            traceparent: row.try_get(12)?,
+            tracestate: row.try_get(13)?,
+        });
+    }
+    Ok(tickets)
+}
+
 async fn write_resources(
     connection: &mut PgConnection,
     partition: i32,

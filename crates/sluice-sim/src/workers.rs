@@ -271,26 +271,7 @@ impl World {
         let Some(purpose) = self.workers.list[worker].calls.remove(&token) else {
             return;
         };
-        if let Ok(traced) = std::env::var("SIM_TRACE_JOB") {
-            let job_id = match &purpose {
-                Purpose::Claim { job, .. } | Purpose::ClaimCheck { job, .. } => job.job_id.clone(),
-                Purpose::Complete { job_id, .. } => job_id.clone(),
-                Purpose::Heartbeat { run, .. } => self.workers.list[worker]
-                    .active
-                    .get(run)
-                    .map(|active| active.job_id.clone())
-                    .unwrap_or_default(),
-            };
-            if job_id == traced {
-                let what = match &purpose {
-                    Purpose::Claim { .. } => "claim",
-                    Purpose::ClaimCheck { .. } => "claim check",
-                    Purpose::Complete { .. } => "complete",
-                    Purpose::Heartbeat { .. } => "heartbeat",
-                };
-                eprintln!("{} ms worker {worker} {what} {job_id}: {answer:?}", self.now);
-            }
-        }
+        self.trace_answer(worker, &purpose, &answer);
         match purpose {
             Purpose::Claim { job, sent_at, tries } => match answer {
                 Answer::Claim(results) => {
@@ -354,6 +335,31 @@ impl World {
                     let retry = self.rng.random_range(100..500);
                     self.retry_complete(worker, job_id, attempt, end, tries + 1, retry);
                 }
+            }
+        }
+    }
+
+    /// With SIM_TRACE_JOB set to a job id: prints each answer a worker gets
+    /// about that job.
+    fn trace_answer(&self, worker: usize, purpose: &Purpose, answer: &Answer) {
+        if let Ok(traced) = std::env::var("SIM_TRACE_JOB") {
+            let job_id = match purpose {
+                Purpose::Claim { job, .. } | Purpose::ClaimCheck { job, .. } => job.job_id.clone(),
+                Purpose::Complete { job_id, .. } => job_id.clone(),
+                Purpose::Heartbeat { run, .. } => self.workers.list[worker]
+                    .active
+                    .get(run)
+                    .map(|active| active.job_id.clone())
+                    .unwrap_or_default(),
+            };
+            if job_id == traced {
+                let what = match purpose {
+                    Purpose::Claim { .. } => "claim",
+                    Purpose::ClaimCheck { .. } => "claim check",
+                    Purpose::Complete { .. } => "complete",
+                    Purpose::Heartbeat { .. } => "heartbeat",
+                };
+                eprintln!("{} ms worker {worker} {what} {job_id}: {answer:?}", self.now);
             }
         }
     }

@@ -4,6 +4,10 @@
 use sluice_common::auth::JobScope;
 use sluice_proto::v1 as pb;
 
+use tokio::sync::oneshot;
+
+use crate::transitions::{AttemptEnd, StreamEnd};
+
 use super::{checked_handover, AdmissionPartition, HandOver, Local, Out};
 
 impl AdmissionPartition {
@@ -15,15 +19,11 @@ impl AdmissionPartition {
                 reply,
             } => {
                 let outcome = self.enqueue(now_ms, &jobs, on_conflict, out);
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(outcome);
-                }));
+                reply_after_commit(out, reply, outcome);
             }
             Local::Describe { job_id, reply } => {
                 let job = self.jobs.get(&job_id).map(|active| active.row.clone());
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(job);
-                }));
+                reply_after_commit(out, reply, job);
             }
             Local::Cancel {
                 job_id,
@@ -36,9 +36,7 @@ impl AdmissionPartition {
                 } else {
                     None
                 };
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(status);
-                }));
+                reply_after_commit(out, reply, status);
             }
             Local::Claim {
                 worker_id,
@@ -46,21 +44,8 @@ impl AdmissionPartition {
                 scope,
                 reply,
             } => {
-                let shown = self.shown(attempts.iter().map(|(job_id, _)| job_id.as_str()), &scope);
-                let results = within_scope(
-                    attempts,
-                    &shown,
-                    |(job_id, attempt)| pb::ClaimResult {
-                        job_id: job_id.clone(),
-                        attempt: *attempt,
-                        outcome: pb::ClaimOutcome::NotFound as i32,
-                        ..Default::default()
-                    },
-                    |attempts| self.claim(now_ms, &worker_id, &attempts),
-                );
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(results);
-                }));
+                let results = self.claim_in_scope(now_ms, &worker_id, attempts, &scope);
+                reply_after_commit(out, reply, results);
             }
             Local::Heartbeat {
                 worker_id,
@@ -69,21 +54,8 @@ impl AdmissionPartition {
                 scope,
                 reply,
             } => {
-                let shown = self.shown(attempts.iter().map(|(job_id, _)| job_id.as_str()), &scope);
-                let results = within_scope(
-                    attempts,
-                    &shown,
-                    |(job_id, attempt)| pb::HeartbeatResult {
-                        job_id: job_id.clone(),
-                        attempt: *attempt,
-                        outcome: pb::HeartbeatOutcome::LeaseLost as i32,
-                        lease_expires_at_ms: 0,
-                    },
-                    |attempts| self.heartbeat(now_ms, &worker_id, &attempts, ended),
-                );
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(results);
-                }));
+                let results = self.heartbeat_in_scope(now_ms, &worker_id, attempts, ended, &scope);
+                reply_after_commit(out, reply, results);
             }
             Local::Complete {
                 worker_id,
@@ -92,21 +64,8 @@ impl AdmissionPartition {
                 caller_trace,
                 reply,
             } => {
-                let shown = self.shown(completions.iter().map(|(job_id, _, _)| job_id.as_str()), &scope);
-                let results = within_scope(
-                    completions,
-                    &shown,
-                    |(job_id, attempt, _)| pb::CompleteResult {
-                        job_id: job_id.clone(),
-                        attempt: *attempt,
-                        outcome: pb::CompleteOutcome::NotFound as i32,
-                        ..Default::default()
-                    },
-                    |completions| self.complete(now_ms, &worker_id, completions, &caller_trace, out),
-                );
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(results);
-                }));
+                let results = self.complete_in_scope(now_ms, &worker_id, completions, &scope, &caller_trace, out);
+                reply_after_commit(out, reply, results);
             }
             Local::Grants(events) => self.grants(now_ms, events, out),
             Local::Dispatch => self.dispatch_unclaimed(),
@@ -122,14 +81,79 @@ impl AdmissionPartition {
                 for handover in handovers {
                     self.hand_over(now_ms, handover, out);
                 }
-                out.replies.push(Box::new(move || {
-                    let _ = reply.send(());
-                }));
+                reply_after_commit(out, reply, ());
             }
-            Local::Barrier(reply) => out.replies.push(Box::new(move || {
-                let _ = reply.send(());
-            })),
+            Local::Barrier(reply) => reply_after_commit(out, reply, ()),
         }
+    }
+
+    /// A claim, its jobs outside the caller's scope answered not found.
+    fn claim_in_scope(
+        &mut self,
+        now_ms: i64,
+        worker_id: &str,
+        attempts: Vec<(String, u32)>,
+        scope: &JobScope,
+    ) -> Vec<pb::ClaimResult> {
+        let shown = self.shown(attempts.iter().map(|(job_id, _)| job_id.as_str()), scope);
+        within_scope(
+            attempts,
+            &shown,
+            |(job_id, attempt)| pb::ClaimResult {
+                job_id: job_id.clone(),
+                attempt: *attempt,
+                outcome: pb::ClaimOutcome::NotFound as i32,
+                ..Default::default()
+            },
+            |attempts| self.claim(now_ms, worker_id, &attempts),
+        )
+    }
+
+    /// Heartbeats, their jobs outside the caller's scope answered lease lost.
+    fn heartbeat_in_scope(
+        &mut self,
+        now_ms: i64,
+        worker_id: &str,
+        attempts: Vec<(String, u32)>,
+        ended: Option<StreamEnd>,
+        scope: &JobScope,
+    ) -> Vec<pb::HeartbeatResult> {
+        let shown = self.shown(attempts.iter().map(|(job_id, _)| job_id.as_str()), scope);
+        within_scope(
+            attempts,
+            &shown,
+            |(job_id, attempt)| pb::HeartbeatResult {
+                job_id: job_id.clone(),
+                attempt: *attempt,
+                outcome: pb::HeartbeatOutcome::LeaseLost as i32,
+                lease_expires_at_ms: 0,
+            },
+            |attempts| self.heartbeat(now_ms, worker_id, &attempts, ended),
+        )
+    }
+
+    /// Completions, their jobs outside the caller's scope answered not found.
+    fn complete_in_scope(
+        &mut self,
+        now_ms: i64,
+        worker_id: &str,
+        completions: Vec<(String, u32, AttemptEnd)>,
+        scope: &JobScope,
+        caller_trace: &pb::TraceContext,
+        out: &mut Out<'_>,
+    ) -> Vec<pb::CompleteResult> {
+        let shown = self.shown(completions.iter().map(|(job_id, _, _)| job_id.as_str()), scope);
+        within_scope(
+            completions,
+            &shown,
+            |(job_id, attempt, _)| pb::CompleteResult {
+                job_id: job_id.clone(),
+                attempt: *attempt,
+                outcome: pb::CompleteOutcome::NotFound as i32,
+                ..Default::default()
+            },
+            |completions| self.complete(now_ms, worker_id, completions, caller_trace, out),
+        )
     }
 
     /// Whether a caller of `scope` may see `job_id` (a job this partition
@@ -195,4 +219,11 @@ pub(super) fn within_scope<T, R>(
         .into_iter()
         .filter_map(|answer| answer.or_else(|| acted.next()))
         .collect()
+}
+
+/// Answers a local request once its batch is durable (`Out::replies`).
+fn reply_after_commit<T: Send + 'static>(out: &mut Out<'_>, reply: oneshot::Sender<T>, answer: T) {
+    out.replies.push(Box::new(move || {
+        let _ = reply.send(answer);
+    }));
 }

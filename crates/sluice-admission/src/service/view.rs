@@ -7,7 +7,7 @@ use tonic::Response;
 use super::AdmissionApi;
 use crate::chain;
 use crate::jobs::JobRow;
-use crate::transitions::Status as JobStatus;
+use crate::transitions::{JobState, Status as JobStatus};
 
 impl AdmissionApi {
     pub(super) async fn wait_info(&self, row: &JobRow) -> (Option<pb::WaitInfo>, String) {
@@ -23,54 +23,77 @@ impl AdmissionApi {
         let waiting_since_ms = state.step_started_at_ms.unwrap_or_default();
         let name = chain::describe_step(step);
         if step.is_ticketed() {
-            let mut client = self.limits.clone();
-            let described = client
-                .describe_key(pb::DescribeKeyRequest {
-                    key: Some(pb::KeyRef {
-                        tenant: step.tenant.clone(),
-                        key: step.key.clone(),
-                    }),
-                    ticket: Some(ticket),
-                    first_waiters: 1,
-                })
-                .await;
-            let Ok(described) = described.map(Response::into_inner) else {
-                return (
-                    None,
-                    format!("waiting on {name} (its owner did not answer; limit-grant unreachable?)"),
-                );
-            };
-            let key_state = described.state.unwrap_or_default();
-            let max = key_state.effective_max.unwrap_or(i64::from(step.max_concurrency));
-            let holders = u32::try_from(key_state.holders.len()).unwrap_or(u32::MAX);
-            let info = pb::WaitInfo {
-                tenant: step.tenant.clone(),
-                key: step.key.clone(),
-                kind: step.kind,
-                holders,
-                max,
-                overridden: key_state.override_max.is_some(),
-                paused: key_state.paused,
-                position: described.ticket_position.unwrap_or_default(),
-                waiting: key_state.waiting,
-                retry_at_ms: None,
-                waiting_since_ms,
-            };
-            let floating_note = floating_note(step.floating.as_ref(), &key_state);
-            let reason = if described.ticket_held {
-                format!("granted {name}; moving to the next step")
-            } else if key_state.paused {
-                format!("waiting on {name}: the key is paused (override 0)")
-            } else if let Some(position) = described.ticket_position {
-                format!(
-                    "waiting on {name}: {holders} of {max} held, {position} ahead of this job among {} waiting{floating_note}",
-                    key_state.waiting
-                )
-            } else {
-                format!("waiting on {name}: the acquire is on its way to the key's owner")
-            };
-            return (Some(info), reason);
+            return self.key_wait_info(step, ticket, &name, waiting_since_ms).await;
         }
+        self.rate_wait_info(step, ticket, &name, waiting_since_ms).await
+    }
+
+    /// A job waiting on a concurrency, floating or adaptive key, as the
+    /// key's owner in limit-grant sees it.
+    async fn key_wait_info(
+        &self,
+        step: &chain::StoredStep,
+        ticket: pb::TicketId,
+        name: &str,
+        waiting_since_ms: i64,
+    ) -> (Option<pb::WaitInfo>, String) {
+        let mut client = self.limits.clone();
+        let described = client
+            .describe_key(pb::DescribeKeyRequest {
+                key: Some(pb::KeyRef {
+                    tenant: step.tenant.clone(),
+                    key: step.key.clone(),
+                }),
+                ticket: Some(ticket),
+                first_waiters: 1,
+            })
+            .await;
+        let Ok(described) = described.map(Response::into_inner) else {
+            return (
+                None,
+                format!("waiting on {name} (its owner did not answer; limit-grant unreachable?)"),
+            );
+        };
+        let key_state = described.state.unwrap_or_default();
+        let max = key_state.effective_max.unwrap_or(i64::from(step.max_concurrency));
+        let holders = u32::try_from(key_state.holders.len()).unwrap_or(u32::MAX);
+        let info = pb::WaitInfo {
+            tenant: step.tenant.clone(),
+            key: step.key.clone(),
+            kind: step.kind,
+            holders,
+            max,
+            overridden: key_state.override_max.is_some(),
+            paused: key_state.paused,
+            position: described.ticket_position.unwrap_or_default(),
+            waiting: key_state.waiting,
+            retry_at_ms: None,
+            waiting_since_ms,
+        };
+        let floating_note = floating_note(step.floating.as_ref(), &key_state);
+        let reason = if described.ticket_held {
+            format!("granted {name}; moving to the next step")
+        } else if key_state.paused {
+            format!("waiting on {name}: the key is paused (override 0)")
+        } else if let Some(position) = described.ticket_position {
+            format!(
+                "waiting on {name}: {holders} of {max} held, {position} ahead of this job among {} waiting{floating_note}",
+                key_state.waiting
+            )
+        } else {
+            format!("waiting on {name}: the acquire is on its way to the key's owner")
+        };
+        (Some(info), reason)
+    }
+
+    /// A job waiting on a rate window, as its owner in rate-window sees it.
+    async fn rate_wait_info(
+        &self,
+        step: &chain::StoredStep,
+        ticket: pb::TicketId,
+        name: &str,
+        waiting_since_ms: i64,
+    ) -> (Option<pb::WaitInfo>, String) {
         let Some(rate_key) = step.rate_key.clone() else {
             return (None, format!("waiting on {name}"));
         };
@@ -114,46 +137,7 @@ impl AdmissionApi {
         let state = &row.state;
         let (waiting, reason) = match state.status {
             JobStatus::Waiting => self.wait_info(&row).await,
-            JobStatus::Scheduled if state.attempts_used > 0 => (
-                None,
-                format!(
-                    "retry backoff until {} (attempt {} of {} next); last error: {}",
-                    state.due_at_ms.unwrap_or_default(),
-                    state.attempts_used + 1,
-                    state.max_attempts,
-                    state.last_error
-                ),
-            ),
-            JobStatus::Scheduled => (
-                None,
-                format!(
-                    "scheduled: starts acquiring at run_at {}",
-                    state.due_at_ms.unwrap_or_default()
-                ),
-            ),
-            JobStatus::Admitted => (
-                None,
-                "admitted: holds every limit; waiting for a worker's claim".to_string(),
-            ),
-            JobStatus::Running => (
-                None,
-                format!(
-                    "running on worker {:?}; lease until {}",
-                    state.claimed_by.clone().unwrap_or_default(),
-                    state.lease_expires_at_ms.unwrap_or_default()
-                ),
-            ),
-            JobStatus::Cancelling => (
-                None,
-                "cancel requested: tickets return when the worker confirms or the lease expires".to_string(),
-            ),
-            JobStatus::Succeeded => (None, "succeeded".to_string()),
-            JobStatus::Failed => (None, format!("failed: {}", state.last_error)),
-            JobStatus::Cancelled => (
-                None,
-                format!("cancelled: {}", state.cancel_reason.clone().unwrap_or_default()),
-            ),
-            JobStatus::Unspecified => (None, String::new()),
+            _ => (None, status_reason(state)),
         };
         let unthrottled: Vec<&str> = state
             .history
@@ -191,6 +175,37 @@ impl AdmissionApi {
             fairness_key: row.spec.fairness_key.clone(),
             history: state.history.records.clone(),
         }
+    }
+}
+
+/// Why a job that is not waiting on a limit is where it is (a waiting job's
+/// reason comes from the limit's owner: `wait_info`).
+fn status_reason(state: &JobState) -> String {
+    match state.status {
+        JobStatus::Scheduled if state.attempts_used > 0 => format!(
+            "retry backoff until {} (attempt {} of {} next); last error: {}",
+            state.due_at_ms.unwrap_or_default(),
+            state.attempts_used + 1,
+            state.max_attempts,
+            state.last_error
+        ),
+        JobStatus::Scheduled => format!(
+            "scheduled: starts acquiring at run_at {}",
+            state.due_at_ms.unwrap_or_default()
+        ),
+        JobStatus::Admitted => "admitted: holds every limit; waiting for a worker's claim".to_string(),
+        JobStatus::Running => format!(
+            "running on worker {:?}; lease until {}",
+            state.claimed_by.clone().unwrap_or_default(),
+            state.lease_expires_at_ms.unwrap_or_default()
+        ),
+        JobStatus::Cancelling => {
+            "cancel requested: tickets return when the worker confirms or the lease expires".to_string()
+        }
+        JobStatus::Succeeded => "succeeded".to_string(),
+        JobStatus::Failed => format!("failed: {}", state.last_error),
+        JobStatus::Cancelled => format!("cancelled: {}", state.cancel_reason.clone().unwrap_or_default()),
+        JobStatus::Waiting | JobStatus::Unspecified => String::new(),
     }
 }
 

@@ -347,46 +347,15 @@ impl Worker {
             .iter()
             .map(|group| self.options.admitted_topic(group))
             .collect();
-        let context = AssignmentContext {
-            assigned: Arc::new(Mutex::new(Default::default())),
-        };
-        let assigned = context.assigned.clone();
-        let consumer: WorkerConsumer = self
-            .options
-            .consumer_config(&self.options.worker_group())
-            .create_with_context(context)
-            .map_err(|source| Error::Kafka {
-                operation: "create consumer",
-                topic: topics.join(","),
-                source,
-            })?;
-        let topic_names: Vec<&str> = topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&topic_names).map_err(|source| Error::Kafka {
-            operation: "subscribe",
-            topic: topics.join(","),
-            source,
-        })?;
-        let consumer = Arc::new(consumer);
-        // Forwards need no idempotence (a duplicate is dropped by its claim),
-        // which spares the first forward a producer-id round trip.
-        let mut forward_config = self.options.kafka_config();
-        forward_config
-            .set("enable.idempotence", "false")
-            .set("acks", "all")
-            .set("linger.ms", "0");
-        let forwarder: FutureProducer = forward_config.create().map_err(|source| Error::Kafka {
-            operation: "create producer",
-            topic: topics.join(","),
-            source,
-        })?;
+        let assigned: Arc<Mutex<BTreeSet<(String, i32)>>> = Arc::new(Mutex::new(Default::default()));
+        let consumer = Arc::new(self.subscribe(&topics, assigned.clone())?);
+        let forwarder = self.forwarder(&topics)?;
 
         let background = CancellationToken::new();
         let partition_counts = PartitionCounts::default();
         let metadata_task = tokio::spawn({
-            let counts = partition_counts.clone();
-            let consumer = consumer.clone();
-            let stop = background.clone();
-            let topics = topics.clone();
+            let (counts, consumer) = (partition_counts.clone(), consumer.clone());
+            let (topics, stop) = (topics.clone(), background.clone());
             async move { counts.keep_fresh(consumer, topics, Duration::from_secs(15), stop).await }
         });
 
@@ -419,49 +388,9 @@ impl Worker {
             background.clone(),
         ));
 
-        {
-            let mut status_assigned = self
-                .status
-                .shared
-                .assigned
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            status_assigned.clear();
-        }
-        let status_assigned = self.status.shared.clone();
-        let mirror = tokio::spawn({
-            let stop = background.clone();
-            async move {
-                // The status handle mirrors the consumer's assignment.
-                loop {
-                    let current = assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
-                    *status_assigned
-                        .assigned
-                        .lock()
-                        .unwrap_or_else(|poisoned| poisoned.into_inner()) = current;
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
-                    }
-                }
-            }
-        });
+        let mirror = self.spawn_status_mirror(assigned, background.clone());
 
-        let mut dispatcher = Dispatcher {
-            shared: shared.clone(),
-            consumer: consumer.clone(),
-            events,
-            pending: VecDeque::new(),
-            limits: LocalLimits::new(self.concurrency, self.process_limits.clone()),
-            offsets: OffsetTracker::default(),
-            prefetch: self.prefetch,
-            handoff_after: self.handoff_after,
-            max_handoff_hops: self.max_handoff_hops,
-            task_type: self.task_type.clone(),
-            topics: topics.iter().map(|topic| Arc::from(topic.as_str())).collect(),
-            paused: None,
-            pause_when_full_for: self.pause_when_full_for,
-        };
+        let mut dispatcher = self.dispatcher(shared.clone(), consumer.clone(), events, &topics);
         dispatcher
             .run(&shutdown, self.shutdown_grace, &force_stop, &give_up)
             .await;
@@ -479,26 +408,132 @@ impl Worker {
         if let Ok(last) = Arc::try_unwrap(shared) {
             let _ = tokio::task::spawn_blocking(move || drop(last)).await;
         }
-        if let Some(task) = refresh_task {
-            if let Err(join_error) = task.await {
-                tracing::warn!(%join_error, "refresh consumer task failed");
-            }
-        }
-        let final_commit = tokio::task::spawn_blocking(move || {
-            match consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
-                Ok(()) => {}
-                // Nothing stored since the last auto-commit.
-                Err(rdkafka::error::KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::NoOffset)) => {}
-                Err(error) => tracing::warn!(%error, "final offset commit failed"),
-            }
-            drop(consumer);
-        })
-        .await;
-        if let Err(join_error) = final_commit {
-            tracing::warn!(%join_error, "final commit task failed");
-        }
+        join_refresh(refresh_task).await;
+        final_commit(consumer).await;
         tracing::info!(worker_id = %self.worker_id, "worker stopped");
         Ok(())
+    }
+}
+
+impl Worker {
+    /// The consumer of the admitted topics, subscribed; its rebalance
+    /// callbacks keep `assigned` current.
+    fn subscribe(&self, topics: &[String], assigned: Arc<Mutex<BTreeSet<(String, i32)>>>) -> Result<WorkerConsumer> {
+        let context = AssignmentContext { assigned };
+        let consumer: WorkerConsumer = self
+            .options
+            .consumer_config(&self.options.worker_group())
+            .create_with_context(context)
+            .map_err(|source| Error::Kafka {
+                operation: "create consumer",
+                topic: topics.join(","),
+                source,
+            })?;
+        let topic_names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topic_names).map_err(|source| Error::Kafka {
+            operation: "subscribe",
+            topic: topics.join(","),
+            source,
+        })?;
+        Ok(consumer)
+    }
+
+    /// The producer that hands jobs off to other workers.
+    fn forwarder(&self, topics: &[String]) -> Result<FutureProducer> {
+        // Forwards need no idempotence (a duplicate is dropped by its claim),
+        // which spares the first forward a producer-id round trip.
+        let mut forward_config = self.options.kafka_config();
+        forward_config
+            .set("enable.idempotence", "false")
+            .set("acks", "all")
+            .set("linger.ms", "0");
+        forward_config.create().map_err(|source| Error::Kafka {
+            operation: "create producer",
+            topic: topics.join(","),
+            source,
+        })
+    }
+
+    /// Copies the consumer's assignment to the status handle until `stop`.
+    fn spawn_status_mirror(
+        &self,
+        assigned: Arc<Mutex<BTreeSet<(String, i32)>>>,
+        stop: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        {
+            let mut status_assigned = self
+                .status
+                .shared
+                .assigned
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            status_assigned.clear();
+        }
+        let status_assigned = self.status.shared.clone();
+        tokio::spawn(async move {
+            // The status handle mirrors the consumer's assignment.
+            loop {
+                let current = assigned.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+                *status_assigned
+                    .assigned
+                    .lock()
+                    .unwrap_or_else(|poisoned| poisoned.into_inner()) = current;
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+        })
+    }
+
+    fn dispatcher(
+        &self,
+        shared: Arc<Shared>,
+        consumer: Arc<WorkerConsumer>,
+        events: mpsc::Receiver<Event>,
+        topics: &[String],
+    ) -> Dispatcher {
+        Dispatcher {
+            shared,
+            consumer,
+            events,
+            pending: VecDeque::new(),
+            limits: LocalLimits::new(self.concurrency, self.process_limits.clone()),
+            offsets: OffsetTracker::default(),
+            prefetch: self.prefetch,
+            handoff_after: self.handoff_after,
+            max_handoff_hops: self.max_handoff_hops,
+            task_type: self.task_type.clone(),
+            topics: topics.iter().map(|topic| Arc::from(topic.as_str())).collect(),
+            paused: None,
+            pause_when_full_for: self.pause_when_full_for,
+        }
+    }
+}
+
+async fn join_refresh(task: Option<tokio::task::JoinHandle<()>>) {
+    if let Some(task) = task {
+        if let Err(join_error) = task.await {
+            tracing::warn!(%join_error, "refresh consumer task failed");
+        }
+    }
+}
+
+/// Commits the offsets of what is done, off the runtime (a sync commit
+/// blocks), and drops the consumer there too.
+async fn final_commit(consumer: Arc<WorkerConsumer>) {
+    let final_commit = tokio::task::spawn_blocking(move || {
+        match consumer.commit_consumer_state(rdkafka::consumer::CommitMode::Sync) {
+            Ok(()) => {}
+            // Nothing stored since the last auto-commit.
+            Err(rdkafka::error::KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::NoOffset)) => {}
+            Err(error) => tracing::warn!(%error, "final offset commit failed"),
+        }
+        drop(consumer);
+    })
+    .await;
+    if let Err(join_error) = final_commit {
+        tracing::warn!(%join_error, "final commit task failed");
     }
 }
 
@@ -542,11 +577,7 @@ impl Worker {
             shutdown,
         )
         .await;
-        if let Some(task) = refresh_task {
-            if let Err(join_error) = task.await {
-                tracing::warn!(%join_error, "refresh consumer task failed");
-            }
-        }
+        join_refresh(refresh_task).await;
         Ok(())
     }
 }
@@ -612,16 +643,9 @@ impl Dispatcher {
                 biased;
                 _ = shutdown.cancelled(), if !draining => {
                     draining = true;
-                    let now = Instant::now();
-                    grace_ends = Some(now + shutdown_grace);
-                    // RPCs still failing this long after the grace are given up:
-                    // their messages are delivered again after a restart.
-                    give_up_at = Some(now + shutdown_grace + Duration::from_secs(15));
-                    tracing::info!(queued = self.pending.len(), running = self.limits.total_used(), "worker draining");
-                    let queued: Vec<Delivery> = self.pending.drain(..).collect();
-                    if !queued.is_empty() {
-                        tokio::spawn(runner::hand_back(self.shared.clone(), queued, "worker shutting down"));
-                    }
+                    let (grace_end, give_up_time) = self.start_draining(shutdown_grace);
+                    grace_ends = Some(grace_end);
+                    give_up_at = Some(give_up_time);
                 }
                 Some(event) = self.events.recv() => self.apply(event),
                 _ = sleep_until_opt(grace_timer), if grace_timer.is_some() => {
@@ -638,20 +662,9 @@ impl Dispatcher {
                     // after a restart.
                     Ok(_) if draining => {}
                     Ok(message) => {
-                        let topic = self
-                            .topics
-                            .iter()
-                            .find(|topic| topic.as_ref() == message.topic())
-                            .cloned()
-                            .unwrap_or_else(|| Arc::from(message.topic()));
-                        let received = Received::from_message(&message, topic);
+                        let received = Received::from_message(&message, self.topic_name(message.topic()));
                         drop(message);
-                        self.accept(received);
-                        if self.pending.len() > self.prefetch {
-                            // A partition the pause missed (e.g. assigned
-                            // again by a rebalance): pause everything again.
-                            self.paused = None;
-                        }
+                        self.accept_polled(received);
                     }
                     Err(error) => {
                         tracing::warn!(%error, "kafka receive failed");
@@ -661,6 +674,43 @@ impl Dispatcher {
                 _ = sleep_until_opt(next_handoff), if next_handoff.is_some() && !draining => {}
                 _ = sleep_until_opt(pause_at), if pause_at.is_some() && !long_full => {}
             }
+        }
+    }
+
+    /// Shutdown: hands the queued jobs back; returns when the grace ends
+    /// and when unanswered RPCs are given up.
+    fn start_draining(&mut self, shutdown_grace: Duration) -> (Instant, Instant) {
+        let now = Instant::now();
+        tracing::info!(
+            queued = self.pending.len(),
+            running = self.limits.total_used(),
+            "worker draining"
+        );
+        let queued: Vec<Delivery> = self.pending.drain(..).collect();
+        if !queued.is_empty() {
+            tokio::spawn(runner::hand_back(self.shared.clone(), queued, "worker shutting down"));
+        }
+        // RPCs still failing this long after the grace are given up:
+        // their messages are delivered again after a restart.
+        (now + shutdown_grace, now + shutdown_grace + Duration::from_secs(15))
+    }
+
+    /// The shared name of a topic we read (one allocation per topic, not per message).
+    fn topic_name(&self, name: &str) -> Arc<str> {
+        self.topics
+            .iter()
+            .find(|topic| topic.as_ref() == name)
+            .cloned()
+            .unwrap_or_else(|| Arc::from(name))
+    }
+
+    /// Accepts a polled message.
+    fn accept_polled(&mut self, received: Received) {
+        self.accept(received);
+        if self.pending.len() > self.prefetch {
+            // A partition the pause missed (e.g. assigned
+            // again by a rebalance): pause everything again.
+            self.paused = None;
         }
     }
 

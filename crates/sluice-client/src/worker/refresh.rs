@@ -179,11 +179,25 @@ async fn handle_task(
         key: task.key.clone(),
         result: Some(result),
     };
+    report(&refresh, request, task.deadline_ms, &trace, &span, &status).await;
+    place
+}
+
+/// Reports a refresh's result, retrying with backoff until it is answered
+/// or the task's deadline (if any) has passed.
+async fn report(
+    refresh: &Refresh,
+    request: pb::ReportRefreshRequest,
+    deadline_ms: i64,
+    trace: &TraceContext,
+    span: &tracing::Span,
+    status: &StatusShared,
+) {
     let mut delay = Duration::from_millis(100);
     loop {
         let mut client = refresh.client.clone();
         match client
-            .report_refresh(request_with(request.clone(), &trace))
+            .report_refresh(request_with(request.clone(), trace))
             .instrument(span.clone())
             .await
         {
@@ -192,17 +206,17 @@ async fn handle_task(
                 Counters::add(&status.counters.refreshes_reported);
                 span.record("outcome", if response.applied { "applied" } else { "not_applied" });
                 if !response.applied {
-                    tracing::info!(parent: &span, detail = %response.detail, "refresh report not applied");
+                    tracing::info!(parent: span, detail = %response.detail, "refresh report not applied");
                 }
-                return place;
+                return;
             }
             Err(status) => {
-                if task.deadline_ms > 0 && now_ms() >= task.deadline_ms {
+                if deadline_ms > 0 && now_ms() >= deadline_ms {
                     span.record("outcome", "report_failed");
-                    tracing::warn!(parent: &span, %status, "could not report the refresh before its deadline");
-                    return place;
+                    tracing::warn!(parent: span, %status, "could not report the refresh before its deadline");
+                    return;
                 }
-                tracing::warn!(parent: &span, endpoint = %refresh.endpoint, %status, "report refresh failed; retrying");
+                tracing::warn!(parent: span, endpoint = %refresh.endpoint, %status, "report refresh failed; retrying");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(2));
             }

@@ -7,6 +7,16 @@ use super::{invalid, AuthConfig, ConfigError, SluiceConfig};
 
 impl SluiceConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_postgres_and_kafka()?;
+        self.validate_admission()?;
+        self.validate_durations()?;
+        self.validate_console()?;
+        self.validate_task_groups()?;
+        self.validate_tenant_topics()
+    }
+
+    /// The connections: PostgreSQL, Kafka and its topics' partitions and message sizes.
+    fn validate_postgres_and_kafka(&self) -> Result<(), ConfigError> {
         if self.postgres.url.is_empty() {
             return Err(invalid("postgres.url", "must be set"));
         }
@@ -52,6 +62,11 @@ impl SluiceConfig {
         if self.kafka.topic_check_interval.0 < Duration::from_secs(1) {
             return Err(invalid("kafka.topic_check_interval", "must be at least 1s"));
         }
+        Ok(())
+    }
+
+    /// The drain timeout and what admission accepts: payload and key sizes, sampling, priority.
+    fn validate_admission(&self) -> Result<(), ConfigError> {
         if self.process.drain_timeout.0.is_zero() {
             return Err(invalid("process.drain_timeout", "must be greater than 0"));
         }
@@ -86,6 +101,11 @@ impl SluiceConfig {
         if self.admission.default_priority > 99 {
             return Err(invalid("admission.default_priority", "must be 0..=99"));
         }
+        Ok(())
+    }
+
+    /// Intervals and timeouts, and how they must relate.
+    fn validate_durations(&self) -> Result<(), ConfigError> {
         for (field, value) in [
             ("admission.sweep_interval", self.admission.sweep_interval),
             ("admission.stand_behind_interval", self.admission.stand_behind_interval),
@@ -115,6 +135,11 @@ impl SluiceConfig {
                 "must be at most half of limit_grant.ticket_grace (a third is the default)",
             ));
         }
+        Ok(())
+    }
+
+    /// The web console's intervals and sizes.
+    fn validate_console(&self) -> Result<(), ConfigError> {
         for (field, value) in [
             ("console.refresh_interval", self.console.refresh_interval),
             ("console.sample_interval", self.console.sample_interval),
@@ -133,6 +158,11 @@ impl SluiceConfig {
                 return Err(invalid(field, "must be between 1 and 1000000"));
             }
         }
+        Ok(())
+    }
+
+    /// Task-group names, leases and caps.
+    fn validate_task_groups(&self) -> Result<(), ConfigError> {
         if self.task_groups.is_empty() {
             return Err(invalid("task_groups", "declare at least one task group"));
         }
@@ -164,6 +194,11 @@ impl SluiceConfig {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Tenants with a requested topic of their own.
+    fn validate_tenant_topics(&self) -> Result<(), ConfigError> {
         for (index, tenant) in self.topics.tenant_requested.iter().enumerate() {
             if !is_task_group_name(tenant) {
                 return Err(invalid(

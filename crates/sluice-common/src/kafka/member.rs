@@ -16,8 +16,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::consumer::{member_consumer, task_condition, FenceRetakes, MemberEnd, Restart, RESTART_FIRST, RESTART_MAX};
 use super::queues::{
-    message_cost, park, pause_or_resume, read_split_queue, split_partition_queues, Parked, ParkedTask, SplitQueue,
-    SplitReader,
+    mark_at_end, message_cost, note_first_offset, park, pause_or_resume, read_split_queue, split_partition_queues,
+    Parked, ParkedTask, SplitQueue, SplitReader,
 };
 use super::{
     probe_config, Assignments, ConsumerOptions, ConsumerProgress, InMsg, KafkaPlumbingError, OffsetStore,
@@ -155,12 +155,7 @@ pub(super) async fn consume_as_member(
             }
             received = consumer.recv() => match received {
                 Ok(message) => member.dispatch(message),
-                Err(KafkaError::PartitionEOF(partition)) => {
-                    progress.update(partition, |state| {
-                        state.at_end = true;
-                        state.reached_end_at = Some(std::time::Instant::now());
-                    });
-                }
+                Err(KafkaError::PartitionEOF(partition)) => mark_at_end(progress, partition),
                 Err(error) => tracing::warn!(topic = %member.topic, %error, "consumer error"),
             },
         }
@@ -438,18 +433,7 @@ impl Member<'_> {
         let Some(entry) = self.running.get_mut(&partition) else {
             return;
         };
-        if entry
-            .first_offset
-            .compare_exchange(
-                -1,
-                detached.offset,
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            )
-            .is_ok()
-        {
-            tracing::info!(topic = %self.topic, partition, offset = detached.offset, "partition resumed");
-        }
+        note_first_offset(&entry.first_offset, &self.topic, partition, detached.offset);
         if let Some(parked) = entry.parked.as_mut() {
             parked.pushed += 1;
             let _ = parked.overflow.send(detached);

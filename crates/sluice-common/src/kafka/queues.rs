@@ -121,109 +121,121 @@ pub(super) struct SplitReader {
 /// is behind, a warning says so with the figures; every time, the counter
 /// `sluice_kafka_partition_behind` goes up.
 pub(super) async fn read_split_queue(reader: SplitReader) {
-    let SplitReader {
-        topic,
-        partition,
-        queue,
-        sender,
-        budget,
-        buffer_bytes,
-        channel_capacity,
-        stop,
-        first_offset,
-        progress,
-        topic_attribute,
-    } = reader;
     // The reader of an earlier task of the partition lets go when stopped.
     let queue = tokio::select! {
         biased;
-        _ = stop.cancelled() => return,
-        queue = queue.lock() => queue,
+        _ = reader.stop.cancelled() => return,
+        queue = reader.queue.lock() => queue,
     };
     let mut warned = false;
     loop {
         let received = tokio::select! {
             biased;
-            _ = stop.cancelled() => return,
+            _ = reader.stop.cancelled() => return,
             // The task ended (its successor's reader waits for the queue).
-            () = sender.closed() => return,
+            () = reader.sender.closed() => return,
             received = queue.recv() => received,
         };
         let message = match received {
             Ok(message) => InMsg::from_borrowed(&message),
             Err(KafkaError::PartitionEOF(_)) => {
-                if let Some(progress) = &progress {
-                    progress.update(partition, |state| {
-                        state.at_end = true;
-                        state.reached_end_at = Some(std::time::Instant::now());
-                    });
+                if let Some(progress) = &reader.progress {
+                    mark_at_end(progress, reader.partition);
                 }
                 continue;
             }
             Err(error) => {
-                tracing::warn!(topic = %topic, partition, %error, "consumer error");
+                tracing::warn!(topic = %reader.topic, partition = reader.partition, %error, "consumer error");
                 continue;
             }
         };
-        if let Some(progress) = &progress {
-            progress.update(partition, |state| state.at_end = false);
+        if let Some(progress) = &reader.progress {
+            progress.update(reader.partition, |state| state.at_end = false);
         }
-        crate::metrics::metrics().consumed.add(1, &topic_attribute);
-        if first_offset
-            .compare_exchange(
-                -1,
-                message.offset,
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-            )
-            .is_ok()
-        {
-            tracing::info!(topic = %topic, partition, offset = message.offset, "partition resumed");
-        }
-        let cost = message_cost(&message, buffer_bytes);
-        let permit = match budget.clone().try_acquire_many_owned(cost) {
+        crate::metrics::metrics().consumed.add(1, &reader.topic_attribute);
+        note_first_offset(&reader.first_offset, &reader.topic, reader.partition, message.offset);
+        let cost = message_cost(&message, reader.buffer_bytes);
+        let permit = match reader.budget.clone().try_acquire_many_owned(cost) {
             Ok(permit) => Some(permit),
             Err(tokio::sync::TryAcquireError::Closed) => return,
             Err(tokio::sync::TryAcquireError::NoPermits) => None,
         };
-        let behind = permit.is_none() || sender.capacity() == 0;
+        let behind = permit.is_none() || reader.sender.capacity() == 0;
         if behind {
-            crate::metrics::metrics().partition_behind.add(1, &topic_attribute);
+            crate::metrics::metrics()
+                .partition_behind
+                .add(1, &reader.topic_attribute);
             if !warned {
                 warned = true;
-                tracing::warn!(
-                    topic = %topic,
-                    partition,
-                    offset = message.offset,
-                    waiting_messages = channel_capacity.saturating_sub(sender.capacity()),
-                    channel_capacity,
-                    waiting_bytes = buffer_bytes.saturating_sub(budget.available_permits()),
-                    buffer_bytes,
-                    "the partition's task is behind: its buffer is full (kafka.consumer_buffer_bytes, or the \
-                     channel), so the partition is fetched as the task catches up (said once per task; counted \
-                     in sluice_kafka_partition_behind)"
-                );
+                reader.warn_behind(message.offset);
             }
         }
         let permit = match permit {
             Some(permit) => permit,
-            None => tokio::select! {
-                biased;
-                _ = stop.cancelled() => return,
-                permit = budget.clone().acquire_many_owned(cost) => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => return,
-                },
+            None => match reader.wait_for_room(cost).await {
+                Some(permit) => permit,
+                None => return,
             },
         };
         let sent = tokio::select! {
             biased;
-            _ = stop.cancelled() => return,
-            sent = sender.send((message, permit)) => sent,
+            _ = reader.stop.cancelled() => return,
+            sent = reader.sender.send((message, permit)) => sent,
         };
         if sent.is_err() {
             return;
         }
+    }
+}
+
+impl SplitReader {
+    fn warn_behind(&self, offset: i64) {
+        tracing::warn!(
+            topic = %self.topic,
+            partition = self.partition,
+            offset,
+            waiting_messages = self.channel_capacity.saturating_sub(self.sender.capacity()),
+            channel_capacity = self.channel_capacity,
+            waiting_bytes = self.buffer_bytes.saturating_sub(self.budget.available_permits()),
+            buffer_bytes = self.buffer_bytes,
+            "the partition's task is behind: its buffer is full (kafka.consumer_buffer_bytes, or the \
+             channel), so the partition is fetched as the task catches up (said once per task; counted \
+             in sluice_kafka_partition_behind)"
+        );
+    }
+
+    /// Waits until the task's byte budget has room for `cost`; `None` when
+    /// stopped or the budget is closed.
+    async fn wait_for_room(&self, cost: u32) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        tokio::select! {
+            biased;
+            _ = self.stop.cancelled() => None,
+            permit = self.budget.clone().acquire_many_owned(cost) => permit.ok(),
+        }
+    }
+}
+
+/// The partition's end was reached (`ConsumerOptions::track_end`).
+pub(super) fn mark_at_end(progress: &ConsumerProgress, partition: i32) {
+    progress.update(partition, |state| {
+        state.at_end = true;
+        state.reached_end_at = Some(std::time::Instant::now());
+    });
+}
+
+/// The first message handed to a partition's task says where the partition
+/// resumed (`first_offset` is -1 until then).
+pub(super) fn note_first_offset(first_offset: &std::sync::atomic::AtomicI64, topic: &str, partition: i32, offset: i64) {
+    if first_offset
+        .compare_exchange(
+            -1,
+            offset,
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+        )
+        .is_ok()
+    {
+        tracing::info!(topic = %topic, partition, offset, "partition resumed");
     }
 }
 

@@ -93,33 +93,53 @@ impl<S: OwnedStore> PartitionTask<S> {
                     Step::Stop => return Ok(Step::Stop),
                 }
             }
-            let count = entries.len();
-            for (index, entry) in entries.into_iter().enumerate() {
-                // Only the last entry saves the message's offset: a crash in
-                // between re-applies the message, and commands are idempotent.
-                let new_offset = (index + 1 == count).then_some(message.offset);
-                let part = InMsg {
-                    payload: Some(single_entry_batch(entry)),
-                    ..message.clone()
-                };
-                match self
-                    .run_batch(context, state, applied_offset, &[part], Vec::new(), new_offset, input)
-                    .await?
-                {
-                    BatchEnd::Done => {}
-                    BatchEnd::Stop => return Ok(Step::Stop),
-                    BatchEnd::Permanent(reason) => {
-                        let rejected = Rejected {
-                            offset: message.offset,
-                            entry: entry.to_vec(),
-                            reason,
-                        };
-                        if let Step::Stop = self
-                            .quarantine(context, applied_offset, vec![rejected], new_offset, input)
-                            .await
-                        {
-                            return Ok(Step::Stop);
-                        }
+            if let Step::Stop = self
+                .apply_entries_alone(context, state, applied_offset, message, entries, input)
+                .await?
+            {
+                return Ok(Step::Stop);
+            }
+        }
+        Ok(Step::Done(()))
+    }
+
+    /// Applies each entry of `message` on its own, setting aside those that
+    /// fail alone.
+    async fn apply_entries_alone(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        applied_offset: &mut i64,
+        message: &InMsg,
+        entries: Vec<&[u8]>,
+        input: &PartitionInput,
+    ) -> Result<Step<()>, PartitionTaskError> {
+        let count = entries.len();
+        for (index, entry) in entries.into_iter().enumerate() {
+            // Only the last entry saves the message's offset: a crash in
+            // between re-applies the message, and commands are idempotent.
+            let new_offset = (index + 1 == count).then_some(message.offset);
+            let part = InMsg {
+                payload: Some(single_entry_batch(entry)),
+                ..message.clone()
+            };
+            match self
+                .run_batch(context, state, applied_offset, &[part], Vec::new(), new_offset, input)
+                .await?
+            {
+                BatchEnd::Done => {}
+                BatchEnd::Stop => return Ok(Step::Stop),
+                BatchEnd::Permanent(reason) => {
+                    let rejected = Rejected {
+                        offset: message.offset,
+                        entry: entry.to_vec(),
+                        reason,
+                    };
+                    if let Step::Stop = self
+                        .quarantine(context, applied_offset, vec![rejected], new_offset, input)
+                        .await
+                    {
+                        return Ok(Step::Stop);
                     }
                 }
             }
@@ -148,15 +168,9 @@ impl<S: OwnedStore> PartitionTask<S> {
             let mut outbox = Outbox::new();
             let mut replies: Vec<Reply> = Vec::new();
             let mut rejected: Vec<Rejected> = Vec::new();
+            let taken = locals.take().unwrap_or_default();
             let batch_locals = match self
-                .prepare_until_done(
-                    partition,
-                    state,
-                    messages,
-                    locals.take().unwrap_or_default(),
-                    input,
-                    &mut backoff,
-                )
+                .prepare_until_done(partition, state, messages, taken, input, &mut backoff)
                 .await
             {
                 Ok(batch_locals) => batch_locals,
@@ -175,75 +189,110 @@ impl<S: OwnedStore> PartitionTask<S> {
                 );
             }));
             if let Err(panic) = decided {
-                let reason = format!("panicked while applying: {}", panic_message(panic.as_ref()));
-                tracing::error!(service = self.settings.service, partition, %reason, "applying a batch panicked; reloading the partition");
-                drop(replies);
-                return Ok(match self.reload_until_done(context, state, input).await {
-                    Step::Done(_) => BatchEnd::Permanent(reason),
-                    Step::Stop => BatchEnd::Stop,
-                });
+                return Ok(self.reload_after_panic(context, state, input, panic, replies).await);
             }
             if writes.is_empty() && outbox.is_empty() && replies.is_empty() && rejected.is_empty() {
                 return Ok(BatchEnd::Done);
             }
-            // Every batch that answers or sends anything is committed fenced,
-            // also when it writes nothing (an answer read from memory, a
-            // re-sent grant): the fence proves this instance still owns the
-            // partition, so its memory is the latest saved state. An owner
-            // fenced while idle answered from a state a newer owner had
-            // already changed (a `Complete` answered STALE for a claim the
-            // new owner had made: the job ran twice). docs/architecture.md,
-            // "Answers follow commits".
+            match self
+                .commit_batch(context, writes, &rejected, input, new_offset, applied_offset)
+                .await
             {
-                let started = std::time::Instant::now();
-                match self.commit(context, writes, &rejected, &input.topic, new_offset).await {
-                    Ok(()) => {
-                        crate::metrics::metrics().commit_seconds.record(
-                            started.elapsed().as_secs_f64(),
-                            &[opentelemetry::KeyValue::new("service", self.settings.service)],
-                        );
-                        if let Some(offset) = new_offset {
-                            *applied_offset = offset;
-                        }
-                        self.registry.clear_condition(partition);
-                        report_quarantined(self.settings.service, &input.topic, partition, &rejected);
-                    }
-                    Err(CommitError::Fenced { current, ours, .. }) => {
-                        tracing::warn!(
-                            service = self.settings.service,
-                            partition,
-                            ours,
-                            current,
-                            "fenced by a newer owner; giving the partition up"
-                        );
-                        return Ok(BatchEnd::Stop);
-                    }
-                    Err(CommitError::Sql(error)) => {
-                        // Local requests of the batch get an error.
-                        drop(replies);
-                        match self
-                            .recover_from_failed_commit(
-                                context,
-                                state,
-                                applied_offset,
-                                new_offset,
-                                input,
-                                error,
-                                &mut backoff,
-                            )
-                            .await
-                        {
-                            Some(end) => return Ok(end),
-                            None => continue,
-                        }
+                Ok(()) => {}
+                Err(CommitError::Fenced { .. }) => return Ok(BatchEnd::Stop),
+                Err(CommitError::Sql(error)) => {
+                    // Local requests of the batch get an error.
+                    drop(replies);
+                    match self
+                        .recover_from_failed_commit(
+                            context,
+                            state,
+                            applied_offset,
+                            new_offset,
+                            input,
+                            error,
+                            &mut backoff,
+                        )
+                        .await
+                    {
+                        Some(end) => return Ok(end),
+                        None => continue,
                     }
                 }
-                if state.crash_after_commit() || self.faults.hit(FaultPoint::OwnerAfterCommitBeforePublish) {
-                    return Err(PartitionTaskError::Crashed);
-                }
+            }
+            if state.crash_after_commit() || self.faults.hit(FaultPoint::OwnerAfterCommitBeforePublish) {
+                return Err(PartitionTaskError::Crashed);
             }
             return self.publish_committed(outbox, replies, input).await;
         }
+    }
+
+    /// A batch's decision panicked: its local requests get an error (their
+    /// callers retry) and the partition is reloaded from PostgreSQL.
+    async fn reload_after_panic(
+        &self,
+        context: &OwnerContext,
+        state: &mut S::State,
+        input: &PartitionInput,
+        panic: Box<dyn std::any::Any + Send>,
+        replies: Vec<Reply>,
+    ) -> BatchEnd {
+        let reason = format!("panicked while applying: {}", panic_message(panic.as_ref()));
+        tracing::error!(service = self.settings.service, partition = context.partition, %reason, "applying a batch panicked; reloading the partition");
+        drop(replies);
+        match self.reload_until_done(context, state, input).await {
+            Step::Done(_) => BatchEnd::Permanent(reason),
+            Step::Stop => BatchEnd::Stop,
+        }
+    }
+
+    /// Commits a decided batch, timed, and on success saves `new_offset` as
+    /// applied and reports what was set aside; a fence is logged here.
+    ///
+    /// Every batch that answers or sends anything is committed fenced,
+    /// also when it writes nothing (an answer read from memory, a
+    /// re-sent grant): the fence proves this instance still owns the
+    /// partition, so its memory is the latest saved state. An owner
+    /// fenced while idle answered from a state a newer owner had
+    /// already changed (a `Complete` answered STALE for a claim the
+    /// new owner had made: the job ran twice). docs/architecture.md,
+    /// "Answers follow commits".
+    async fn commit_batch(
+        &self,
+        context: &OwnerContext,
+        writes: <S::State as OwnedState>::Writes,
+        rejected: &[Rejected],
+        input: &PartitionInput,
+        new_offset: Option<i64>,
+        applied_offset: &mut i64,
+    ) -> Result<(), CommitError> {
+        let partition = context.partition;
+        let started = std::time::Instant::now();
+        let committed = self.commit(context, writes, rejected, &input.topic, new_offset).await;
+        match &committed {
+            Ok(()) => {
+                crate::metrics::metrics().commit_seconds.record(
+                    started.elapsed().as_secs_f64(),
+                    &[opentelemetry::KeyValue::new("service", self.settings.service)],
+                );
+                if let Some(offset) = new_offset {
+                    *applied_offset = offset;
+                }
+                self.registry.clear_condition(partition);
+                report_quarantined(self.settings.service, &input.topic, partition, rejected);
+            }
+            Err(CommitError::Fenced { current, ours, .. }) => {
+                tracing::warn!(
+                    service = self.settings.service,
+                    partition,
+                    ours,
+                    current,
+                    "fenced by a newer owner; giving the partition up"
+                );
+            }
+            Err(CommitError::Sql(_)) => {}
+        }
+        committed
     }
 
     /// Read what a batch needs from PostgreSQL into the state, retrying

@@ -149,6 +149,18 @@ impl<S: OwnedStore> PartitionTask<S> {
              (restarted without storage, or the topic was created again); adopting the new log and re-sending \
              from state"
         );
+        if let Step::Stop = self.save_adopted_offset(context, adopted, input).await {
+            return Step::Stop;
+        }
+        *applied_offset = adopted;
+        let mut outbox = Outbox::new();
+        state.resend_all(context.clock.now_ms(), &mut outbox);
+        self.publish_until_done(outbox, input).await
+    }
+
+    /// Saves the adopted log's applied offset, fenced, retrying what fails;
+    /// `Stop` when fenced or stopping.
+    async fn save_adopted_offset(&self, context: &OwnerContext, adopted: i64, input: &PartitionInput) -> Step<()> {
         let mut backoff = Backoff::new();
         loop {
             if input.stop.is_cancelled() {
@@ -163,7 +175,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             .execute(&self.pool)
             .await;
             match saved {
-                Ok(result) if result.rows_affected() == 1 => break,
+                Ok(result) if result.rows_affected() == 1 => return Step::Done(()),
                 Ok(_) => return Step::Stop,
                 Err(error) => {
                     tracing::warn!(retrying_for = ?backoff.retrying_for(), attempts = backoff.attempts(), service = self.settings.service, partition = context.partition, %error, "saving the adopted log's offset failed, retrying");
@@ -171,10 +183,6 @@ impl<S: OwnedStore> PartitionTask<S> {
                 }
             }
         }
-        *applied_offset = adopted;
-        let mut outbox = Outbox::new();
-        state.resend_all(context.clock.now_ms(), &mut outbox);
-        self.publish_until_done(outbox, input).await
     }
 
     /// Replace `state` with what is saved (without bumping the epoch),

@@ -10,7 +10,8 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use super::fence::release;
-use super::{lookup_owner, owner_let_go, OwnedState, OwnedStore, OwnerRegistry};
+use super::registry::Loading;
+use super::{lookup_owner, owner_let_go, OwnedState, OwnedStore, OwnerContext, OwnerRegistry};
 use crate::faults::{FaultPoint, Faults};
 use crate::kafka::{InMsg, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher};
 use crate::link::LinkSink;
@@ -261,17 +262,7 @@ impl<S: OwnedStore> PartitionTask<S> {
         };
         self.registry.clear_condition(partition);
 
-        let (local_sender, mut local_receiver) = mpsc::channel(1024);
-        let newly_owned = self.registry.register(partition, context.epoch, local_sender.clone());
-        drop(loading);
-        tracing::debug!(
-            service = self.settings.service,
-            partition,
-            epoch = context.epoch,
-            applied_offset,
-            "partition owned"
-        );
-        self.registry.taken_over(newly_owned);
+        let (local_sender, mut local_receiver) = self.register_owned(&context, applied_offset, loading);
 
         let mut last_received: Option<i64> = None;
         let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
@@ -283,27 +274,15 @@ impl<S: OwnedStore> PartitionTask<S> {
             let mut locals = Vec::new();
             if messages.is_empty() {
                 let wakeup = state.next_wakeup_ms().map(|at| context.clock.instant_at(at));
-                let sleep = async {
-                    match wakeup {
-                        Some(at) => tokio::time::sleep_until(at).await,
-                        None => futures::future::pending::<()>().await,
-                    }
-                };
-                tokio::select! {
-                    biased;
-                    _ = input.stop.cancelled() => break Ok(Ownership::Ended),
-                    received = input.messages.recv() => match received {
-                        Some(message) => messages.push(message),
-                        None => break Ok(Ownership::Ended),
-                    },
-                    Some(local) = local_receiver.recv() => locals.push(local),
-                    _ = sleep => {}
-                    _ = fence_check.tick() => {
-                        if self.alive_or_fenced(partition, context.epoch).await {
-                            break Ok(Ownership::Fenced);
-                        }
-                        continue;
-                    }
+                match self
+                    .wait_for_work(&context, wakeup, input, &mut local_receiver, &mut fence_check)
+                    .await
+                {
+                    Woken::Message(message) => messages.push(message),
+                    Woken::Local(local) => locals.push(local),
+                    Woken::Timer => {}
+                    Woken::StillOwned => continue,
+                    Woken::End(ownership) => break Ok(ownership),
                 }
             }
             self.fill_batch(input, &mut local_receiver, &mut messages, &mut locals);
@@ -338,13 +317,88 @@ impl<S: OwnedStore> PartitionTask<S> {
             if let Some(offset) = last_offset {
                 input.offsets.store(offset + 1);
             }
-            if last_key_stats.elapsed() >= KEY_STATS_EVERY {
-                last_key_stats = std::time::Instant::now();
-                crate::metrics::metrics().publish_keys(self.settings.service, partition, Some(state.key_stats()));
+            self.publish_key_stats_every(&mut last_key_stats, partition, &state);
+        };
+        self.release_ownership(&context, &local_sender, &outcome).await;
+        outcome
+    }
+
+    /// Registers the partition as owned here, so local requests reach it,
+    /// and ends its loading.
+    fn register_owned(
+        &self,
+        context: &OwnerContext,
+        applied_offset: i64,
+        loading: Loading<'_, LocalOf<S>>,
+    ) -> (mpsc::Sender<LocalOf<S>>, mpsc::Receiver<LocalOf<S>>) {
+        let partition = context.partition;
+        let (local_sender, local_receiver) = mpsc::channel(1024);
+        let newly_owned = self.registry.register(partition, context.epoch, local_sender.clone());
+        drop(loading);
+        tracing::debug!(
+            service = self.settings.service,
+            partition,
+            epoch = context.epoch,
+            applied_offset,
+            "partition owned"
+        );
+        self.registry.taken_over(newly_owned);
+        (local_sender, local_receiver)
+    }
+
+    fn publish_key_stats_every(&self, last: &mut std::time::Instant, partition: i32, state: &S::State) {
+        if last.elapsed() >= KEY_STATS_EVERY {
+            *last = std::time::Instant::now();
+            crate::metrics::metrics().publish_keys(self.settings.service, partition, Some(state.key_stats()));
+        }
+    }
+
+    /// Waits, with nothing to decide, for a message, a local request, the
+    /// state's next wakeup (`wakeup`) or the fence check.
+    async fn wait_for_work(
+        &self,
+        context: &OwnerContext,
+        wakeup: Option<tokio::time::Instant>,
+        input: &mut PartitionInput,
+        local_receiver: &mut mpsc::Receiver<<S::State as OwnedState>::Local>,
+        fence_check: &mut tokio::time::Interval,
+    ) -> Woken<<S::State as OwnedState>::Local> {
+        let sleep = async {
+            match wakeup {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => futures::future::pending::<()>().await,
             }
         };
+        tokio::select! {
+            biased;
+            _ = input.stop.cancelled() => Woken::End(Ownership::Ended),
+            received = input.messages.recv() => match received {
+                Some(message) => Woken::Message(message),
+                None => Woken::End(Ownership::Ended),
+            },
+            Some(local) = local_receiver.recv() => Woken::Local(local),
+            _ = sleep => Woken::Timer,
+            _ = fence_check.tick() => {
+                if self.alive_or_fenced(context.partition, context.epoch).await {
+                    Woken::End(Ownership::Fenced)
+                } else {
+                    Woken::StillOwned
+                }
+            }
+        }
+    }
+
+    /// The end of an ownership: the partition's key metrics, its registry
+    /// entry and condition go; the owner row is released if given up in order.
+    async fn release_ownership(
+        &self,
+        context: &OwnerContext,
+        local_sender: &mpsc::Sender<<S::State as OwnedState>::Local>,
+        outcome: &Result<Ownership, PartitionTaskError>,
+    ) {
+        let partition = context.partition;
         crate::metrics::metrics().publish_keys(self.settings.service, partition, None);
-        self.registry.unregister(partition, &local_sender);
+        self.registry.unregister(partition, local_sender);
         self.registry.clear_condition(partition);
         if matches!(outcome, Ok(Ownership::Ended)) {
             // Given up in order (revoked, stopping): a member standing by
@@ -357,7 +411,6 @@ impl<S: OwnedStore> PartitionTask<S> {
             epoch = context.epoch,
             "partition released"
         );
-        outcome
     }
 
     /// A batch or takeover gave the partition up: revoked or stopping, or
@@ -397,4 +450,18 @@ impl<S: OwnedStore> PartitionTask<S> {
             }
         }
     }
+}
+
+/// The local requests of a store's partitions.
+type LocalOf<S> = <<S as OwnedStore>::State as OwnedState>::Local;
+
+/// What woke an idle partition task (`wait_for_work`).
+enum Woken<L> {
+    Message(InMsg),
+    Local(L),
+    /// The state's next wakeup is due.
+    Timer,
+    /// The fence check found this instance still the owner.
+    StillOwned,
+    End(Ownership),
 }

@@ -76,7 +76,26 @@ pub async fn page(
         return respond(page, fragment);
     }
     let now = now_ms();
-    let looked_up = if !query.name.is_empty() {
+    let looked_up = looked_up_key(tenant, &query);
+    let window_section = match looked_up {
+        Some(key) => {
+            let described = console.services.describe_rate_key(key).await;
+            Some(window_state(&described, now))
+        }
+        None => None,
+    };
+    let resources_section = resources_section(&console, tenant, &query.page_token, now).await;
+    page.live = html! {
+        @if let Some(section) = window_section { (section) }
+        (resources_section)
+    };
+    page.after = actions(tenant, &query);
+    respond(page, fragment)
+}
+
+/// The window the query names, by name and unique key or as jobs show it.
+fn looked_up_key(tenant: &str, query: &RatesQuery) -> Option<pb::RateKeyRef> {
+    if !query.name.is_empty() {
         Some(pb::RateKeyRef {
             tenant: tenant.to_string(),
             kind: Some(pb::rate_key_ref::Kind::Inline(pb::InlineKey {
@@ -86,19 +105,16 @@ pub async fn page(
         })
     } else {
         window_ref(tenant, &query.window)
-    };
-    let window_section = match looked_up {
-        Some(key) => {
-            let described = console.services.describe_rate_key(key).await;
-            Some(window_state(&described, now))
-        }
-        None => None,
-    };
+    }
+}
+
+/// The tenant's stored rate limits (a page of them), each described by its owner.
+async fn resources_section(console: &Arc<Console>, tenant: &str, page_token: &str, now: i64) -> Markup {
     let listed = console
         .services
-        .list_rate_limits(tenant, RESOURCES_PER_PAGE, &query.page_token)
+        .list_rate_limits(tenant, RESOURCES_PER_PAGE, page_token)
         .await;
-    let resources_section = match listed {
+    match listed {
         Err(error) => problem(&error.to_string()),
         Ok(listed) => {
             let described: Vec<(pb::RateLimitResource, Result<pb::DescribeRateKeyResponse, ApiError>)> =
@@ -119,12 +135,12 @@ pub async fn page(
                     .await;
             resources_table(tenant, &described, &listed.next_page_token, now)
         }
-    };
-    page.live = html! {
-        @if let Some(section) = window_section { (section) }
-        (resources_section)
-    };
-    page.after = html! {
+    }
+}
+
+/// The forms: store a rate limit, look up an inline window.
+fn actions(tenant: &str, query: &RatesQuery) -> Markup {
+    html! {
         section.actions {
             h2 { "Store a rate limit" }
             p.note { "Creates it, or updates it in place. Confirmed on the next page." }
@@ -144,8 +160,7 @@ pub async fn page(
                 button type="submit" { "Look up" }
             }
         }
-    };
-    respond(page, fragment)
+    }
 }
 
 fn known_tenants(console: &Console) -> Vec<String> {

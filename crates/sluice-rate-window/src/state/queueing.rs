@@ -15,16 +15,16 @@ impl RatePartition {
     pub(super) fn acquire(
         &mut self,
         now_ms: i64,
-        acquire: pb::RateAcquire,
+        mut acquire: pb::RateAcquire,
         trace: pb::TraceContext,
         writes: &mut RateWrites,
         outbox: &mut Outbox,
     ) -> Result<(), String> {
-        let Some(key) = acquire.key else {
+        let Some(key) = acquire.key.take() else {
             return Err("rate acquire without a key".to_string());
         };
         self.check_partition(&key)?;
-        let ticket = TicketKey::from_proto(&acquire.ticket.unwrap_or_default());
+        let ticket = TicketKey::from_proto(&acquire.ticket.take().unwrap_or_default());
         if let Some(record) = self.granted.get(&ticket) {
             // A duplicate of a granted acquire: re-send the grant.
             let limit = self.windows.get(&record.window_key).map_or(0, |state| {
@@ -37,25 +37,11 @@ impl RatePartition {
         if self.waiting_in.contains_key(&ticket) {
             return Ok(());
         }
-        let cost = u64::try_from(acquire.cost.max(1)).unwrap_or(1);
         let inline_spec = match (u64::try_from(acquire.limit), u64::try_from(acquire.window_ms)) {
             (Ok(limit), Ok(window_ms)) => WindowSpec::new(limit, window_ms).ok(),
             _ => None,
         };
-        let mut record = TicketRecord {
-            ticket: ticket.clone(),
-            window_key: window_key(&key),
-            granted: false,
-            priority: acquire.priority,
-            enqueued_at_us: acquire.enqueued_at_us,
-            cost,
-            waiting_since_ms: now_ms,
-            position_at_enqueue: 0,
-            granted_at_ms: None,
-            unthrottled: false,
-            traceparent: trace.traceparent,
-            tracestate: trace.tracestate,
-        };
+        let mut record = waiting_record(ticket.clone(), &key, &acquire, trace, now_ms);
         let Some(stored) = self.window_for(&key, inline_spec, writes) else {
             if resource_of(&key).is_none() {
                 return Err(format!(
@@ -78,7 +64,7 @@ impl RatePartition {
             ticket: ticket.clone(),
             priority: record.priority,
             enqueued_at_us: record.enqueued_at_us,
-            cost,
+            cost: record.cost,
         });
         record.position_at_enqueue = state
             .queue
@@ -90,22 +76,7 @@ impl RatePartition {
         self.waiting_in.insert(ticket.clone(), stored.clone());
         self.pump(now_ms, &stored, writes, outbox);
         if self.waiting_in.contains_key(&ticket) {
-            // Per key only for keys selected for per-key metrics (bounded).
-            let metrics = sluice_common::metrics::metrics();
-            let display = display_key(&key);
-            let mut labels = vec![opentelemetry::KeyValue::new(
-                "kind",
-                if resource_of(&key).is_some() {
-                    "resource"
-                } else {
-                    "inline"
-                },
-            )];
-            if metrics.key_selected(&key.tenant, &display) {
-                labels.push(opentelemetry::KeyValue::new("tenant", key.tenant.clone()));
-                labels.push(opentelemetry::KeyValue::new("key", display));
-            }
-            metrics.rate_deferrals.add(1, &labels);
+            count_deferral(&key);
         }
         Ok(())
     }
@@ -258,4 +229,49 @@ impl RatePartition {
         }
         Ok(response)
     }
+}
+
+/// A ticket's record as it joins its key's queue (not granted yet).
+fn waiting_record(
+    ticket: TicketKey,
+    key: &pb::RateKeyRef,
+    acquire: &pb::RateAcquire,
+    trace: pb::TraceContext,
+    now_ms: i64,
+) -> TicketRecord {
+    let cost = u64::try_from(acquire.cost.max(1)).unwrap_or(1);
+    TicketRecord {
+        ticket,
+        window_key: window_key(key),
+        granted: false,
+        priority: acquire.priority,
+        enqueued_at_us: acquire.enqueued_at_us,
+        cost,
+        waiting_since_ms: now_ms,
+        position_at_enqueue: 0,
+        granted_at_ms: None,
+        unthrottled: false,
+        traceparent: trace.traceparent,
+        tracestate: trace.tracestate,
+    }
+}
+
+/// Counts an acquire that had to wait for a later slot.
+fn count_deferral(key: &pb::RateKeyRef) {
+    // Per key only for keys selected for per-key metrics (bounded).
+    let metrics = sluice_common::metrics::metrics();
+    let display = display_key(key);
+    let mut labels = vec![opentelemetry::KeyValue::new(
+        "kind",
+        if resource_of(key).is_some() {
+            "resource"
+        } else {
+            "inline"
+        },
+    )];
+    if metrics.key_selected(&key.tenant, &display) {
+        labels.push(opentelemetry::KeyValue::new("tenant", key.tenant.clone()));
+        labels.push(opentelemetry::KeyValue::new("key", display));
+    }
+    metrics.rate_deferrals.add(1, &labels);
 }
