@@ -19,7 +19,7 @@ TEST_TOOLS := $(if $(SLUICE_TIMED_STEP),,setup python-tools browser-tools)
 LINT_BUILD := scripts/lint-build.sh
 BUILD_ARGS := --locked --workspace --exclude sluice-e2e --bins --examples
 
-.PHONY: help setup python-tools browser-tools run build test test-build fmt-check clippy unit-and-integration helm-check bench chaos chaos-short fmt sim sim-bugs
+.PHONY: help setup python-tools browser-tools run build test test-build fmt-check long-functions clippy unit-and-integration helm-check bench chaos chaos-short fmt sim sim-bugs
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
@@ -62,6 +62,10 @@ fmt:
 fmt-check:
 	$(CARGO) fmt --all -- --check
 
+# No production function over 80 lines but flat lists (issue 31): at most 5.
+long-functions:
+	@python3 scripts/long-functions.py --max-count 5
+
 # A check build of its own; `make test` lints in its build instead (build,
 # test-build: scripts/lint-build.sh).
 clippy: setup
@@ -89,7 +93,7 @@ helm-check:
 # joined by `+` run side by side: the tools download while the build
 # compiles, and the chart is checked while the tests (which mostly wait on
 # the broker and PostgreSQL: about 0.8 of the 2 cores) run.
-TEST_STEPS := setup fmt-check build+python-tools+browser-tools test-build unit-and-integration+helm-check chaos-short
+TEST_STEPS := setup fmt-check long-functions build+python-tools+browser-tools test-build unit-and-integration+helm-check chaos-short
 test:
 	@MAKE="$(MAKE)" scripts/timed.sh $(TEST_STEPS)
 	@echo "make test: all checks passed"

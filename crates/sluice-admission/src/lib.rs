@@ -546,6 +546,7 @@ const PATH_RESEND_SPACING: Duration = Duration::from_secs(1);
 /// Tell every job partition this instance owns when the path to some owner
 /// partitions of `link`'s service changes (`LinkClient::path_changes`): each
 /// sends again at once the acquires its jobs wait on there.
+#[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
 async fn resend_on_path_changes(
     link: Link,
     mut changes: tokio::sync::broadcast::Receiver<sluice_common::link::PathChange>,
@@ -595,6 +596,7 @@ async fn resend_on_path_changes(
 }
 
 /// Drop idempotency keys whose window has passed, a bounded number at a time.
+#[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
 async fn drop_expired_idempotency_keys(
     pool: sqlx::PgPool,
     interval: Duration,

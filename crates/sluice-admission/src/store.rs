@@ -454,6 +454,7 @@ async fn read_idempotency_keys(
 
 /// Take idempotency keys; a key another job took since `prepare` read it
 /// makes the batch be decided again.
+#[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
 async fn insert_idempotency_keys(
     connection: &mut PgConnection,
     claims: &[(String, String, String, i64)],

@@ -415,6 +415,7 @@ impl Push {
     /// leases run from now, the push (docs/worker-protocol.md §7): the
     /// commit, and whatever waited before it, does not eat into them. The
     /// partition hears of it and moves its own lease ends as far.
+    #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
     pub fn send(mut self) {
         let mut jobs = std::mem::take(&mut self.jobs);
         let now_ms = sluice_common::clock::wall_clock_ms();
@@ -575,6 +576,7 @@ mod tests {
     /// decided before the commit (issue 29: pushes arrived 5 s into their
     /// leases).
     #[test]
+    #[allow(clippy::disallowed_methods, reason = "a test's own clock")]
     fn a_pushed_lease_starts_when_the_push_is_written() {
         let (hub, _reports) = WorkerHub::new();
         let (sender, mut receiver) = mpsc::channel(4);

@@ -434,6 +434,7 @@ async fn send_answer(
 /// Tell the owners of the attempts a stream carried that it ended
 /// (`admission.stream_end_grace`). Tried again for at most the grace: what
 /// cannot be told by then (an owner unreachable) keeps its whole lease.
+#[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
 async fn tell_stream_ended(api: AdmissionApi, worker_id: String, attempts: Vec<(String, u32)>) {
     let grace = api.config.admission.stream_end_grace.0;
     let ended = StreamEnd {

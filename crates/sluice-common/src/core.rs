@@ -105,8 +105,9 @@ pub trait Core: Send + 'static {
     /// When `apply` must run next even without input.
     fn next_wakeup_ms(&self) -> Option<i64>;
 
-    /// The partition's keys, for per-key metrics (bounded by configuration).
-    fn key_stats(&self) -> Vec<KeyStat> {
+    /// The partition's keys at `now_ms`, for per-key metrics (bounded by
+    /// configuration).
+    fn key_stats(&self, _now_ms: i64) -> Vec<KeyStat> {
         Vec::new()
     }
 }
@@ -239,7 +240,7 @@ impl<C: Core> OwnedState for Owned<C> {
         self.core.next_wakeup_ms()
     }
 
-    fn key_stats(&self) -> Vec<KeyStat> {
-        self.core.key_stats()
+    fn key_stats(&self, now_ms: i64) -> Vec<KeyStat> {
+        self.core.key_stats(now_ms)
     }
 }

@@ -65,6 +65,7 @@ impl LimitsApi {
     /// owner. While the partition has no owner, or the directory names this
     /// instance but its task is not running yet (loading), waits up to
     /// `OWNER_WAIT`, woken when a partition task starts here.
+    #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
     async fn part_of_list(
         &self,
         partition: i32,

@@ -191,6 +191,7 @@ fn batches() -> Vec<Vec<Query<LimitQuery>>> {
 }
 
 #[tokio::test]
+#[allow(clippy::disallowed_methods, reason = "a test's own clock")]
 async fn the_image_loads_as_the_tables_do() -> anyhow::Result<()> {
     let nonce = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?

@@ -443,8 +443,7 @@ impl OwnedState for RatePartition {
         self.wakeups.first().map(|(at, _)| *at)
     }
 
-    fn key_stats(&self) -> Vec<sluice_common::metrics::KeyStat> {
-        let now_ms = sluice_common::clock::wall_clock_ms();
+    fn key_stats(&self, now_ms: i64) -> Vec<sluice_common::metrics::KeyStat> {
         self.windows
             .values()
             .map(|state| sluice_common::metrics::KeyStat {

@@ -205,7 +205,7 @@ impl AdmissionPartition {
     /// The job's row with the trace context of its `admission.admit` span.
     fn with_admitted_span(&self, job_id: &str) -> Option<JobRow> {
         let active = self.jobs.get(job_id)?;
-        let now = std::time::SystemTime::now();
+        let now = sluice_common::clock::system_time_at_ms(self.now_ms);
         let admitted_trace = record_span(SCOPE, "admission.admit", &active.row.trace, now, now, || {
             vec![
                 KeyValue::new("sluice.job_id", job_id.to_string()),

@@ -31,7 +31,7 @@ impl AdmissionPartition {
         let valid = &incoming.valid;
         // The job's own span, under the producer's: every span of the job
         // hangs below it, across services.
-        let now = std::time::SystemTime::now();
+        let now = sluice_common::clock::system_time_at_ms(now_ms);
         let job_trace = record_span(SCOPE, "admission.enqueue", &incoming.trace, now, now, || {
             vec![
                 KeyValue::new("sluice.job_id", incoming.job_id.clone()),

@@ -62,6 +62,7 @@ pub(super) fn complete_span(
     result: &pb::CompleteResult,
     caller_trace: &pb::TraceContext,
     job_trace: &pb::TraceContext,
+    now_ms: i64,
 ) -> impl FnOnce() + Send + 'static {
     let parent = if same_trace(caller_trace, job_trace) {
         caller_trace.clone()
@@ -84,8 +85,10 @@ pub(super) fn complete_span(
                 .unwrap_or_default(),
         ),
     ];
+    // At the batch's time: a core reads no clock (the runtime records the
+    // span after the commit).
+    let now = sluice_common::clock::system_time_at_ms(now_ms);
     move || {
-        let now = std::time::SystemTime::now();
         record_span(SCOPE, "admission.complete", &parent, now, now, || attributes);
     }
 }

@@ -226,7 +226,7 @@ impl AdmissionPartition {
                 result.outcome = pb::CompleteOutcome::NotFound as i32;
             }
             if let Some(trace) = trace.filter(|_| sluice_common::telemetry::spans_exported()) {
-                out.outbox.observe(complete_span(&result, caller_trace, &trace));
+                out.outbox.observe(complete_span(&result, caller_trace, &trace, now_ms));
             }
             results.push(result);
         }

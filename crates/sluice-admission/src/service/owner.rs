@@ -110,6 +110,7 @@ impl AdmissionApi {
     /// call waits up to `OWNER_WAIT`, woken when a partition task starts
     /// here. Every call is keyed by job and attempt, so sending it again to
     /// the next owner is harmless.
+    #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
     pub(super) async fn ask<R, F, Fut>(
         &self,
         partition: i32,

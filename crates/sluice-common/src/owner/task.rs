@@ -317,7 +317,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             if let Some(offset) = last_offset {
                 input.offsets.store(offset + 1);
             }
-            self.publish_key_stats_every(&mut last_key_stats, partition, &state);
+            self.publish_key_stats_every(&mut last_key_stats, partition, &state, context.clock.now_ms());
         };
         self.release_ownership(&context, &local_sender, &outcome).await;
         outcome
@@ -346,10 +346,10 @@ impl<S: OwnedStore> PartitionTask<S> {
         (local_sender, local_receiver)
     }
 
-    fn publish_key_stats_every(&self, last: &mut std::time::Instant, partition: i32, state: &S::State) {
+    fn publish_key_stats_every(&self, last: &mut std::time::Instant, partition: i32, state: &S::State, now_ms: i64) {
         if last.elapsed() >= KEY_STATS_EVERY {
             *last = std::time::Instant::now();
-            crate::metrics::metrics().publish_keys(self.settings.service, partition, Some(state.key_stats()));
+            crate::metrics::metrics().publish_keys(self.settings.service, partition, Some(state.key_stats(now_ms)));
         }
     }
 

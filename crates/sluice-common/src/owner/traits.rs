@@ -78,8 +78,9 @@ pub trait OwnedState: Send + 'static {
         false
     }
 
-    /// The partition's keys, for per-key metrics (bounded by configuration).
-    fn key_stats(&self) -> Vec<crate::metrics::KeyStat> {
+    /// The partition's keys at `now_ms` (the owner's clock: a state reads
+    /// none), for per-key metrics (bounded by configuration).
+    fn key_stats(&self, _now_ms: i64) -> Vec<crate::metrics::KeyStat> {
         Vec::new()
     }
 }

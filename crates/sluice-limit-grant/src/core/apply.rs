@@ -96,7 +96,7 @@ impl Core for LimitPartition {
         None
     }
 
-    fn key_stats(&self) -> Vec<KeyStat> {
+    fn key_stats(&self, _now_ms: i64) -> Vec<KeyStat> {
         self.per_key_stats()
     }
 }

@@ -85,6 +85,7 @@ fn percentile(sorted: &[i64], share: f64) -> i64 {
     sorted[index.min(sorted.len() - 1)]
 }
 
+#[allow(clippy::disallowed_methods, reason = "the simulation's run time, not simulated time")]
 fn main() -> anyhow::Result<()> {
     let config = config_from_env()?;
     let (from, seeds) = match std::env::var("SEED").ok().and_then(|seed| seed.parse::<u64>().ok()) {
