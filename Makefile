@@ -19,12 +19,13 @@ TEST_TOOLS := $(if $(SLUICE_TIMED_STEP),,setup python-tools browser-tools)
 LINT_BUILD := scripts/lint-build.sh
 BUILD_ARGS := --locked --workspace --exclude sluice-e2e --bins --examples
 
-.PHONY: help setup python-tools browser-tools run build test test-build fmt-check long-functions clippy unit-and-integration helm-check bench chaos chaos-short fmt sim sim-bugs
+.PHONY: help setup python-tools browser-tools run build test test-build fmt-check long-functions clippy unit-and-integration helm-check bench bench-backlog chaos chaos-short fmt sim sim-bugs
 
 help:
 	@echo "make run         set up and run Sluice locally (all four services in one process)"
 	@echo "make test        set up and run every check: fmt, clippy, unit and integration tests, helm-check, short chaos; prints the time of each step"
 	@echo "make bench       run the benchmarks; the last line printed is one JSON object"
+	@echo "make bench-backlog  a backlog of BACKLOG_JOBS (1,000,000) jobs, services as separate processes: enqueue and drain rates, memory per waiting job, serving again after kill -9; one JSON line"
 	@echo "make helm-check  lint, render and schema-validate the Helm chart"
 	@echo "make sim         the deterministic simulation: SEEDS=N make sim runs N seeds (1000), SEED=n make sim replays one with its trace; one JSON line"
 	@echo "make sim-bugs    put back known bugs one at a time; the seed of make test's that finds each (one JSON line per bug)"
@@ -120,3 +121,8 @@ bench: setup
 
 chaos: setup
 	@scripts/chaos.sh
+
+# BACKLOG_JOBS, BACKLOG_KEYS, BACKLOG_LIMIT and the rest: see
+# tests/src/bin/sluice-chaos/backlog.rs. A release build, its own broker.
+bench-backlog: setup
+	@scripts/chaos.sh backlog

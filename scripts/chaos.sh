@@ -6,9 +6,19 @@
 # last line printed is one JSON object with them all (see
 # tests/src/bin/sluice-chaos.rs). CHAOS_KILLS=0: only the runs without
 # faults; CHAOS_WORKERS=stream or kafka: one kind.
+#
+# `scripts/chaos.sh backlog` (`make bench-backlog`): the same stack and
+# broker setup for the backlog benchmark instead (a million jobs waiting;
+# tests/src/bin/sluice-chaos/backlog.rs), on port 19392 unless
+# SLUICE_CHAOS_BROKER_PORT says otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PORT="${SLUICE_CHAOS_BROKER_PORT:-19292}"
+MODE="${1:-}"
+if [ "$MODE" = backlog ]; then
+  PORT="${SLUICE_CHAOS_BROKER_PORT:-19392}"
+else
+  PORT="${SLUICE_CHAOS_BROKER_PORT:-19292}"
+fi
 # CHAOS_PROFILE=debug: the short run inside `make test` reuses its builds.
 if [ "${CHAOS_PROFILE:-release}" = debug ]; then
   PROFILE_FLAG="" PROFILE_DIR=debug
@@ -46,7 +56,7 @@ else
   cargo build $PROFILE_FLAG --locked -p sluice-admission -p sluice-limit-grant -p sluice-rate-window \
     -p sluice-refresh-dispatcher -p sluice-e2e --bins
 fi
-echo "==> chaos (figures on the last line)"
+echo "==> ${MODE:-chaos} (figures on the last line)"
 SLUICE__KAFKA__BROKERS="127.0.0.1:$PORT" RUST_LOG="${RUST_LOG:-error}" \
   CHAOS_BROKER_PID="$(cat "$STATE/tansu.pid")" \
-  "${CARGO_TARGET_DIR:-target}/$PROFILE_DIR/sluice-chaos"
+  "${CARGO_TARGET_DIR:-target}/$PROFILE_DIR/sluice-chaos" $MODE

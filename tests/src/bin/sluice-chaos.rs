@@ -38,11 +38,15 @@
 //! (`workers`: kill only workers). The service binaries are taken from
 //! this binary's directory (`make chaos` builds them); the configuration
 //! is the built-in defaults plus a test prefix.
+//!
+//! `sluice-chaos backlog` is `make bench-backlog` instead (`backlog`).
 
 #![recursion_limit = "256"]
 
 #[path = "sluice-chaos/analysis.rs"]
 mod analysis;
+#[path = "sluice-chaos/backlog.rs"]
+mod backlog;
 #[path = "sluice-chaos/cluster.rs"]
 mod cluster;
 #[path = "sluice-chaos/events.rs"]
@@ -71,8 +75,13 @@ fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    if std::env::args().nth(1).as_deref() == Some("worker") {
-        return worker::main().await;
+    match std::env::args().nth(1).as_deref() {
+        Some("worker") => return worker::main().await,
+        Some("backlog") => {
+            sluice_e2e::init_logging();
+            return backlog::main().await;
+        }
+        _ => {}
     }
     sluice_e2e::init_logging();
     let kinds: Vec<String> = std::env::var("CHAOS_WORKERS")

@@ -1,11 +1,102 @@
-//! The stack as processes: two instances of each service on fixed ports,
-//! killed and started again; a PostgreSQL proxy whose connections can be
-//! paused; signals to the broker.
+//! The stack as processes: instances of each service on fixed ports behind
+//! a stable address each, reading one configuration file, killed and
+//! started again; a PostgreSQL proxy whose connections can be paused;
+//! signals to the broker; what a process holds in memory.
 
+use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context;
+use sluice_common::SluiceConfig;
+use sluice_e2e::{wait_serving, ServiceProxy};
+
+/// Every service, in the order their instances start.
+pub const SERVICES: [&str; 4] = ["limit-grant", "rate-window", "refresh-dispatcher", "admission"];
+
+/// Each service's stable address (as a Kubernetes Service gives one).
+pub struct Addresses {
+    pub limit_grant: ServiceProxy,
+    pub rate_window: ServiceProxy,
+    pub admission: ServiceProxy,
+    pub refresh: ServiceProxy,
+}
+
+impl Addresses {
+    pub async fn start() -> anyhow::Result<Self> {
+        Ok(Addresses {
+            limit_grant: ServiceProxy::start(false).await?,
+            rate_window: ServiceProxy::start(false).await?,
+            admission: ServiceProxy::start(false).await?,
+            refresh: ServiceProxy::start(false).await?,
+        })
+    }
+
+    pub fn of(&self, service: &str) -> &ServiceProxy {
+        match service {
+            "limit-grant" => &self.limit_grant,
+            "rate-window" => &self.rate_window,
+            "admission" => &self.admission,
+            _ => &self.refresh,
+        }
+    }
+}
+
+/// The configuration file every instance reads: the built-in defaults
+/// under it, then tables of TOML values (`set` adds or replaces one).
+pub struct ConfigFile {
+    tables: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl ConfigFile {
+    /// The run's broker, topic and schema prefixes (from `base`), its
+    /// PostgreSQL URL, the services' addresses, no metrics listener, JSON
+    /// logs, no authentication.
+    pub fn new(base: &SluiceConfig, postgres_url: &str, addresses: &Addresses) -> Self {
+        let mut file = ConfigFile {
+            tables: BTreeMap::new(),
+        };
+        let prefix = &base.kafka.topic_prefix;
+        file.set("kafka", "brokers", format!("{:?}", base.kafka.brokers));
+        file.set("kafka", "topic_prefix", format!("{prefix:?}"));
+        file.set("postgres", "url", format!("{postgres_url:?}"));
+        file.set("postgres", "schema_prefix", format!("{prefix:?}"));
+        file.set("telemetry", "metrics_listen", "\"\"".to_string());
+        file.set("telemetry", "log_format", "\"json\"".to_string());
+        file.set("auth", "enabled", "false".to_string());
+        file.set(
+            "admission",
+            "limit_grant_endpoint",
+            format!("{:?}", addresses.limit_grant.endpoint),
+        );
+        file.set(
+            "admission",
+            "rate_window_endpoint",
+            format!("{:?}", addresses.rate_window.endpoint),
+        );
+        file
+    }
+
+    /// `key = value` in `[table]`; `value` is TOML (a string quoted).
+    pub fn set(&mut self, table: &str, key: &str, value: String) -> &mut Self {
+        self.tables
+            .entry(table.to_string())
+            .or_default()
+            .insert(key.to_string(), value);
+        self
+    }
+
+    pub fn text(&self) -> String {
+        let mut text = String::new();
+        for (table, entries) in &self.tables {
+            text.push_str(&format!("[{table}]\n"));
+            for (key, value) in entries {
+                text.push_str(&format!("{key} = {value}\n"));
+            }
+        }
+        text
+    }
+}
 
 /// A TCP proxy to PostgreSQL whose connections can all be paused: nothing
 /// moves either way until it resumes (a stalled network or server, as
@@ -84,6 +175,39 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// `per_service` instances of every service, each behind its service's
+    /// address, once all of them serve.
+    pub async fn start(
+        binaries: std::path::PathBuf,
+        config_file: std::path::PathBuf,
+        log_dir: std::path::PathBuf,
+        addresses: &Addresses,
+        per_service: usize,
+    ) -> anyhow::Result<Cluster> {
+        let mut cluster = Cluster {
+            binaries,
+            config_file,
+            log_dir,
+            instances: Vec::new(),
+        };
+        for service in SERVICES {
+            for _ in 0..per_service {
+                let mut instance = Instance {
+                    service,
+                    port: free_port()?,
+                    child: None,
+                };
+                cluster.spawn(&mut instance)?;
+                addresses.of(service).add(&endpoint(instance.port));
+                cluster.instances.push(instance);
+            }
+        }
+        for instance in &cluster.instances {
+            wait_serving(&endpoint(instance.port), Duration::from_secs(120)).await?;
+        }
+        Ok(cluster)
+    }
+
     pub fn spawn(&self, instance: &mut Instance) -> anyhow::Result<()> {
         let section = instance.service.replace('-', "_").to_uppercase();
         let log = std::fs::OpenOptions::new()
@@ -139,6 +263,18 @@ impl Cluster {
             let _ = child.wait().await;
         }
     }
+}
+
+/// The resident memory of process `pid` (VmRSS), in bytes; 0 once it is
+/// gone.
+pub fn resident_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
 }
 
 /// `kill -<signal> <pid>`.

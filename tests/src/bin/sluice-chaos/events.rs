@@ -143,6 +143,45 @@ pub fn read(path: &std::path::Path) -> Vec<Line> {
         .unwrap_or_default()
 }
 
+/// A log read as it grows: each `read_new` gives the whole lines written
+/// since the last one (a line being written waits for the next).
+pub struct Tail {
+    path: std::path::PathBuf,
+    offset: u64,
+    partial: Vec<u8>,
+}
+
+impl Tail {
+    pub fn new(path: std::path::PathBuf) -> Self {
+        Tail {
+            path,
+            offset: 0,
+            partial: Vec::new(),
+        }
+    }
+
+    pub fn read_new(&mut self) -> Vec<Line> {
+        use std::io::{Read, Seek};
+        let Ok(mut file) = std::fs::File::open(&self.path) else {
+            return Vec::new();
+        };
+        if file.seek(std::io::SeekFrom::Start(self.offset)).is_err() {
+            return Vec::new();
+        }
+        let mut bytes = std::mem::take(&mut self.partial);
+        let Ok(read) = file.read_to_end(&mut bytes) else {
+            return Vec::new();
+        };
+        self.offset += read as u64;
+        let whole = bytes.iter().rposition(|byte| *byte == b'\n').map_or(0, |end| end + 1);
+        self.partial = bytes.split_off(whole);
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .filter_map(Line::parse)
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

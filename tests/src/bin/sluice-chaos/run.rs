@@ -16,13 +16,13 @@ use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
 
 use crate::analysis::{self, JobEnd, WorkerHistory};
-use crate::cluster::{endpoint, free_port, postgres_address, proxied_url, signal, Cluster, Instance, PausingProxy};
+use crate::cluster::{
+    endpoint, postgres_address, proxied_url, signal, Addresses, Cluster, ConfigFile, PausingProxy, SERVICES,
+};
 use crate::events::{self, now_ms, Event};
 use crate::watch::{start_refresh_worker, watch_slow_jobs, Progress};
 use crate::worker;
 use crate::workload::{chaos_request, is_floating, job_id, FLOATING_CEILING};
-
-const SERVICES: [&str; 4] = ["limit-grant", "rate-window", "refresh-dispatcher", "admission"];
 
 /// What one run does.
 #[derive(Clone, Debug)]
@@ -62,7 +62,7 @@ struct Faults {
 }
 
 /// The worker processes, each slot's current one, and every one started.
-struct WorkerPool {
+pub struct WorkerPool {
     exe: PathBuf,
     dir: PathBuf,
     template: worker::Settings,
@@ -73,7 +73,20 @@ struct WorkerPool {
 }
 
 impl WorkerPool {
-    fn start(&mut self, slot: usize) -> anyhow::Result<()> {
+    /// No process yet: `start` starts one per slot, this binary with
+    /// `worker`, its event log and stderr in `dir`.
+    pub fn new(exe: PathBuf, dir: PathBuf, template: worker::Settings) -> Self {
+        WorkerPool {
+            exe,
+            dir,
+            template,
+            children: Vec::new(),
+            current: Vec::new(),
+            started: Vec::new(),
+        }
+    }
+
+    pub fn start(&mut self, slot: usize) -> anyhow::Result<()> {
         let name = format!("w{slot}-{}", self.started.len());
         let log = self.dir.join(format!("worker-{name}.events"));
         let stderr = std::fs::OpenOptions::new()
@@ -104,7 +117,7 @@ impl WorkerPool {
     }
 
     /// SIGKILL the slot's process; how many handlers it was running.
-    async fn kill(&mut self, slot: usize, as_fault: bool) -> usize {
+    pub async fn kill(&mut self, slot: usize, as_fault: bool) -> usize {
         let Some(mut child) = self.children.get_mut(slot).and_then(Option::take) else {
             return 0;
         };
@@ -135,7 +148,11 @@ impl WorkerPool {
         running.len()
     }
 
-    fn logs(&self) -> Vec<PathBuf> {
+    pub fn slots(&self) -> usize {
+        self.children.len()
+    }
+
+    pub fn logs(&self) -> Vec<PathBuf> {
         self.started.iter().map(|(log, _)| log.clone()).collect()
     }
 }
@@ -168,55 +185,30 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
     );
 
     // Every instance's configuration: the defaults, the test's prefixes.
-    let limit_grant = ServiceProxy::start(false).await?;
-    let rate_window = ServiceProxy::start(false).await?;
-    let admission = ServiceProxy::start(false).await?;
-    let refresh = ServiceProxy::start(false).await?;
+    let addresses = Addresses::start().await?;
     let config_file = work.join("sluice.toml");
-    std::fs::write(
-        &config_file,
-        format!(
-            "[kafka]\nbrokers = {brokers:?}\ntopic_prefix = {prefix:?}\n\
-             [kafka.producer_properties]\n\"batch.num.messages\" = \"1\"\n\
-             [kafka.partitions]\njobs = 4\nlimit_commands = 4\nrate_commands = 4\nrefresh_due = 2\nrequested = 2\n\
-             [postgres]\nurl = {postgres_url:?}\nschema_prefix = {prefix:?}\nmax_connections = 8\n\
-             [telemetry]\nmetrics_listen = \"\"\nlog_format = \"json\"\n\
-             [auth]\nenabled = false\n\
-             [admission]\nlimit_grant_endpoint = {limits:?}\nrate_window_endpoint = {rates:?}\n\
-             [task_groups.default]\nlease = {lease:?}\n",
-            brokers = base.kafka.brokers,
-            prefix = base.kafka.topic_prefix,
-            limits = limit_grant.endpoint,
-            rates = rate_window.endpoint,
-            lease = spec.lease,
-        ),
-    )?;
-    let mut cluster = Cluster {
-        binaries,
-        config_file: config_file.clone(),
-        log_dir: work.clone(),
-        instances: Vec::new(),
-    };
-    for service in SERVICES {
-        for _ in 0..2 {
-            let mut instance = Instance {
-                service,
-                port: free_port()?,
-                child: None,
-            };
-            cluster.spawn(&mut instance)?;
-            match service {
-                "limit-grant" => limit_grant.add(&endpoint(instance.port)),
-                "rate-window" => rate_window.add(&endpoint(instance.port)),
-                "admission" => admission.add(&endpoint(instance.port)),
-                _ => refresh.add(&endpoint(instance.port)),
-            }
-            cluster.instances.push(instance);
-        }
-    }
-    for instance in &cluster.instances {
-        wait_serving(&endpoint(instance.port), Duration::from_secs(120)).await?;
-    }
+    let mut config = ConfigFile::new(&base, &postgres_url, &addresses);
+    config
+        .set(
+            "kafka.producer_properties",
+            "\"batch.num.messages\"",
+            "\"1\"".to_string(),
+        )
+        .set("kafka.partitions", "jobs", "4".to_string())
+        .set("kafka.partitions", "limit_commands", "4".to_string())
+        .set("kafka.partitions", "rate_commands", "4".to_string())
+        .set("kafka.partitions", "refresh_due", "2".to_string())
+        .set("kafka.partitions", "requested", "2".to_string())
+        .set("postgres", "max_connections", "8".to_string())
+        .set("task_groups.default", "lease", format!("{:?}", spec.lease));
+    std::fs::write(&config_file, config.text())?;
+    let cluster = Cluster::start(binaries, config_file.clone(), work.clone(), &addresses, 2).await?;
+    let Addresses {
+        limit_grant,
+        rate_window: _,
+        admission,
+        refresh,
+    } = &addresses;
 
     // Every rate grant, as each rate-window instance sends it.
     let grants: Arc<Mutex<Vec<pb::GrantEvent>>> = Arc::default();
@@ -241,10 +233,10 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
     let progress = Arc::new(Progress::default());
     let refreshes: Arc<Mutex<Vec<u32>>> = Arc::default();
     let refresher = start_refresh_worker(&base, &admission.endpoint, &refresh.endpoint, refreshes.clone())?;
-    let mut pool = WorkerPool {
+    let mut pool = WorkerPool::new(
         exe,
-        dir: work.clone(),
-        template: worker::Settings {
+        work.clone(),
+        worker::Settings {
             kind: spec.workers.clone(),
             worker_id: String::new(),
             log: PathBuf::new(),
@@ -252,11 +244,9 @@ pub async fn run(spec: &Spec) -> anyhow::Result<Outcome> {
             config: config_file,
             abandon: if spec.faults { spec.abandon } else { 0.0 },
             slots: spec.slots,
+            instant: false,
         },
-        children: Vec::new(),
-        current: Vec::new(),
-        started: Vec::new(),
-    };
+    );
     for slot in 0..spec.worker_processes.max(1) {
         pool.start(slot)?;
     }

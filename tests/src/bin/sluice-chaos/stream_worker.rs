@@ -99,6 +99,7 @@ struct Worker {
     worker_id: String,
     credits: u32,
     abandon: f64,
+    instant: bool,
     log: Arc<EventLog>,
     events: mpsc::UnboundedSender<Msg>,
     instances: Vec<String>,
@@ -142,6 +143,7 @@ pub async fn run(settings: &Settings, log: Arc<EventLog>) -> anyhow::Result<()> 
         // Its slots shared between the two admission instances' streams.
         credits: u32::try_from(settings.slots / 2).unwrap_or(8).max(1),
         abandon: settings.abandon.clamp(0.0, 1.0),
+        instant: settings.instant,
         log,
         events,
         instances: Vec::new(),
@@ -341,7 +343,7 @@ impl Worker {
         self.log.write(index, job.attempt, Event::Start);
         let events = self.events.clone();
         let done = key.clone();
-        let run_for = Duration::from_millis(run_ms(index));
+        let run_for = Duration::from_millis(if self.instant { 0 } else { run_ms(index) });
         let handler = tokio::spawn(async move {
             tokio::time::sleep(run_for).await;
             let _ = events.send(Msg::Done(done));

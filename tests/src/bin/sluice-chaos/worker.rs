@@ -40,6 +40,9 @@ pub struct Settings {
     /// Jobs run at once (a stream worker gives each of its two streams
     /// half as credits).
     pub slots: usize,
+    /// Handlers return at once instead of running `workload::run_ms`
+    /// (the backlog benchmark's drain).
+    pub instant: bool,
 }
 
 impl Settings {
@@ -52,6 +55,7 @@ impl Settings {
             ("CHAOS_W_CONFIG", self.config.to_string_lossy().into_owned()),
             ("CHAOS_W_ABANDON", self.abandon.to_string()),
             ("CHAOS_W_SLOTS", self.slots.to_string()),
+            ("CHAOS_W_INSTANT", u8::from(self.instant).to_string()),
         ]
     }
 
@@ -65,6 +69,7 @@ impl Settings {
             config: var("CHAOS_W_CONFIG")?.into(),
             abandon: var("CHAOS_W_ABANDON")?.parse().context("CHAOS_W_ABANDON")?,
             slots: var("CHAOS_W_SLOTS")?.parse().context("CHAOS_W_SLOTS")?,
+            instant: var("CHAOS_W_INSTANT").is_ok_and(|instant| instant == "1"),
         })
     }
 }
