@@ -339,7 +339,8 @@ async fn describe_stuck(
         }
     };
     for job in jobs {
-        match sluice_e2e::job_view(client, &job_id(*job)).await {
+        let view = tokio::time::timeout(CALL_TIMEOUT, sluice_e2e::job_view(client, &job_id(*job))).await;
+        match view.unwrap_or_else(|_| Err(anyhow::anyhow!("no answer within {CALL_TIMEOUT:?}"))) {
             Ok(view) => eprintln!(
                 "backlog: {} never completed: {:?}, attempt {}, claimed by {:?}, lease until {:?}, waiting {:?}, reason {:?}, history {:?}",
                 view.job_id,
@@ -355,16 +356,17 @@ async fn describe_stuck(
         }
         let Some(mut limits) = limits.clone() else { continue };
         let key = format!("k{}", job % spec.keys);
-        let state = limits
-            .describe_key(pb::DescribeKeyRequest {
-                key: Some(pb::KeyRef {
-                    tenant: TENANT.to_string(),
-                    key: key.clone(),
-                }),
-                ticket: None,
-                first_waiters: 3,
-            })
-            .await;
+        let call = limits.describe_key(pb::DescribeKeyRequest {
+            key: Some(pb::KeyRef {
+                tenant: TENANT.to_string(),
+                key: key.clone(),
+            }),
+            ticket: None,
+            first_waiters: 3,
+        });
+        let state = tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("no answer")));
         match state.map(|response| response.into_inner().state.unwrap_or_default()) {
             Ok(state) => eprintln!(
                 "backlog:   key {key}: {} waiting, holders {:?}, first waiters {:?}",
