@@ -39,9 +39,9 @@ names=() walls=() cpus=()
 table() {
   local total_wall=0 total_cpu=0 i
   printf '\n==> time per step (wall clock; CPU = user + system of all it ran)\n'
-  printf '    %-44s %8s %8s\n' step wall CPU
+  printf '    %-52s %8s %8s\n' step wall CPU
   for i in "${!names[@]}"; do
-    printf '    %-44s %7ss %7ss\n' "${names[$i]}" "${walls[$i]}" "${cpus[$i]}"
+    printf '    %-52s %7ss %7ss\n' "${names[$i]}" "${walls[$i]}" "${cpus[$i]}"
     case "${names[$i]}" in
       "  "*) ;; # a target of a group: its group's row counts it
       *)
@@ -50,7 +50,7 @@ table() {
         ;;
     esac
   done
-  printf '    %-44s %7ss %7ss\n' total "$total_wall" "$total_cpu"
+  printf '    %-52s %7ss %7ss\n' total "$total_wall" "$total_cpu"
 }
 
 for step in "$@"; do
