@@ -35,10 +35,19 @@ sudo_if_needed() {
   if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
+# apt-get, one at a time: `make test` installs the Python tools' and the
+# browser's packages side by side, and two apt-gets at once fail on dpkg's
+# lock. flock serialises ours; the lock timeout waits out anyone else's
+# (unattended-upgrades).
+apt_get() {
+  sudo_if_needed env DEBIAN_FRONTEND=noninteractive \
+    flock "${TMPDIR:-/tmp}/sluice-apt.lock" apt-get -o DPkg::Lock::Timeout=600 "$@"
+}
+
 apt_install() {
   say "installing Debian packages: $*"
-  sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null \
-    || { sudo_if_needed apt-get update -q >/dev/null && sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null; }
+  apt_get install -y -q "$@" >/dev/null \
+    || { apt_get update -q >/dev/null && apt_get install -y -q "$@" >/dev/null; }
 }
 
 port_open() {

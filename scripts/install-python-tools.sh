@@ -82,11 +82,17 @@ system_kcat() {
     return 1
 }
 
+apt_get() {
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive \
+        flock "${TMPDIR:-/tmp}/sluice-apt.lock" apt-get -o DPkg::Lock::Timeout=600 "$@"
+}
+
 install_kcat() {
     log "installing Debian's kcat package"
-    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q kcat >/dev/null ||
-        { sudo_if_needed apt-get update -q >/dev/null &&
-            sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -q kcat >/dev/null; }
+    # One apt-get at a time (the browser's packages install beside this in
+    # `make test`; see apt_get in dev-env.sh).
+    apt_get install -y -q kcat >/dev/null ||
+        { apt_get update -q >/dev/null && apt_get install -y -q kcat >/dev/null; }
 }
 
 # The librdkafka inside the confluent-kafka wheel, as librdkafka.so.1.
