@@ -66,7 +66,7 @@ impl AnchoredClock {
 
     /// The monotonic instant (tokio's) at which this clock reads `at_ms`.
     pub fn instant_at(&self, at_ms: i64) -> Instant {
-        let offset = at_ms - self.base_ms;
+        let offset = at_ms.saturating_sub(self.base_ms);
         if offset <= 0 {
             return self.anchor;
         }

@@ -58,6 +58,7 @@ impl Core for LimitPartition {
 
     fn apply(&mut self, now_ms: i64, messages: &[InMsg], queries: Vec<Query<LimitQuery>>) -> Decided {
         let mut out = Decided::new();
+        self.refresh_timers(now_ms, &mut out);
         let mut rejected = Vec::new();
         for message in messages {
             apply_entries(message, "limit command", &mut rejected, |command: pb::LimitCommand| {
@@ -93,7 +94,7 @@ impl Core for LimitPartition {
     }
 
     fn next_wakeup_ms(&self) -> Option<i64> {
-        None
+        self.next_refresh_ms()
     }
 
     fn key_stats(&self, _now_ms: i64) -> Vec<KeyStat> {

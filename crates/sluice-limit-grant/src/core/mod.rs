@@ -27,6 +27,7 @@ mod writes;
 mod tests;
 
 use sluice_common::hash::HashMap;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use sluice_common::core::Decisions;
@@ -68,6 +69,10 @@ pub struct LimitPartition {
     /// Where each ticket (held or waiting) is.
     ticket_keys: HashMap<TicketKey, TicketPlace>,
     sweeps: HashMap<String, PendingSweep>,
+    /// Floating keys that had waiters when last looked at: their refresh
+    /// falls due on a timer too, not only when a job comes or goes
+    /// (`refresh::refresh_if_due`). Ordered, so timers fire in one order.
+    refresh_watch: BTreeSet<KeyId>,
     /// The last journal row (or snapshot) saved.
     journal_seq: i64,
     journal_bytes_since_snapshot: usize,
@@ -84,6 +89,7 @@ impl LimitPartition {
             keys: HashMap::default(),
             ticket_keys: HashMap::default(),
             sweeps: HashMap::default(),
+            refresh_watch: BTreeSet::new(),
             journal_seq: 0,
             journal_bytes_since_snapshot: 0,
             last_snapshot_bytes: 0,
@@ -149,6 +155,13 @@ impl LimitPartition {
                 });
             }
         }
+        // A floating key that waits: its next refresh is on the timer.
+        self.refresh_watch = self
+            .keys
+            .iter()
+            .filter(|(_, state)| state.record.floating.is_some() && !state.waiters.is_empty())
+            .map(|(key_id, _)| key_id.clone())
+            .collect();
     }
 
     /// The state of `key_id`, created empty on first use.

@@ -7,23 +7,33 @@ use sluice_proto::v1 as pb;
 use super::{Decided, FloatingRecord, KeyId, LimitPartition};
 
 impl LimitPartition {
-    /// A floating key's refresh is due when a job using it is enqueued or
-    /// released, the key has waiters, and the refresh interval has passed
-    /// since the last refresh-due event (or none was ever sent: the first
-    /// waiter triggers the first refresh). The refresh-dispatcher keeps at
-    /// most one refresh in flight per key and ignores a due event it has
-    /// already seen (same `due_at_ms`), so re-sending one is harmless.
+    /// A floating key's refresh is due when it has waiters and the refresh
+    /// interval has passed since the last refresh-due event (or none was
+    /// ever sent: the first waiter triggers the first refresh). Looked at
+    /// when a job using the key is enqueued or released, and on a timer
+    /// while the key has waiters (`refresh_timers`): a key whose holders
+    /// run long, or hang, still gets its max recomputed every interval —
+    /// that is when a higher max would let its waiters in. The
+    /// refresh-dispatcher keeps at most one refresh in flight per key and
+    /// ignores a due event it has already seen (same `due_at_ms`), so
+    /// re-sending one is harmless.
     pub(super) fn refresh_if_due(&mut self, now_ms: i64, key_id: &KeyId, trace: &pb::TraceContext, out: &mut Decided) {
         let Some(state) = self.keys.get_mut(key_id) else {
+            self.refresh_watch.remove(key_id);
             return;
         };
         if state.waiters.is_empty() {
+            self.refresh_watch.remove(key_id);
             return;
         }
         let waiting = state.waiters.len();
         let Some(floating) = state.record.floating.as_mut() else {
+            self.refresh_watch.remove(key_id);
             return;
         };
+        if !self.refresh_watch.contains(key_id) {
+            self.refresh_watch.insert(key_id.clone());
+        }
         let interval_ms = i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX);
         let due = floating
             .last_due_ms
@@ -35,6 +45,40 @@ impl LimitPartition {
         let floating = floating.clone();
         out.writes.keys.insert(key_id.clone(), Some(state.record.clone()));
         self.emit_refresh_due(key_id, &floating, waiting, trace, &mut out.sends);
+    }
+
+    /// The refreshes of waiting floating keys whose interval has passed
+    /// (and forget the keys that no longer wait).
+    pub(super) fn refresh_timers(&mut self, now_ms: i64, out: &mut Decided) {
+        if self.next_refresh_ms().is_none_or(|at_ms| at_ms > now_ms) {
+            return;
+        }
+        let watched: Vec<KeyId> = self.refresh_watch.iter().cloned().collect();
+        for key_id in watched {
+            self.refresh_if_due(now_ms, &key_id, &pb::TraceContext::default(), out);
+        }
+    }
+
+    /// When the next watched key's refresh falls due. A key in the watch
+    /// that no longer waits counts as due now, so that the next batch
+    /// forgets it.
+    pub(super) fn next_refresh_ms(&self) -> Option<i64> {
+        self.refresh_watch
+            .iter()
+            .map(|key_id| {
+                let floating = self
+                    .keys
+                    .get(key_id)
+                    .filter(|state| !state.waiters.is_empty())
+                    .and_then(|state| state.record.floating.as_ref());
+                match floating {
+                    Some(floating) => floating.last_due_ms.map_or(0, |last_due_ms| {
+                        last_due_ms.saturating_add(i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX))
+                    }),
+                    None => 0,
+                }
+            })
+            .min()
     }
 
     pub(super) fn emit_refresh_due(

@@ -80,3 +80,67 @@ fn lowering_a_floating_max_affects_only_new_grants() {
     let (granted, _) = run_at(&mut state, 1_004, vec![release("c", "f")]);
     assert_eq!(granted, vec!["e"]);
 }
+
+/// The refresh-due events of a batch with no input (the owner's timer).
+fn on_timer(state: &mut LimitPartition, now_ms: i64) -> Vec<pb::RefreshDue> {
+    let decided = Core::apply(state, now_ms, &[], Vec::new());
+    decided
+        .sends
+        .into_messages()
+        .iter()
+        .filter(|message| &*message.topic == "refresh-due")
+        .flat_map(|message| pb::RefreshDueBatch::decode(message.payload.as_slice()).unwrap().events)
+        .collect()
+}
+
+/// Holders that run long (or hang) release nothing and no job comes: the
+/// key's waiters still get a refresh every interval, on the owner's timer —
+/// that is when a higher max would let them in. A key without waiters
+/// wakes nobody.
+#[test]
+fn a_waiting_floating_key_falls_due_every_interval_with_no_job_coming_or_going() {
+    let mut state = partition();
+    assert_eq!(Core::next_wakeup_ms(&state), None, "no floating key: no timer");
+    let (granted, dues) = run_at(
+        &mut state,
+        10_000,
+        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
+    );
+    assert_eq!((granted.len(), dues.len()), (1, 1));
+    // The interval (1 s in acquire_floating) from the last due event.
+    assert_eq!(Core::next_wakeup_ms(&state), Some(11_000));
+    assert!(on_timer(&mut state, 10_999).is_empty(), "not before the interval");
+    let dues = on_timer(&mut state, 11_000);
+    assert_eq!(dues.len(), 1, "due on the timer, with no job enqueued or released");
+    assert_eq!((dues[0].due_at_ms, dues[0].waiting), (11_000, 1));
+    assert_eq!(Core::next_wakeup_ms(&state), Some(12_000));
+    let dues = on_timer(&mut state, 12_500);
+    assert_eq!(dues.iter().map(|due| due.due_at_ms).collect::<Vec<_>>(), vec![12_500]);
+    // The waiter gets in: the next batch forgets the key, and no timer is left.
+    let (granted, _) = run_at(&mut state, 12_600, vec![set_floating_max("f", 2, "t1")]);
+    assert_eq!(granted, vec!["b"]);
+    assert!(on_timer(&mut state, 13_600).is_empty(), "nobody waits: nothing to refresh for");
+    assert_eq!(Core::next_wakeup_ms(&state), None);
+}
+
+/// A new owner loads a floating key with waiters: its timer runs from the
+/// last due event saved.
+#[test]
+fn a_new_owner_keeps_refreshing_a_waiting_floating_key() {
+    let mut state = partition();
+    run_at(
+        &mut state,
+        10_000,
+        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
+    );
+    let keys: Vec<(KeyId, KeyRecord)> = state
+        .keys
+        .iter()
+        .map(|(key_id, key_state)| (key_id.clone(), key_state.record.clone()))
+        .collect();
+    let mut restored = partition();
+    restored.restore(20_000, keys, state.tickets().cloned().collect());
+    assert_eq!(Core::next_wakeup_ms(&restored), Some(11_000));
+    let dues = on_timer(&mut restored, 20_000);
+    assert_eq!(dues.iter().map(|due| due.due_at_ms).collect::<Vec<_>>(), vec![20_000]);
+}
