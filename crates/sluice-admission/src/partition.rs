@@ -549,6 +549,15 @@ impl OwnedState for AdmissionPartition {
         std::mem::take(&mut self.crash_after_commit)
     }
 
+    /// Running attempts get their takeover lease, and re-send timers start
+    /// over, from when this owner serves: a worker that completed a pushed
+    /// attempt while the takeover loaded and re-sent (seconds under load)
+    /// is heard before its attempt could be handed back as never run.
+    fn begin_serving(&mut self, now_ms: i64) {
+        self.grant_lease_grace(now_ms);
+        self.restart_resend_timers(now_ms);
+    }
+
     fn resend_all(&self, now_ms: i64, outbox: &mut Outbox) {
         for active in self.jobs.values() {
             if active.row.state.status == Status::Waiting {

@@ -190,13 +190,12 @@ impl Harness {
 
     /// Another instance takes the partition over: it loads what was saved
     /// and gives running attempts their takeover lease, as
-    /// `AdmissionStore::load` does.
+    /// `OwnedState::begin_serving` does when the owner starts serving.
     fn take_over(&mut self) {
         let settings = self.partition.settings().clone();
         let rows: Vec<crate::jobs::JobRow> = self.saved.values().cloned().collect();
         self.partition = AdmissionPartition::new(settings, rows, self.saved_seq, None, 0);
-        self.partition.grant_lease_grace(self.now_ms);
-        self.partition.restart_resend_timers(self.now_ms);
+        OwnedState::begin_serving(&mut self.partition, self.now_ms);
     }
 
     fn state(&self, job: usize) -> Option<&JobState> {

@@ -167,16 +167,15 @@ impl OwnedStore for AdmissionStore {
         for batch in batches {
             crate::journal::replay(&mut rows, &mut created_rows, batch);
         }
-        let mut loaded = AdmissionPartition::new(
+        let loaded = AdmissionPartition::new(
             self.partition_settings(partition),
             rows.into_values().collect(),
             journal_seq,
             snapshot_bytes,
             journal_bytes,
         );
-        let now_ms = context.clock.now_ms();
-        loaded.grant_lease_grace(now_ms);
-        loaded.restart_resend_timers(now_ms);
+        // Leases and re-send timers start when the owner serves
+        // (`OwnedState::begin_serving`), not here.
         tracing::debug!(
             partition,
             active_jobs = loaded.active_jobs(),

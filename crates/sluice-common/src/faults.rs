@@ -48,6 +48,10 @@ pub enum FaultPoint {
     /// read the row just before another instance took the partition over):
     /// it goes on believing it owns the partition until a commit fences it.
     OwnerIdleFenceCheckMissed,
+    /// An owner took a partition over (loaded it, re-sent what it implies)
+    /// and is held there, not yet serving, until the test calls
+    /// `Faults::release` (a takeover that takes seconds under load).
+    OwnerHeldBeforeServing,
 }
 
 /// The error an armed `OwnerCommitRefused` or `AdmissionSaveRefused` gives:
@@ -75,6 +79,17 @@ pub struct Faults {
     points: Arc<Mutex<HashMap<FaultPoint, Armed>>>,
     refused_jobs: Arc<Mutex<std::collections::HashSet<String>>>,
     barrier: Arc<Mutex<Option<Barrier>>>,
+    /// Permits for the tasks a hold point keeps (`hold_if_hit`).
+    releases: Arc<Releases>,
+}
+
+/// No permit until a test releases a held task.
+struct Releases(tokio::sync::Semaphore);
+
+impl Default for Releases {
+    fn default() -> Self {
+        Releases(tokio::sync::Semaphore::new(0))
+    }
 }
 
 impl std::fmt::Debug for Faults {
@@ -126,6 +141,21 @@ impl Faults {
         armed.fired += 1;
         tracing::warn!(?point, "fault hook fired");
         true
+    }
+
+    /// When `point` fires, wait here until the test calls `release`.
+    pub async fn hold_if_hit(&self, point: FaultPoint) {
+        if !self.hit(point) {
+            return;
+        }
+        if let Ok(permit) = self.releases.0.acquire().await {
+            permit.forget();
+        }
+    }
+
+    /// Let one task held at a hold point go on.
+    pub fn release(&self) {
+        self.releases.0.add_permits(1);
     }
 
     /// PostgreSQL refuses to store `job_id`, every time it is saved

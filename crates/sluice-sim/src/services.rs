@@ -69,8 +69,7 @@ impl Service for Admission {
         // The order a SQL load gives is no order: make it one.
         rows.sort_by(|left, right| left.state.job_id.cmp(&right.state.job_id));
         let mut state = AdmissionPartition::new(settings, rows, image.seq, None, 0);
-        state.grant_lease_grace(now_ms);
-        state.restart_resend_timers(now_ms);
+        sluice_common::owner::OwnedState::begin_serving(&mut state, now_ms);
         state
     }
 

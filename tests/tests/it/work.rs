@@ -662,3 +662,100 @@ async fn a_heartbeat_waiting_on_an_ownerless_partition_holds_up_no_other_partiti
     stack.stop().await;
     Ok(())
 }
+
+/// A pushed attempt's worker finishes the job while the partition changes
+/// owners, and the new owner's takeover (load, re-sends) takes longer than
+/// the grace it gives pushed attempts (`admission.stream_end_grace`): seconds
+/// of re-sends under a backlog did this in `make bench-backlog`. The grace
+/// runs from when the new owner serves, so the worker's completion, sent as
+/// soon as the owner answers, is accepted: the attempt is not handed back
+/// as "lost on its way" and run a second time (issue 29).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_completion_after_a_takeover_longer_than_the_grace_is_accepted() -> anyhow::Result<()> {
+    let grace = Duration::from_secs(3);
+    let toml = "[task_groups.default]\nlease = \"10m\"\n[admission]\nstream_end_grace = \"3s\"\n";
+    let mut stack = Stack::start(test_config_toml("workslowtake", toml, &[])?, 1).await?;
+    let mut session = open_raw(&stack.admissions[0].endpoint.clone(), "worker-slow-takeover", 1).await?;
+    let mut admission = stack.admission_client().await?;
+    let mut request = concurrency_job("acme", "slowtakekey", 1, 50, "the job");
+    request.job_id = Some("slow-takeover".to_string());
+    request.retry = Some(pb::RetryPolicy {
+        max_attempts: 1,
+        ..pb::RetryPolicy::default()
+    });
+    admission.enqueue(pb::EnqueueRequest { job: Some(request) }).await?;
+    let pushed = next_push(&mut session).await?;
+    let job = pushed.job.clone().expect("a pushed job");
+    assert_eq!((job.job_id.as_str(), job.attempt), ("slow-takeover", 1));
+
+    // The owner dies with the push unconfirmed; a new instance takes every
+    // job partition over and is held there, loaded and not yet serving.
+    drop(session);
+    stack.admissions.remove(0).kill().await;
+    let faults = Faults::none();
+    faults.arm(FaultPoint::OwnerHeldBeforeServing, 0, u64::MAX);
+    let node = start_admission(&stack.config, faults.clone()).await?;
+    let partitions = u64::try_from(stack.config.kafka.partitions.jobs)?;
+    eventually(
+        Duration::from_secs(120),
+        "every job partition loaded and held",
+        || async { Ok(faults.fired(FaultPoint::OwnerHeldBeforeServing) >= partitions) },
+    )
+    .await?;
+    // Held past the grace a takeover gives pushed attempts (as if the load
+    // had taken that long). This waits for a point in time to pass, not
+    // for something not to happen.
+    tokio::time::sleep(grace + Duration::from_millis(500)).await;
+    for _ in 0..partitions {
+        faults.release();
+    }
+
+    // The worker completes the job as soon as the new owner answers.
+    let mut client = AdmissionClient::new(connect(&node.endpoint).await?);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let view = loop {
+        let answered = client
+            .get_job(pb::GetJobRequest {
+                job_id: "slow-takeover".to_string(),
+            })
+            .await;
+        if let Some(view) = answered.ok().and_then(|response| response.into_inner().job) {
+            break view;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the new owner never served the job");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        (view.status(), view.attempt),
+        (pb::JobStatus::Running, 1),
+        "the new owner handed the attempt back before it served: {view:?}"
+    );
+    let completed = client
+        .complete(pb::CompleteRequest {
+            worker_id: "worker-slow-takeover".to_string(),
+            completions: vec![pb::Completion {
+                job_id: "slow-takeover".to_string(),
+                attempt: 1,
+                outcome: Some(pb::completion::Outcome::Success(pb::Success {})),
+            }],
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        completed.results.first().map(|result| result.outcome()),
+        Some(pb::CompleteOutcome::Accepted),
+        "{completed:?}"
+    );
+    let view = client
+        .get_job(pb::GetJobRequest {
+            job_id: "slow-takeover".to_string(),
+        })
+        .await?
+        .into_inner()
+        .job
+        .unwrap_or_default();
+    assert_eq!((view.status(), view.attempt), (pb::JobStatus::Succeeded, 1));
+    node.stop().await;
+    stack.stop().await;
+    Ok(())
+}

@@ -202,6 +202,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             match self.reload(context).await {
                 Ok(Some((reloaded, applied_offset))) => {
                     *state = reloaded;
+                    state.begin_serving(context.clock.now_ms());
                     return Step::Done(applied_offset);
                 }
                 Ok(None) => return Step::Stop,

@@ -261,6 +261,8 @@ impl<S: OwnedStore> PartitionTask<S> {
             }
         };
         self.registry.clear_condition(partition);
+        self.faults.hold_if_hit(FaultPoint::OwnerHeldBeforeServing).await;
+        state.begin_serving(context.clock.now_ms());
 
         let (local_sender, mut local_receiver) = self.register_owned(&context, applied_offset, loading);
 

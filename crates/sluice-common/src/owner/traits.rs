@@ -67,6 +67,14 @@ pub trait OwnedState: Send + 'static {
     /// Every effect the saved state implies, for a new owner to re-send.
     fn resend_all(&self, now_ms: i64, outbox: &mut Outbox);
 
+    /// The owner starts serving at `now_ms`: its takeover (load, re-sends)
+    /// is done and requests reach it from now on. Whatever the state grants
+    /// others from its takeover (a running attempt's lease, a re-send timer)
+    /// runs from here, not from the load: a takeover can take longer than
+    /// such a grace (thousands of re-sends under load), and a worker heard
+    /// by nobody meanwhile must not lose to it. Also called after a reload.
+    fn begin_serving(&mut self, _now_ms: i64) {}
+
     /// When `apply` must run next even without input (lease expiry, slots).
     fn next_wakeup_ms(&self) -> Option<i64>;
 

@@ -119,7 +119,10 @@ fn a_waiting_floating_key_falls_due_every_interval_with_no_job_coming_or_going()
     // The waiter gets in: the next batch forgets the key, and no timer is left.
     let (granted, _) = run_at(&mut state, 12_600, vec![set_floating_max("f", 2, "t1")]);
     assert_eq!(granted, vec!["b"]);
-    assert!(on_timer(&mut state, 13_600).is_empty(), "nobody waits: nothing to refresh for");
+    assert!(
+        on_timer(&mut state, 13_600).is_empty(),
+        "nobody waits: nothing to refresh for"
+    );
     assert_eq!(Core::next_wakeup_ms(&state), None);
 }
 
