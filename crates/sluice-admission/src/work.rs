@@ -365,8 +365,12 @@ impl WorkerHub {
 
 /// Jobs claimed in one batch for one session, pushed once the batch is
 /// committed. Dropped unsent (the commit failed, the batch was decided
-/// again), it gives the credits back and hands the attempts back: the
-/// worker never saw them.
+/// again) it only gives the credits back: the claim was never committed, so
+/// there is nothing to hand back — and handing back would end an attempt
+/// that the partition's next owner (or this one, deciding again) claimed
+/// for the same worker and pushed (`make bench-backlog`: a job ran twice).
+/// Sent after the commit and not written (the stream was gone), it gives
+/// the credits back and hands the attempts back: the worker never saw them.
 pub struct Push {
     hub: Arc<WorkerHub>,
     session: Arc<WorkSession>,
@@ -376,6 +380,8 @@ pub struct Push {
     /// Set by a crash-point fault hook: lost with the instance, as a crash
     /// after the commit loses it (nothing given or handed back).
     lost: bool,
+    /// `send` was called: the batch that claimed the jobs is committed.
+    committed: bool,
 }
 
 impl Push {
@@ -386,6 +392,7 @@ impl Push {
             partition,
             jobs: Vec::new(),
             lost: false,
+            committed: false,
         }
     }
 
@@ -417,6 +424,7 @@ impl Push {
     /// partition hears of it and moves its own lease ends as far.
     #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
     pub fn send(mut self) {
+        self.committed = true;
         let mut jobs = std::mem::take(&mut self.jobs);
         let now_ms = sluice_common::clock::wall_clock_ms();
         for dispatched in &mut jobs {
@@ -449,6 +457,9 @@ impl Push {
             return;
         }
         self.session.give_credits(u32::try_from(jobs.len()).unwrap_or(u32::MAX));
+        if !self.committed {
+            return;
+        }
         let attempts = attempts_of(&jobs);
         let _ = self.hub.undelivered.send(UndeliveredPush {
             worker_id: self.session.worker_id.clone(),
@@ -600,6 +611,25 @@ mod tests {
             (before + 30_000..=after + 30_000).contains(&lease_end),
             "lease end {lease_end} not a lease from the push ({before}..{after})"
         );
+    }
+
+    /// A push whose batch was never committed (fenced, or decided again
+    /// after a failed commit) hands nothing back: the attempt it named may
+    /// be the one the next decision claimed for the same worker, pushed and
+    /// running. Its credit comes back.
+    #[test]
+    fn a_push_dropped_before_its_commit_returns_its_credit_and_hands_nothing_back() {
+        let (hub, mut reports) = WorkerHub::new();
+        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
+        assert!(hub.take("g", "t").is_some());
+        let mut push = Push::new(hub.clone(), session.clone(), 0);
+        push.add(dispatched("j1"));
+        drop(push);
+        assert!(
+            reports.undelivered.try_recv().is_err(),
+            "an uncommitted claim was handed back"
+        );
+        assert_eq!(session.credits(), 1, "the credit came back");
     }
 
     #[test]
