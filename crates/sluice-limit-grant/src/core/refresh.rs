@@ -6,18 +6,35 @@ use sluice_proto::v1 as pb;
 
 use super::{Decided, FloatingRecord, KeyId, LimitPartition};
 
+/// The timer makes a waiting key's refresh due at most this often, whatever
+/// its interval (an interval of 1 ms would otherwise write a due event every
+/// millisecond; a job enqueued or released still honours the interval).
+pub const MIN_TIMER_REFRESH_MS: i64 = 1_000;
+
 impl LimitPartition {
     /// A floating key's refresh is due when it has waiters and the refresh
     /// interval has passed since the last refresh-due event (or none was
     /// ever sent: the first waiter triggers the first refresh). Looked at
     /// when a job using the key is enqueued or released, and on a timer
-    /// while the key has waiters (`refresh_timers`): a key whose holders
-    /// run long, or hang, still gets its max recomputed every interval —
-    /// that is when a higher max would let its waiters in. The
-    /// refresh-dispatcher keeps at most one refresh in flight per key and
-    /// ignores a due event it has already seen (same `due_at_ms`), so
-    /// re-sending one is harmless.
+    /// while the key has waiters (`refresh_timers`, at most once every
+    /// `MIN_TIMER_REFRESH_MS`): a key whose holders run long, or hang, still
+    /// gets its max recomputed — that is when a higher max would let its
+    /// waiters in. The refresh-dispatcher keeps at most one refresh in
+    /// flight per key and ignores a due event it has already seen (same
+    /// `due_at_ms`), so re-sending one is harmless.
     pub(super) fn refresh_if_due(&mut self, now_ms: i64, key_id: &KeyId, trace: &pb::TraceContext, out: &mut Decided) {
+        self.refresh_if_due_after(now_ms, key_id, trace, 0, out);
+    }
+
+    /// `refresh_if_due`, with the interval at least `floor_ms`.
+    fn refresh_if_due_after(
+        &mut self,
+        now_ms: i64,
+        key_id: &KeyId,
+        trace: &pb::TraceContext,
+        floor_ms: i64,
+        out: &mut Decided,
+    ) {
         let Some(state) = self.keys.get_mut(key_id) else {
             self.refresh_watch.remove(key_id);
             return;
@@ -34,7 +51,9 @@ impl LimitPartition {
         if !self.refresh_watch.contains(key_id) {
             self.refresh_watch.insert(key_id.clone());
         }
-        let interval_ms = i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX);
+        let interval_ms = i64::try_from(floating.refresh_interval_ms)
+            .unwrap_or(i64::MAX)
+            .max(floor_ms);
         let due = floating
             .last_due_ms
             .is_none_or(|last_due_ms| now_ms.saturating_sub(last_due_ms) >= interval_ms);
@@ -55,7 +74,7 @@ impl LimitPartition {
         }
         let watched: Vec<KeyId> = self.refresh_watch.iter().cloned().collect();
         for key_id in watched {
-            self.refresh_if_due(now_ms, &key_id, &pb::TraceContext::default(), out);
+            self.refresh_if_due_after(now_ms, &key_id, &pb::TraceContext::default(), MIN_TIMER_REFRESH_MS, out);
         }
     }
 
@@ -73,7 +92,10 @@ impl LimitPartition {
                     .and_then(|state| state.record.floating.as_ref());
                 match floating {
                     Some(floating) => floating.last_due_ms.map_or(0, |last_due_ms| {
-                        last_due_ms.saturating_add(i64::try_from(floating.refresh_interval_ms).unwrap_or(i64::MAX))
+                        let interval_ms = i64::try_from(floating.refresh_interval_ms)
+                            .unwrap_or(i64::MAX)
+                            .max(MIN_TIMER_REFRESH_MS);
+                        last_due_ms.saturating_add(interval_ms)
                     }),
                     None => 0,
                 }

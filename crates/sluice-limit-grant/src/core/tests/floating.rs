@@ -147,3 +147,29 @@ fn a_new_owner_keeps_refreshing_a_waiting_floating_key() {
     let dues = on_timer(&mut restored, 20_000);
     assert_eq!(dues.iter().map(|due| due.due_at_ms).collect::<Vec<_>>(), vec![20_000]);
 }
+
+/// A tiny interval (1 ms) makes the timer fire at most once a second, not
+/// every millisecond; an enqueue still honours the interval.
+#[test]
+fn the_timer_refreshes_a_key_of_a_tiny_interval_at_most_once_a_second() {
+    let with_interval = |job: &str, at_us: i64| {
+        let mut command = acquire_floating(job, "f", at_us, 1);
+        if let Some(pb::limit_command::Command::Acquire(acquire)) = command.command.as_mut() {
+            if let Some(pb::acquire_ticket::Limit::Floating(floating)) = acquire.limit.as_mut() {
+                floating.refresh_interval_ms = 1;
+            }
+        }
+        command
+    };
+    let mut state = partition();
+    let (_, dues) = run_at(&mut state, 10_000, vec![with_interval("a", 1), with_interval("b", 2)]);
+    assert_eq!(dues.len(), 1);
+    assert_eq!(
+        Core::next_wakeup_ms(&state),
+        Some(10_000 + super::super::refresh::MIN_TIMER_REFRESH_MS)
+    );
+    assert!(on_timer(&mut state, 10_500).is_empty(), "the timer waits a second");
+    assert_eq!(on_timer(&mut state, 11_000).len(), 1);
+    let (_, dues) = run_at(&mut state, 11_002, vec![with_interval("c", 3)]);
+    assert_eq!(dues.len(), 1, "an enqueue 2 ms later: the 1 ms interval passed");
+}
