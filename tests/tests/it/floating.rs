@@ -363,10 +363,24 @@ async fn a_restarted_dispatcher_loses_no_due_refresh() -> anyhow::Result<()> {
     let replacement = start_refresh_dispatcher(&stack.config, Faults::none()).await?;
     *dispatcher_address.lock().unwrap() = replacement.endpoint.clone();
     stack.refresh_dispatchers.push(replacement);
-    eventually(Duration::from_secs(60), "the due refresh after the restart", || async {
+    let refreshed = eventually(Duration::from_secs(60), "the due refresh after the restart", || async {
         Ok(key_state(&stack, "acme", "render").await?.floating_max == Some(5))
     })
-    .await?;
+    .await;
+    if let Err(error) = refreshed {
+        // Where the refresh stopped: the dispatcher's schedule, limit-grant's
+        // key, the tasks the worker saw (this failed twice under a full
+        // `make test`, never alone).
+        let schedule = describe_floating(&stack, "render").await;
+        let key = key_state(&stack, "acme", "render").await;
+        let seen: Vec<(String, u32)> = records
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|record| (record.task.task_id.clone(), record.task.attempt))
+            .collect();
+        anyhow::bail!("{error}; the dispatcher's schedule: {schedule:?}; limit-grant's key: {key:?}; tasks the worker saw: {seen:?}");
+    }
     eventually(Duration::from_secs(60), "20 completions", || async {
         Ok(recorder.completed() == 20)
     })

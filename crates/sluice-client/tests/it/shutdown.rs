@@ -80,10 +80,30 @@ async fn shutdown_hands_back_queued_and_overdue_jobs_and_their_tickets_return_at
     }
     producer.enqueue(job("queued-1", "quick/10", 50)?).await?;
     producer.enqueue(job("queued-2", "quick/10", 50)?).await?;
-    sluice_e2e::eventually(Duration::from_secs(30), "two jobs queued in the worker", || async {
+    let queued = sluice_e2e::eventually(Duration::from_secs(30), "two jobs queued in the worker", || async {
         Ok(first.status.snapshot().pending == 2)
     })
-    .await?;
+    .await;
+    if let Err(error) = queued {
+        // Failed once under a full `make test`, never alone: say where the
+        // two jobs were.
+        let snapshot = first.status.snapshot();
+        let views = [job_view(&stack, "queued-1").await, job_view(&stack, "queued-2").await];
+        let views: Vec<String> = views
+            .iter()
+            .map(|view| match view {
+                Ok(view) => format!(
+                    "{} {:?} attempt {} ({})",
+                    view.job_id,
+                    view.status(),
+                    view.attempt,
+                    view.reason
+                ),
+                Err(error) => error.to_string(),
+            })
+            .collect();
+        anyhow::bail!("{error}; the worker: {snapshot:?}; the jobs: {views:?}");
+    }
     // Most urgent: they get the first tickets that come back.
     producer.enqueue(job("waiting-1", "quick/10", 0)?).await?;
     producer.enqueue(job("waiting-2", "quick/10", 0)?).await?;
