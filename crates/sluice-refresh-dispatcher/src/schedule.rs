@@ -167,6 +167,18 @@ impl Schedule {
         task
     }
 
+    /// A due event newer than the task in flight came while it ran: the
+    /// task's value may predate what made the refresh due again (a worker
+    /// that computed it before a restart, say), so another refresh follows
+    /// its success — limit-grant sends no further due event once nobody
+    /// waits, and that one would be lost. A clock skew between the two
+    /// services' owners costs at most one extra refresh.
+    pub fn due_since_issued(&self) -> bool {
+        self.in_flight
+            .as_ref()
+            .is_some_and(|in_flight| self.last_due_at_ms > in_flight.issued_at_ms)
+    }
+
     /// A worker's report for `task_id`.
     pub fn report(
         &mut self,

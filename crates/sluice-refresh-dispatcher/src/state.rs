@@ -339,6 +339,7 @@ impl RefreshPartition {
                 ),
             };
         };
+        let due_again = schedule.due_since_issued();
         let outcome = schedule.report(task_id, result, now_ms, &policy);
         record_outcome(&outcome);
         match outcome {
@@ -347,6 +348,9 @@ impl RefreshPartition {
                 writes.upsert(key_id, schedule);
                 tracing::info!(tenant = %key_id.0, key = %key_id.1, task_id, max, "floating max refreshed");
                 self.emit_set_max(now_ms, key_id, task_id, max, outbox);
+                if due_again {
+                    self.issue(now_ms, key_id, writes, outbox, counts);
+                }
                 pb::ReportRefreshResponse {
                     applied: true,
                     detail: format!("new max {max} sent to the key's owner"),
@@ -705,6 +709,35 @@ mod tests {
         let answer = answer.try_recv().unwrap();
         assert!(!answer.applied);
         assert!(answer.detail.contains("ignored"), "{}", answer.detail);
+    }
+
+    /// A due event that came while a task was in flight is not lost when
+    /// that task succeeds: the task's value may predate it (a worker that
+    /// computed it before the dispatcher restarted), and limit-grant sends
+    /// no further due event once nobody waits — so another task follows.
+    /// With no due event since the task was issued, none does.
+    #[test]
+    fn a_due_event_during_a_task_brings_another_task_after_its_success() {
+        let mut state = RefreshPartition::new(settings(), 3);
+        let first = step(&mut state, 100, vec![due("k", 100, 1)], Vec::new());
+        let task = first.tasks[0].clone();
+        assert!(step(&mut state, 200, vec![due("k", 200, 1)], Vec::new())
+            .tasks
+            .is_empty());
+        let (local, _) = report("k", &task.task_id, RefreshResult::NewMax(3));
+        let done = step(&mut state, 300, Vec::new(), vec![local]);
+        assert_eq!(done.set_max.len(), 1);
+        assert_eq!(
+            done.tasks.len(),
+            1,
+            "the due event at 200 came after the task: refresh again"
+        );
+        let second = done.tasks[0].clone();
+        assert_ne!(second.task_id, task.task_id);
+        let (local, _) = report("k", &second.task_id, RefreshResult::NewMax(5));
+        let done = step(&mut state, 400, Vec::new(), vec![local]);
+        assert_eq!(done.set_max.iter().map(|set| set.max).collect::<Vec<_>>(), vec![5]);
+        assert!(done.tasks.is_empty(), "no due event since the second task");
     }
 
     #[test]
