@@ -35,8 +35,16 @@ impl LimitPartition {
         floor_ms: i64,
         out: &mut Decided,
     ) {
+        // Called on every acquire and release: a key that is not floating
+        // costs one lookup while no floating key waits.
         let Some(state) = self.keys.get_mut(key_id) else {
             self.refresh_watch.remove(key_id);
+            return;
+        };
+        let Some(floating) = state.record.floating.as_mut() else {
+            if !self.refresh_watch.is_empty() {
+                self.refresh_watch.remove(key_id);
+            }
             return;
         };
         if state.waiters.is_empty() {
@@ -44,10 +52,6 @@ impl LimitPartition {
             return;
         }
         let waiting = state.waiters.len();
-        let Some(floating) = state.record.floating.as_mut() else {
-            self.refresh_watch.remove(key_id);
-            return;
-        };
         if !self.refresh_watch.contains(key_id) {
             self.refresh_watch.insert(key_id.clone());
         }

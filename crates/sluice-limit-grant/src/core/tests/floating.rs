@@ -173,3 +173,24 @@ fn the_timer_refreshes_a_key_of_a_tiny_interval_at_most_once_a_second() {
     let (_, dues) = run_at(&mut state, 11_002, vec![with_interval("c", 3)]);
     assert_eq!(dues.len(), 1, "an enqueue 2 ms later: the 1 ms interval passed");
 }
+
+/// A waiting key whose floating state is deleted leaves the timer's watch:
+/// no wake-up is left for it (it would otherwise fire at once, for ever).
+#[test]
+fn a_deleted_floating_key_leaves_no_refresh_timer() {
+    let mut state = partition();
+    run_at(
+        &mut state,
+        10_000,
+        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
+    );
+    assert_eq!(Core::next_wakeup_ms(&state), Some(11_000));
+    let mut out = Decided::new();
+    state.delete_floating(10_100, &("t".to_string(), "f".to_string()), &mut out);
+    assert!(on_timer(&mut state, 10_200).is_empty());
+    assert_eq!(
+        Core::next_wakeup_ms(&state),
+        None,
+        "a timer left for a key that is no longer floating"
+    );
+}
