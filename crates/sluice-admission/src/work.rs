@@ -542,13 +542,20 @@ mod tests {
         assert_eq!(session.credits(), 3);
     }
 
-    #[test]
-    fn a_push_to_a_gone_stream_is_handed_back_with_its_credit() {
-        let (hub, mut reports) = WorkerHub::new();
+    /// A stream-less session of worker `w` whose one credit a push of job
+    /// `j1` took.
+    fn push_of_one_job_to_a_gone_stream() -> (Arc<WorkerHub>, PushReports, Arc<WorkSession>, Push) {
+        let (hub, reports) = WorkerHub::new();
         let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
         assert!(hub.take("g", "t").is_some());
         let mut push = Push::new(hub.clone(), session.clone(), 0);
         push.add(dispatched("j1"));
+        (hub, reports, session, push)
+    }
+
+    #[test]
+    fn a_push_to_a_gone_stream_is_handed_back_with_its_credit() {
+        let (_hub, mut reports, session, push) = push_of_one_job_to_a_gone_stream();
         push.send();
         let handed = reports.undelivered.try_recv().unwrap();
         assert_eq!(handed.worker_id, "w");
@@ -619,11 +626,7 @@ mod tests {
     /// running. Its credit comes back.
     #[test]
     fn a_push_dropped_before_its_commit_returns_its_credit_and_hands_nothing_back() {
-        let (hub, mut reports) = WorkerHub::new();
-        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
-        assert!(hub.take("g", "t").is_some());
-        let mut push = Push::new(hub.clone(), session.clone(), 0);
-        push.add(dispatched("j1"));
+        let (_hub, mut reports, session, push) = push_of_one_job_to_a_gone_stream();
         drop(push);
         assert!(
             reports.undelivered.try_recv().is_err(),
@@ -634,11 +637,7 @@ mod tests {
 
     #[test]
     fn a_lost_push_neither_returns_credit_nor_hands_back() {
-        let (hub, mut reports) = WorkerHub::new();
-        let session = hub.open("w".into(), vec!["g".into()], JobScope::All, 1, None);
-        assert!(hub.take("g", "t").is_some());
-        let mut push = Push::new(hub.clone(), session.clone(), 0);
-        push.add(dispatched("j1"));
+        let (_hub, mut reports, session, push) = push_of_one_job_to_a_gone_stream();
         push.lose();
         assert!(reports.undelivered.try_recv().is_err());
         assert_eq!(session.credits(), 0);

@@ -81,6 +81,16 @@ fn lowering_a_floating_max_affects_only_new_grants() {
     assert_eq!(granted, vec!["e"]);
 }
 
+/// Key `f` (max 1, interval 1 s) at 10 s: job a holds it, b waits; the
+/// grants and the refresh-due events of that batch.
+fn holder_and_waiter_at_10_s(state: &mut LimitPartition) -> (Vec<String>, Vec<pb::RefreshDue>) {
+    run_at(
+        state,
+        10_000,
+        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
+    )
+}
+
 /// The refresh-due events of a batch with no input (the owner's timer).
 fn on_timer(state: &mut LimitPartition, now_ms: i64) -> Vec<pb::RefreshDue> {
     let decided = Core::apply(state, now_ms, &[], Vec::new());
@@ -101,11 +111,7 @@ fn on_timer(state: &mut LimitPartition, now_ms: i64) -> Vec<pb::RefreshDue> {
 fn a_waiting_floating_key_falls_due_every_interval_with_no_job_coming_or_going() {
     let mut state = partition();
     assert_eq!(Core::next_wakeup_ms(&state), None, "no floating key: no timer");
-    let (granted, dues) = run_at(
-        &mut state,
-        10_000,
-        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
-    );
+    let (granted, dues) = holder_and_waiter_at_10_s(&mut state);
     assert_eq!((granted.len(), dues.len()), (1, 1));
     // The interval (1 s in acquire_floating) from the last due event.
     assert_eq!(Core::next_wakeup_ms(&state), Some(11_000));
@@ -131,11 +137,7 @@ fn a_waiting_floating_key_falls_due_every_interval_with_no_job_coming_or_going()
 #[test]
 fn a_new_owner_keeps_refreshing_a_waiting_floating_key() {
     let mut state = partition();
-    run_at(
-        &mut state,
-        10_000,
-        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
-    );
+    holder_and_waiter_at_10_s(&mut state);
     let keys: Vec<(KeyId, KeyRecord)> = state
         .keys
         .iter()
@@ -179,11 +181,7 @@ fn the_timer_refreshes_a_key_of_a_tiny_interval_at_most_once_a_second() {
 #[test]
 fn a_deleted_floating_key_leaves_no_refresh_timer() {
     let mut state = partition();
-    run_at(
-        &mut state,
-        10_000,
-        vec![acquire_floating("a", "f", 1, 1), acquire_floating("b", "f", 2, 1)],
-    );
+    holder_and_waiter_at_10_s(&mut state);
     assert_eq!(Core::next_wakeup_ms(&state), Some(11_000));
     let mut out = Decided::new();
     state.delete_floating(10_100, &("t".to_string(), "f".to_string()), &mut out);
