@@ -35,10 +35,12 @@ pub struct StoredStep {
     /// Concurrency: the job's max.
     #[prost(uint32, tag = "4")]
     pub max_concurrency: u32,
-    #[prost(message, optional, tag = "5")]
-    pub floating: Option<pb::FloatingConcurrencyLimit>,
-    #[prost(message, optional, tag = "6")]
-    pub rate_key: Option<pb::RateKeyRef>,
+    // The rarer parts of a step are boxed: a step is held by every waiting
+    // job, and inline they made it 336 bytes (issue 30).
+    #[prost(message, optional, boxed, tag = "5")]
+    pub floating: Option<Box<pb::FloatingConcurrencyLimit>>,
+    #[prost(message, optional, boxed, tag = "6")]
+    pub rate_key: Option<Box<pb::RateKeyRef>>,
     #[prost(int64, tag = "7")]
     pub rate_limit: i64,
     #[prost(int64, tag = "8")]
@@ -52,8 +54,8 @@ pub struct StoredStep {
     #[prost(bool, tag = "11")]
     pub shadow: bool,
     /// Adaptive: the job's settings (the first job's create the key's state).
-    #[prost(message, optional, tag = "12")]
-    pub adaptive: Option<pb::AdaptiveConcurrencyLimit>,
+    #[prost(message, optional, boxed, tag = "12")]
+    pub adaptive: Option<Box<pb::AdaptiveConcurrencyLimit>>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -397,7 +399,7 @@ fn validate_limit(
                 tenant: tenant.to_string(),
                 key: floating.key.clone(),
                 kind: pb::LimitKind::Floating as i32,
-                floating: Some(floating.clone()),
+                floating: Some(Box::new(floating.clone())),
                 origin: "job".to_string(),
                 ..Default::default()
             })
@@ -409,7 +411,7 @@ fn validate_limit(
                 tenant: tenant.to_string(),
                 key: adaptive.key.clone(),
                 kind: pb::LimitKind::Adaptive as i32,
-                adaptive: Some(adaptive.clone()),
+                adaptive: Some(Box::new(adaptive.clone())),
                 origin: "job".to_string(),
                 ..Default::default()
             })
@@ -428,10 +430,10 @@ fn validate_rate(tenant: &str, rate: &pb::RateLimit, max_key_bytes: usize) -> Re
                 tenant: tenant.to_string(),
                 key: format!("resource:{resource_key}"),
                 kind: pb::LimitKind::Rate as i32,
-                rate_key: Some(pb::RateKeyRef {
+                rate_key: Some(Box::new(pb::RateKeyRef {
                     tenant: tenant.to_string(),
                     kind: Some(pb::rate_key_ref::Kind::ResourceKey(resource_key.clone())),
-                }),
+                })),
                 rate_cost: 1,
                 origin: "job".to_string(),
                 ..Default::default()
@@ -447,13 +449,13 @@ fn validate_rate(tenant: &str, rate: &pb::RateLimit, max_key_bytes: usize) -> Re
                 tenant: tenant.to_string(),
                 key: format!("inline:{}:{}", inline.name, inline.unique_key),
                 kind: pb::LimitKind::Rate as i32,
-                rate_key: Some(pb::RateKeyRef {
+                rate_key: Some(Box::new(pb::RateKeyRef {
                     tenant: tenant.to_string(),
                     kind: Some(pb::rate_key_ref::Kind::Inline(pb::InlineKey {
                         name: inline.name.clone(),
                         unique_key: inline.unique_key.clone(),
                     })),
-                }),
+                })),
                 rate_limit: inline.limit,
                 rate_window_ms: inline.duration_ms,
                 rate_cost: cost,

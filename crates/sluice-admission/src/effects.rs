@@ -117,8 +117,8 @@ impl Routes {
         let sent_at_ms = now_ms;
         if step.is_ticketed() {
             let limit = match (&step.floating, &step.adaptive) {
-                (Some(floating), _) => pb::acquire_ticket::Limit::Floating(floating.clone()),
-                (None, Some(adaptive)) => pb::acquire_ticket::Limit::Adaptive(adaptive.clone()),
+                (Some(floating), _) => pb::acquire_ticket::Limit::Floating((**floating).clone()),
+                (None, Some(adaptive)) => pb::acquire_ticket::Limit::Adaptive((**adaptive).clone()),
                 (None, None) => pb::acquire_ticket::Limit::MaxConcurrency(step.max_concurrency),
             };
             let command = pb::LimitCommand {
@@ -133,14 +133,14 @@ impl Routes {
                     priority: job.priority,
                     enqueued_at_us: job.enqueued_at_us,
                     limit: Some(limit),
-                    fairness_key: job.spec.fairness_key.clone(),
+                    fairness_key: job.spec.fairness_key().to_string(),
                     shadow: step.shadow,
                 })),
             };
             let partition = key_partition(&step.tenant, &step.key, self.limit_partitions);
             outbox.push_link(Link::LimitGrant, partition, &command);
         } else {
-            let Some(rate_key) = step.rate_key.clone() else {
+            let Some(rate_key) = step.rate_key.as_deref().cloned() else {
                 tracing::error!(job_id = %job.state.job_id, "rate step without a key");
                 return;
             };
@@ -228,7 +228,7 @@ impl Routes {
         let Some(step) = self.step_of(job, step_index) else {
             return;
         };
-        let Some(rate_key) = step.rate_key.clone() else {
+        let Some(rate_key) = step.rate_key.as_deref().cloned() else {
             return;
         };
         let partition = rate_key_partition(&rate_key, self.rate_partitions);

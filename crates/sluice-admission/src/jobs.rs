@@ -25,7 +25,7 @@ pub struct JobRow {
     pub tenant: String,
     pub task_group: String,
     pub priority: u32,
-    pub spec: pb::JobRequest,
+    pub spec: Spec,
     pub payload: Vec<u8>,
     pub job_partition: i32,
     pub enqueued_at_us: i64,
@@ -36,6 +36,51 @@ pub struct JobRow {
     /// sent again with another request is a conflict. `None` for rows saved
     /// before fingerprints were kept.
     pub request_hash: Option<Vec<u8>>,
+}
+
+/// The request as saved (with the job id set and no payload), kept
+/// encoded: every waiting job holds one, and a decoded `pb::JobRequest` costs
+/// a few hundred bytes inline and an allocation per string and list where
+/// the encoding is one allocation of about a hundred bytes (issue 30). What
+/// a batch needs of it on every send (the fairness key) is kept beside it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Spec {
+    encoded: Box<[u8]>,
+    fairness_key: Box<str>,
+}
+
+impl Spec {
+    pub fn of(request: &pb::JobRequest) -> Spec {
+        Spec {
+            encoded: request.encode_to_vec().into_boxed_slice(),
+            fairness_key: request.fairness_key.as_str().into(),
+        }
+    }
+
+    /// A spec as the jobs table stores it.
+    pub fn decode(encoded: Vec<u8>) -> Result<(Spec, pb::JobRequest), prost::DecodeError> {
+        let request = pb::JobRequest::decode(encoded.as_slice())?;
+        let spec = Spec {
+            fairness_key: request.fairness_key.as_str().into(),
+            encoded: encoded.into_boxed_slice(),
+        };
+        Ok((spec, request))
+    }
+
+    /// The request. A spec is only ever made from a request (`of`) or from
+    /// bytes that decoded (`decode`), so this decodes; an empty request if
+    /// it ever did not.
+    pub fn request(&self) -> pb::JobRequest {
+        pb::JobRequest::decode(&*self.encoded).unwrap_or_default()
+    }
+
+    pub fn encoded(&self) -> &[u8] {
+        &self.encoded
+    }
+
+    pub fn fairness_key(&self) -> &str {
+        &self.fairness_key
+    }
 }
 
 /// SHA-256 of the request as saved (`spec`, with the job id set and no
@@ -91,14 +136,13 @@ impl JobRow {
     pub fn from_row(row: &PgRow) -> Result<JobRow, sqlx::Error> {
         let chain_bytes: Vec<u8> = row.try_get("chain")?;
         let chain = StoredChain::decode(chain_bytes.as_slice()).map_err(|error| decode_error("chain", error))?;
-        let spec_bytes: Vec<u8> = row.try_get("spec")?;
-        let spec = pb::JobRequest::decode(spec_bytes.as_slice()).map_err(|error| decode_error("spec", error))?;
+        let (spec, request) = Spec::decode(row.try_get("spec")?).map_err(|error| decode_error("spec", error))?;
         let history_bytes: Option<Vec<u8>> = row.try_get("history")?;
         let history = match history_bytes {
             Some(bytes) => History::decode(bytes.as_slice()).map_err(|error| decode_error("history", error))?,
             None => History::default(),
         };
-        let retry = RetrySettings::from_request(spec.retry.as_ref()).unwrap_or(RetrySettings {
+        let retry = RetrySettings::from_request(request.retry.as_ref()).unwrap_or(RetrySettings {
             max_attempts: 1,
             initial_backoff_ms: 1_000,
             max_backoff_ms: 300_000,
@@ -230,7 +274,7 @@ impl JobColumns {
                 }
                 .encode_to_vec(),
             );
-            columns.specs.push(job.spec.encode_to_vec());
+            columns.specs.push(job.spec.encoded().to_vec());
             columns.payloads.push(job.payload.clone());
             columns.partitions.push(job.job_partition);
             columns.leases.push(job.state.lease_ms);

@@ -200,7 +200,7 @@ impl SnapshotJob {
             tenant: row.tenant.clone(),
             task_group: row.task_group.clone(),
             priority: row.priority,
-            spec: Some(row.spec.clone()),
+            spec: Some(row.spec.request()),
             chain: Some(StoredChain {
                 steps: row.state.chain.clone(),
             }),
@@ -262,7 +262,7 @@ impl SnapshotJob {
             tenant: self.tenant,
             task_group: self.task_group,
             priority: self.priority,
-            spec,
+            spec: crate::jobs::Spec::of(&spec),
             payload: Vec::new(),
             job_partition,
             enqueued_at_us: self.enqueued_at_us,

@@ -273,7 +273,9 @@ const MIN_JOURNAL_BEFORE_SNAPSHOT: usize = 1 << 20;
 /// One owned job partition.
 pub struct AdmissionPartition {
     settings: PartitionSettings,
-    jobs: HashMap<String, Active>,
+    /// Boxed: a map grows to twice what it holds, and an unboxed row would
+    /// make that slack cost a whole row per empty slot (issue 30).
+    jobs: HashMap<String, Box<Active>>,
     /// (due_at_ms, job id) of every active job that has a due time.
     timers: BTreeSet<(i64, String)>,
     /// Admitted jobs to publish once their payload is read.

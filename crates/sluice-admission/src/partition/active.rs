@@ -32,7 +32,7 @@ impl AdmissionPartition {
             self.payload_bytes += row.payload.len();
         }
         *self.active_by_tenant.entry(row.tenant.clone()).or_default() += 1;
-        if let Some(replaced) = self.jobs.insert(job_id, Active { row, payload_loaded }) {
+        if let Some(replaced) = self.jobs.insert(job_id, Box::new(Active { row, payload_loaded })) {
             self.forget_tenant_job(&replaced.row.tenant);
         }
     }

@@ -80,7 +80,7 @@ impl AdmissionPartition {
             tenant: valid.request.tenant.clone(),
             task_group: valid.request.task_group.clone(),
             priority: valid.priority,
-            spec,
+            spec: crate::jobs::Spec::of(&spec),
             payload: valid.request.payload.clone(),
             job_partition: self.settings.partition,
             enqueued_at_us: self.next_enqueue_time_us(now_ms.saturating_mul(1000)),

@@ -70,7 +70,7 @@ impl AdmissionApi {
             retry_at_ms: None,
             waiting_since_ms,
         };
-        let floating_note = floating_note(step.floating.as_ref(), &key_state);
+        let floating_note = floating_note(step.floating.as_deref(), &key_state);
         let reason = if described.ticket_held {
             format!("granted {name}; moving to the next step")
         } else if key_state.paused {
@@ -94,7 +94,7 @@ impl AdmissionApi {
         name: &str,
         waiting_since_ms: i64,
     ) -> (Option<pb::WaitInfo>, String) {
-        let Some(rate_key) = step.rate_key.clone() else {
+        let Some(rate_key) = step.rate_key.as_deref().cloned() else {
             return (None, format!("waiting on {name}"));
         };
         let mut client = self.rates.clone();
@@ -135,6 +135,7 @@ impl AdmissionApi {
 
     pub(super) async fn view(&self, row: JobRow) -> pb::JobView {
         let state = &row.state;
+        let spec = row.spec.request();
         let (waiting, reason) = match state.status {
             JobStatus::Waiting => self.wait_info(&row).await,
             _ => (None, status_reason(state)),
@@ -159,7 +160,7 @@ impl AdmissionApi {
             status: state.status as i32,
             attempt: state.attempt,
             max_attempts: state.max_attempts,
-            listed_limits: row.spec.limits.clone(),
+            listed_limits: spec.limits,
             acquisition_order: state.chain.iter().map(chain::StoredStep::view).collect(),
             step: state.step.min(state.chain_len()),
             enqueued_at_ms: row.enqueued_at_us / 1000,
@@ -172,7 +173,7 @@ impl AdmissionApi {
             last_error: state.last_error.clone(),
             finished_at_ms: state.finished_at_ms,
             idempotency_key: row.idempotency_key.clone().unwrap_or_default(),
-            fairness_key: row.spec.fairness_key.clone(),
+            fairness_key: spec.fairness_key,
             history: state.history.records.clone(),
         }
     }
