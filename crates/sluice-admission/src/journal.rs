@@ -160,8 +160,11 @@ pub struct SnapshotJob {
     pub task_group: String,
     #[prost(uint32, tag = "4")]
     pub priority: u32,
-    #[prost(message, optional, tag = "5")]
-    pub spec: Option<pb::JobRequest>,
+    /// The saved request (`pb::JobRequest`), encoded: a snapshot copies the
+    /// bytes admission keeps (`jobs::Spec`) without decoding them (the same
+    /// wire format as the embedded message it was before).
+    #[prost(bytes = "vec", optional, tag = "5")]
+    pub spec: Option<Vec<u8>>,
     #[prost(message, optional, tag = "6")]
     pub chain: Option<StoredChain>,
     #[prost(uint32, tag = "7")]
@@ -200,7 +203,7 @@ impl SnapshotJob {
             tenant: row.tenant.clone(),
             task_group: row.task_group.clone(),
             priority: row.priority,
-            spec: Some(row.spec.request()),
+            spec: Some(row.spec.encoded().to_vec()),
             chain: Some(StoredChain {
                 steps: row.state.chain.clone(),
             }),
@@ -220,9 +223,15 @@ impl SnapshotJob {
     /// The job row it describes, without its payload; `job_partition` is
     /// the snapshot's partition.
     pub fn into_row(self, job_partition: i32) -> JobRow {
-        let spec = self.spec.unwrap_or_default();
+        // A snapshot holds what a spec encoded, so it decodes; a job whose
+        // spec did not loads with an empty request (its row in the jobs
+        // table still holds the request), and says so.
+        let (spec, request) = crate::jobs::Spec::decode(self.spec.unwrap_or_default()).unwrap_or_else(|error| {
+            tracing::error!(job_id = %self.job_id, %error, "a snapshot's saved request does not decode; loading the job without it");
+            Default::default()
+        });
         let retry =
-            crate::chain::RetrySettings::from_request(spec.retry.as_ref()).unwrap_or(crate::chain::RetrySettings {
+            crate::chain::RetrySettings::from_request(request.retry.as_ref()).unwrap_or(crate::chain::RetrySettings {
                 max_attempts: 1,
                 initial_backoff_ms: 1_000,
                 max_backoff_ms: 300_000,
@@ -262,7 +271,7 @@ impl SnapshotJob {
             tenant: self.tenant,
             task_group: self.task_group,
             priority: self.priority,
-            spec: crate::jobs::Spec::of(&spec),
+            spec,
             payload: Vec::new(),
             job_partition,
             enqueued_at_us: self.enqueued_at_us,
@@ -276,4 +285,60 @@ impl SnapshotJob {
 
 pub fn encode<M: Message>(message: &M) -> Vec<u8> {
     message.encode_to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+    use sluice_proto::v1 as pb;
+
+    use super::SnapshotJob;
+
+    /// A snapshot job as it was saved before its spec was kept encoded: the
+    /// request as an embedded message under the same tag.
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct SnapshotJobWithMessage {
+        #[prost(string, tag = "1")]
+        job_id: String,
+        #[prost(message, optional, tag = "5")]
+        spec: Option<pb::JobRequest>,
+    }
+
+    #[test]
+    fn a_snapshot_saved_with_the_request_as_a_message_loads_the_same_request() {
+        let request = pb::JobRequest {
+            job_id: Some("j1".to_string()),
+            tenant: "acme".to_string(),
+            task_group: "default".to_string(),
+            fairness_key: "customer-7".to_string(),
+            limits: vec![pb::Limit {
+                kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                    key: "k".to_string(),
+                    max_concurrency: 3,
+                    shadow: false,
+                })),
+            }],
+            retry: Some(pb::RetryPolicy {
+                max_attempts: 4,
+                initial_backoff: "2s".to_string(),
+                ..pb::RetryPolicy::default()
+            }),
+            ..pb::JobRequest::default()
+        };
+        let old = SnapshotJobWithMessage {
+            job_id: "j1".to_string(),
+            spec: Some(request.clone()),
+        }
+        .encode_to_vec();
+        let loaded = SnapshotJob::decode(old.as_slice()).expect("an old snapshot job decodes");
+        let row = loaded.into_row(0);
+        assert_eq!(row.spec.request(), request);
+        assert_eq!(row.spec.fairness_key(), "customer-7");
+        assert_eq!(row.state.retry.max_attempts, 4);
+        assert_eq!(row.state.retry.initial_backoff_ms, 2_000);
+        // And the new encoding reads back as the old message.
+        let new = SnapshotJob::of(&row).encode_to_vec();
+        let read_old = SnapshotJobWithMessage::decode(new.as_slice()).expect("decodes as the old message");
+        assert_eq!(read_old.spec, Some(request));
+    }
 }
