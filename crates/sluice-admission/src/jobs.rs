@@ -196,10 +196,33 @@ impl JobRow {
 
 /// Read jobs by id.
 pub async fn fetch_jobs(connection: &mut PgConnection, job_ids: &[String]) -> Result<Vec<JobRow>, sqlx::Error> {
+    fetch_jobs_selecting(connection, job_ids, JOB_COLUMNS).await
+}
+
+/// Every column of a job row but its payload (read back empty).
+pub fn job_columns_without_payload() -> String {
+    JOB_COLUMNS.replace(" payload,", " ''::bytea AS payload,")
+}
+
+/// `fetch_jobs` without the payloads: what a new owner loads (a payload is
+/// read when its job is admitted), so a takeover of a partition with many
+/// waiting jobs neither reads nor holds their payloads.
+pub async fn fetch_jobs_without_payloads(
+    connection: &mut PgConnection,
+    job_ids: &[String],
+) -> Result<Vec<JobRow>, sqlx::Error> {
+    fetch_jobs_selecting(connection, job_ids, &job_columns_without_payload()).await
+}
+
+async fn fetch_jobs_selecting(
+    connection: &mut PgConnection,
+    job_ids: &[String],
+    columns: &str,
+) -> Result<Vec<JobRow>, sqlx::Error> {
     if job_ids.is_empty() {
         return Ok(Vec::new());
     }
-    let statement = format!("SELECT {JOB_COLUMNS} FROM jobs WHERE job_id = ANY($1)");
+    let statement = format!("SELECT {columns} FROM jobs WHERE job_id = ANY($1)");
     let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
         .bind(job_ids)
         .fetch_all(connection)
@@ -343,4 +366,22 @@ pub async fn insert_jobs(connection: &mut PgConnection, jobs: &[JobRow]) -> Resu
     .fetch_all(connection)
     .await?;
     Ok(inserted.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{job_columns_without_payload, JOB_COLUMNS};
+
+    #[test]
+    fn a_load_selects_every_column_but_the_payload() {
+        let columns = job_columns_without_payload();
+        assert_eq!(columns.matches("''::bytea AS payload").count(), 1, "{columns}");
+        let names = |columns: &str| -> Vec<String> {
+            columns
+                .split(',')
+                .map(|column| column.split_whitespace().last().unwrap_or_default().to_string())
+                .collect()
+        };
+        assert_eq!(names(&columns), names(JOB_COLUMNS));
+    }
 }

@@ -322,14 +322,15 @@ impl AdmissionPartition {
     /// loaded from (none: a snapshot is written with the first batch).
     pub fn new(
         settings: PartitionSettings,
-        jobs: Vec<JobRow>,
+        jobs: impl IntoIterator<Item = JobRow>,
         journal_seq: i64,
         snapshot_bytes: Option<usize>,
         journal_bytes: usize,
     ) -> Self {
+        let jobs = jobs.into_iter();
         let mut partition = AdmissionPartition {
             settings,
-            jobs: HashMap::with_capacity_and_hasher(jobs.len(), Default::default()),
+            jobs: HashMap::with_capacity_and_hasher(jobs.size_hint().0, Default::default()),
             timers: BTreeSet::new(),
             awaiting_payload: BTreeSet::new(),
             payload_bytes: 0,

@@ -12,7 +12,7 @@ use sluice_common::owner::{FencedStatement, OwnedStore, OwnerContext, Rejected};
 use sqlx::{PgConnection, PgPool, Row};
 
 use crate::effects::DeadLetterClass;
-use crate::jobs::{self, status_code, status_from_i16, JobRow, JOB_COLUMNS};
+use crate::jobs::{self, status_code, status_from_i16, JobRow};
 use crate::journal::{JournalBatch, Snapshot};
 use crate::partition::{
     checked_handover, AdmissionPartition, AdmissionWrites, Local, PartitionSettings, Prepared, StoredJob,
@@ -123,16 +123,22 @@ impl OwnedStore for AdmissionStore {
                 .await?;
         let snapshot_seq = snapshot.as_ref().map_or(0, |(seq, _)| *seq);
         let snapshot_bytes = snapshot.as_ref().map(|(_, state)| state.len());
-        let mut rows: HashMap<String, JobRow> = match &snapshot {
-            Some((_, state)) => Snapshot::decode(state.as_slice())
-                .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
-                .jobs
-                .into_iter()
-                .map(|job| {
+        // Each encoded form is dropped once decoded, and the decoded one as
+        // its rows are made: a partition of a million waiting jobs is loaded
+        // with the least held at once (issue 30).
+        let mut rows: HashMap<String, JobRow> = match snapshot {
+            Some((_, state)) => {
+                let jobs = Snapshot::decode(state.as_slice())
+                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
+                    .jobs;
+                drop(state);
+                let mut rows = HashMap::with_capacity(jobs.len());
+                for job in jobs {
                     let row = job.into_row(partition);
-                    (row.state.job_id.clone(), row)
-                })
-                .collect(),
+                    rows.insert(row.state.job_id.clone(), row);
+                }
+                rows
+            }
             None => bootstrap(connection, partition).await?,
         };
         let journal: Vec<(i64, Vec<u8>)> =
@@ -143,8 +149,9 @@ impl OwnedStore for AdmissionStore {
                 .await?;
         let journal_bytes: usize = journal.iter().map(|(_, entry)| entry.len()).sum();
         let journal_seq = journal.last().map_or(snapshot_seq, |(seq, _)| *seq);
+        let replayed = journal.len();
         let batches: Vec<JournalBatch> = journal
-            .iter()
+            .into_iter()
             .map(|(_, entry)| JournalBatch::decode(entry.as_slice()))
             .collect::<Result<_, _>>()
             .map_err(|error| sqlx::Error::Decode(Box::new(error)))?;
@@ -156,20 +163,17 @@ impl OwnedStore for AdmissionStore {
             .filter(|change| change.created)
             .map(|change| change.job_id.clone())
             .collect();
-        let mut created_rows: HashMap<String, JobRow> = jobs::fetch_jobs(&mut *connection, &created)
+        let mut created_rows: HashMap<String, JobRow> = jobs::fetch_jobs_without_payloads(&mut *connection, &created)
             .await?
             .into_iter()
-            .map(|mut row| {
-                row.payload = Vec::new();
-                (row.state.job_id.clone(), row)
-            })
+            .map(|row| (row.state.job_id.clone(), row))
             .collect();
         for batch in batches {
             crate::journal::replay(&mut rows, &mut created_rows, batch);
         }
         let loaded = AdmissionPartition::new(
             self.partition_settings(partition),
-            rows.into_values().collect(),
+            rows.into_values(),
             journal_seq,
             snapshot_bytes,
             journal_bytes,
@@ -180,7 +184,7 @@ impl OwnedStore for AdmissionStore {
             partition,
             active_jobs = loaded.active_jobs(),
             journal_seq,
-            replayed = journal.len(),
+            replayed,
             "job partition loaded"
         );
         Ok(loaded)
@@ -348,9 +352,10 @@ impl OwnedStore for AdmissionStore {
 /// current state. Jobs with an outcome ended.
 async fn bootstrap(connection: &mut PgConnection, partition: i32) -> Result<HashMap<String, JobRow>, sqlx::Error> {
     let statement = format!(
-        "SELECT {JOB_COLUMNS} FROM jobs j
+        "SELECT {} FROM jobs j
          WHERE job_partition = $1 AND status = ANY($2)
-           AND NOT EXISTS (SELECT 1 FROM job_outcomes o WHERE o.job_id = j.job_id)"
+           AND NOT EXISTS (SELECT 1 FROM job_outcomes o WHERE o.job_id = j.job_id)",
+        jobs::job_columns_without_payload()
     );
     let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
         .bind(partition)
@@ -359,8 +364,7 @@ async fn bootstrap(connection: &mut PgConnection, partition: i32) -> Result<Hash
         .await?;
     rows.iter()
         .map(|row| {
-            let mut job = JobRow::from_row(row)?;
-            job.payload = Vec::new();
+            let job = JobRow::from_row(row)?;
             Ok((job.state.job_id.clone(), job))
         })
         .collect()
