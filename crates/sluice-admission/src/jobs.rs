@@ -138,10 +138,11 @@ impl JobRow {
         let chain = StoredChain::decode(chain_bytes.as_slice()).map_err(|error| decode_error("chain", error))?;
         let (spec, request) = Spec::decode(row.try_get("spec")?).map_err(|error| decode_error("spec", error))?;
         let history_bytes: Option<Vec<u8>> = row.try_get("history")?;
-        let history = match history_bytes {
+        let mut history = match history_bytes {
             Some(bytes) => History::decode(bytes.as_slice()).map_err(|error| decode_error("history", error))?,
             None => History::default(),
         };
+        history.records = crate::journal::compact(history.records);
         let retry = RetrySettings::from_request(request.retry.as_ref()).unwrap_or(RetrySettings {
             max_attempts: 1,
             initial_backoff_ms: 1_000,
@@ -156,7 +157,7 @@ impl JobRow {
             attempts_used: to_u32(row.try_get("attempts_used")?),
             max_attempts: to_u32(row.try_get("max_attempts")?),
             step: to_u32(row.try_get("step")?),
-            chain: chain.steps,
+            chain: crate::journal::compact(chain.steps),
             retry,
             lease_ms: row.try_get("lease_ms")?,
             run_timeout_ms: row.try_get("run_timeout_ms")?,

@@ -196,6 +196,39 @@ pub struct Snapshot {
     pub jobs: Vec<SnapshotJob>,
 }
 
+/// The active jobs a saved snapshot holds, by id. The encoded snapshot is
+/// dropped once decoded, and each decoded job as its row is made: a
+/// partition of a million waiting jobs is loaded with the least held at
+/// once (issue 30).
+pub fn rows_of_snapshot(encoded: Vec<u8>, partition: i32) -> Result<HashMap<String, JobRow>, prost::DecodeError> {
+    use prost::bytes::Buf as _;
+    use prost::encoding::{decode_key, skip_field, DecodeContext, WireType};
+    // `Snapshot` decoded one job at a time: a decoded `SnapshotJob` is
+    // about a kilobyte, and a vector of them all beside the rows made of
+    // them was most of a takeover's peak.
+    let mut rows = HashMap::new();
+    let mut buffer = encoded.as_slice();
+    while buffer.has_remaining() {
+        let (tag, wire_type) = decode_key(&mut buffer)?;
+        if tag != 1 || wire_type != WireType::LengthDelimited {
+            skip_field(wire_type, tag, &mut buffer, DecodeContext::default())?;
+            continue;
+        }
+        let row = SnapshotJob::decode_length_delimited(&mut buffer)?.into_row(partition);
+        rows.insert(row.state.job_id.clone(), row);
+    }
+    rows.shrink_to_fit();
+    Ok(rows)
+}
+
+/// `items` without spare capacity: a decoded repeated field grows by
+/// doubling (a one-step chain was held in room for four), and a waiting
+/// job keeps what it loads for as long as it waits.
+pub fn compact<T>(mut items: Vec<T>) -> Vec<T> {
+    items.shrink_to_fit();
+    items
+}
+
 impl SnapshotJob {
     pub fn of(row: &JobRow) -> Self {
         SnapshotJob {
@@ -245,7 +278,7 @@ impl SnapshotJob {
             attempts_used: 0,
             max_attempts: self.max_attempts,
             step: 0,
-            chain: self.chain.unwrap_or_default().steps,
+            chain: compact(self.chain.unwrap_or_default().steps),
             retry,
             lease_ms: self.lease_ms,
             run_timeout_ms: self.run_timeout_ms,
@@ -258,7 +291,11 @@ impl SnapshotJob {
             finished_at_ms: None,
             cancel_reason: None,
             last_error: String::new(),
-            history: self.history.unwrap_or_default(),
+            history: {
+                let mut history = self.history.unwrap_or_default();
+                history.records = compact(history.records);
+                history
+            },
             confirmed: false,
             heard_at_ms: None,
             pushed: false,
@@ -292,7 +329,7 @@ mod tests {
     use prost::Message;
     use sluice_proto::v1 as pb;
 
-    use super::SnapshotJob;
+    use super::{rows_of_snapshot, Snapshot, SnapshotJob};
 
     /// A snapshot job as it was saved before its spec was kept encoded: the
     /// request as an embedded message under the same tag.
@@ -340,5 +377,64 @@ mod tests {
         let new = SnapshotJob::of(&row).encode_to_vec();
         let read_old = SnapshotJobWithMessage::decode(new.as_slice()).expect("decodes as the old message");
         assert_eq!(read_old.spec, Some(request));
+    }
+
+    fn snapshot_job(job_id: &str, key: &str) -> SnapshotJob {
+        let request = pb::JobRequest {
+            job_id: Some(job_id.to_string()),
+            tenant: "acme".to_string(),
+            limits: vec![pb::Limit {
+                kind: Some(pb::limit::Kind::Concurrency(pb::ConcurrencyLimit {
+                    key: key.to_string(),
+                    max_concurrency: 2,
+                    shadow: false,
+                })),
+            }],
+            ..pb::JobRequest::default()
+        };
+        SnapshotJob {
+            job_id: job_id.to_string(),
+            tenant: "acme".to_string(),
+            spec: Some(request.encode_to_vec()),
+            chain: Some(crate::chain::StoredChain {
+                steps: vec![crate::chain::StoredStep {
+                    tenant: "acme".to_string(),
+                    key: key.to_string(),
+                    max_concurrency: 2,
+                    ..Default::default()
+                }],
+            }),
+            ..SnapshotJob::default()
+        }
+    }
+
+    #[test]
+    fn a_snapshot_read_one_job_at_a_time_gives_the_rows_a_whole_decode_gives() {
+        let snapshot = Snapshot {
+            jobs: vec![
+                snapshot_job("a", "k1"),
+                snapshot_job("b", "k2"),
+                snapshot_job("c", "k1"),
+            ],
+        };
+        let mut encoded = snapshot.encode_to_vec();
+        // A field a later version might add is passed over.
+        prost::encoding::string::encode(9, &"later".to_string(), &mut encoded);
+        let rows = rows_of_snapshot(encoded.clone(), 3).expect("decodes");
+        let whole = Snapshot::decode(encoded.as_slice()).expect("decodes whole");
+        assert_eq!(rows.len(), 3);
+        for job in whole.jobs {
+            let expected = job.into_row(3);
+            let row = &rows[&expected.state.job_id];
+            assert_eq!(row.spec, expected.spec);
+            assert_eq!(row.state.chain, expected.state.chain);
+            assert_eq!(row.state.chain.capacity(), row.state.chain.len(), "no spare room held");
+            assert_eq!(row.job_partition, 3);
+        }
+        // A snapshot cut short (inside its last job) is an error, not a
+        // partial load.
+        let jobs_only = snapshot.encode_to_vec();
+        let cut = &jobs_only[..jobs_only.len() - 2];
+        assert!(rows_of_snapshot(cut.to_vec(), 3).is_err());
     }
 }

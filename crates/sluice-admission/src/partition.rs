@@ -426,6 +426,11 @@ impl AdmissionPartition {
         self.jobs.len()
     }
 
+    /// Every active job's row, in no order.
+    pub fn active_rows(&self) -> impl Iterator<Item = &JobRow> + '_ {
+        self.jobs.values().map(|active| &active.row)
+    }
+
     pub fn job(&self, job_id: &str) -> Option<&JobRow> {
         self.jobs.get(job_id).map(|active| &active.row)
     }

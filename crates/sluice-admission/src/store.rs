@@ -13,7 +13,7 @@ use sqlx::{PgConnection, PgPool, Row};
 
 use crate::effects::DeadLetterClass;
 use crate::jobs::{self, status_code, status_from_i16, JobRow};
-use crate::journal::{JournalBatch, Snapshot};
+use crate::journal::JournalBatch;
 use crate::partition::{
     checked_handover, AdmissionPartition, AdmissionWrites, Local, PartitionSettings, Prepared, StoredJob,
 };
@@ -123,22 +123,9 @@ impl OwnedStore for AdmissionStore {
                 .await?;
         let snapshot_seq = snapshot.as_ref().map_or(0, |(seq, _)| *seq);
         let snapshot_bytes = snapshot.as_ref().map(|(_, state)| state.len());
-        // Each encoded form is dropped once decoded, and the decoded one as
-        // its rows are made: a partition of a million waiting jobs is loaded
-        // with the least held at once (issue 30).
         let mut rows: HashMap<String, JobRow> = match snapshot {
-            Some((_, state)) => {
-                let jobs = Snapshot::decode(state.as_slice())
-                    .map_err(|error| sqlx::Error::Decode(Box::new(error)))?
-                    .jobs;
-                drop(state);
-                let mut rows = HashMap::with_capacity(jobs.len());
-                for job in jobs {
-                    let row = job.into_row(partition);
-                    rows.insert(row.state.job_id.clone(), row);
-                }
-                rows
-            }
+            Some((_, state)) => crate::journal::rows_of_snapshot(state, partition)
+                .map_err(|error| sqlx::Error::Decode(Box::new(error)))?,
             None => bootstrap(connection, partition).await?,
         };
         let journal: Vec<(i64, Vec<u8>)> =
