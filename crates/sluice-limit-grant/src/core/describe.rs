@@ -85,6 +85,7 @@ fn first_waiters(state: &KeyState, count: usize) -> Vec<pb::Waiter> {
         .waiters
         .waiting_flows()
         .flat_map(|(flow, _, _)| state.waiters.first_in_flow(flow, count))
+        .map(|(order, waiting)| (order, &**waiting))
         .collect();
     first.sort_unstable_by(|left, right| left.0.cmp(right.0));
     first

@@ -167,7 +167,11 @@ pub(super) struct KeyState {
     /// and in `WaitOrder` within one. A waiter is found by ticket through
     /// its `TicketPlace` (its flow, and the priority and enqueue time that
     /// make its `WaitOrder`).
-    pub(super) waiters: Flows<WaitOrder, Waiting>,
+    ///
+    /// Boxed: a B-tree node holds eleven entries and is seldom full, and
+    /// an unboxed ticket record made every empty place cost a record
+    /// (issue 30).
+    pub(super) waiters: Flows<WaitOrder, Box<Waiting>>,
     /// What the limit would do, for tickets granted in shadow mode
     /// (`super::shadow`); created by the first one.
     pub(super) shadow: Option<ShadowSim<WaitOrder>>,
@@ -230,7 +234,8 @@ impl KeyState {
 
     pub(super) fn insert_waiter(&mut self, waiting: Waiting) {
         let flow = waiting.record.fairness_key.clone();
-        self.waiters.insert(&flow, WaitOrder::of(&waiting.record), waiting);
+        self.waiters
+            .insert(&flow, WaitOrder::of(&waiting.record), Box::new(waiting));
     }
 
     /// Some waiter (for the max of keys whose max is the key's own).
