@@ -10,6 +10,10 @@ use tokio::sync::oneshot;
 
 use crate::world::{Event, Svc, World};
 
+/// How long a call waits for a partition that is loading at the instance
+/// it reached (`OwnerRegistry`'s `LOADING_WAIT`), then UNAVAILABLE.
+pub(crate) const LOADING_WAIT_MS: i64 = 5_000;
+
 /// A worker's call to admission, and where its answer goes.
 pub enum CallKind {
     Claim(oneshot::Receiver<Vec<pb::ClaimResult>>),
@@ -59,27 +63,42 @@ impl World {
             drop(local);
         } else {
             let entry = up[self.rng.random_range(0..up.len())];
-            let target = if self.adm.serving(entry, partition).is_some() {
+            let target = if self.adm.owns(entry, partition) {
                 Some(entry)
             } else {
                 self.adm.stores[partition]
                     .owner
-                    .filter(|owner| *owner != entry && self.adm.serving(*owner, partition).is_some())
+                    .filter(|owner| *owner != entry && self.adm.owns(*owner, partition))
             };
             match target {
-                Some(instance) => {
-                    if let Some(task) = self.adm.serving(instance, partition) {
-                        task.locals.push(local);
-                    }
-                    let delay = self.net_delay();
-                    self.schedule_run(Svc::Admission, instance, partition, delay);
-                }
+                Some(instance) => self.deliver(instance, partition, local),
                 None => drop(local),
             }
         }
         self.calls.push(PendingCall { worker, token, kind });
         self.resolve_calls();
         token
+    }
+
+    /// A call reaches the task of `instance` for `partition`: queued for
+    /// its next batch when it serves; while it takes the partition over,
+    /// the call waits for it, `LOADING_WAIT_MS` at most.
+    fn deliver(&mut self, instance: usize, partition: usize, local: Local) {
+        if let Some(task) = self.adm.serving(instance, partition) {
+            task.locals.push(local);
+            let delay = self.net_delay();
+            self.schedule_run(Svc::Admission, instance, partition, delay);
+        } else if let Some(task) = self.adm.loading(instance, partition) {
+            task.waiting.push((self.now + LOADING_WAIT_MS, local));
+            self.at(
+                LOADING_WAIT_MS,
+                Event::LoadingWaitOver {
+                    svc: Svc::Admission,
+                    instance,
+                    partition,
+                },
+            );
+        }
     }
 
     /// Answers that came out of committed batches (or channels that

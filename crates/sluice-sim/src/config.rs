@@ -20,6 +20,12 @@ pub enum Bug {
     /// handles (before 2c8f8ec / 0f9cf2f: a duplicate whose claim failed in
     /// transit was settled by a heartbeat answering EXTENDED, and ran twice).
     WorkerRunsDuplicateDelivery,
+    /// A new owner gives running attempts their lease grace (and restarts
+    /// its re-send timers) from when it loaded the partition, not from
+    /// when it serves (before bde4573: a takeover that outlasted the grace
+    /// handed back attempts whose workers were heard in time, and they ran
+    /// again).
+    GraceFromLoad,
 }
 
 impl Bug {
@@ -29,6 +35,7 @@ impl Bug {
         ("send-without-fence", Bug::SendWithoutFence),
         ("dropped-commands-not-refused", Bug::DroppedCommandsNotRefused),
         ("worker-runs-duplicate-delivery", Bug::WorkerRunsDuplicateDelivery),
+        ("grace-from-load", Bug::GraceFromLoad),
     ];
 
     pub fn from_name(name: &str) -> Option<Bug> {

@@ -10,10 +10,11 @@ use rand::Rng;
 use sluice_admission::partition::Local;
 use sluice_common::core::Ask;
 use sluice_common::partition::job_partition;
-use sluice_limit_grant::core::{LimitAnswer, LimitQuery};
+use sluice_limit_grant::core::{LimitAnswer, LimitPartition, LimitQuery};
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 
+use crate::calls::LOADING_WAIT_MS;
 use crate::world::{Event, Svc, World};
 
 /// One admission instance's link client (modelled after
@@ -196,19 +197,19 @@ impl World {
         if !self.conn_open(adm, owner, conn) {
             return;
         }
-        let Some(task) = self.lg.serving(owner, partition) else {
+        if !self.lg.owns(owner, partition) {
             let delay = self.net_delay();
             self.at(delay, Event::Refused { adm, owner, conn, seq });
             return;
-        };
+        }
         let (reply, receiver) = oneshot::channel();
-        task.locals.push(Ask::Query {
+        let ask = Ask::Query {
             query: LimitQuery::Link {
                 commands: commands.as_ref().clone(),
                 client: Arc::from(format!("admission-{adm}").as_str()),
             },
             reply,
-        });
+        };
         self.link_acks.push(LinkAck {
             adm,
             owner,
@@ -216,7 +217,30 @@ impl World {
             seq,
             receiver,
         });
-        self.schedule_run(Svc::LimitGrant, owner, partition, 1);
+        // Taking the partition over, the owner refuses them after the wait
+        // (sent again after a directory read).
+        self.ask_limit_task(owner, partition, ask);
+    }
+
+    /// A request for limit-grant `owner`'s task for `partition`: queued
+    /// for its next batch when it serves; while it takes the partition
+    /// over, the request waits for it, `LOADING_WAIT_MS` at most (then its
+    /// channel closes).
+    pub(crate) fn ask_limit_task(&mut self, owner: usize, partition: usize, ask: Ask<LimitPartition>) {
+        if let Some(task) = self.lg.serving(owner, partition) {
+            task.locals.push(ask);
+            self.schedule_run(Svc::LimitGrant, owner, partition, 1);
+        } else if let Some(task) = self.lg.loading(owner, partition) {
+            task.waiting.push((self.now + LOADING_WAIT_MS, ask));
+            self.at(
+                LOADING_WAIT_MS,
+                Event::LoadingWaitOver {
+                    svc: Svc::LimitGrant,
+                    instance: owner,
+                    partition,
+                },
+            );
+        }
     }
 
     pub(crate) fn resolve_link_acks(&mut self) {
@@ -301,17 +325,17 @@ impl World {
             return;
         }
         for partition in 0..self.lg.partitions() {
-            if let Some(task) = self.lg.serving(owner, partition) {
+            if self.lg.owns(owner, partition) {
                 // Not answered (nobody waits for it): the channel is kept
                 // open and dropped with the batch.
                 let (reply, _unanswered) = oneshot::channel();
-                task.locals.push(Ask::Query {
+                let ask = Ask::Query {
                     query: LimitQuery::ResendGrants {
                         job_partitions: newly_routed.clone(),
                     },
                     reply,
-                });
-                self.schedule_run(Svc::LimitGrant, owner, partition, 1);
+                };
+                self.ask_limit_task(owner, partition, ask);
             }
         }
     }
@@ -322,7 +346,7 @@ impl World {
             .filter_map(|partition| {
                 self.adm.tasks[adm][partition]
                     .as_ref()
-                    .filter(|task| !task.standing_by)
+                    .filter(|task| !task.standing_by && !task.loading)
                     .map(|task| (partition, task.epoch))
             })
             .collect();

@@ -31,6 +31,15 @@ pub struct Task<S: Service> {
     pub messages: Vec<InMsg>,
     /// Fenced: the task stands by until the owner lets the partition go.
     pub standing_by: bool,
+    /// Taken over and not serving yet (the takeover loads, re-sends and
+    /// may be held: `OwnerHeldBeforeServing`): it decides nothing, and the
+    /// calls that reach it wait in `waiting`.
+    pub loading: bool,
+    /// When the task loaded the partition (owner clock, ms).
+    pub loaded_ms: i64,
+    /// Calls waiting for the task to serve, each with the simulated time
+    /// its caller gives up (`LOADING_WAIT`: then UNAVAILABLE).
+    pub waiting: Vec<(i64, <S::State as OwnedState>::Local)>,
 }
 
 /// How a batch ended.
@@ -88,8 +97,9 @@ impl<S: Service> ServiceModel<S> {
     }
 
     /// Take `partition` over on `instance`: bump the epoch, load what is
-    /// saved. Returns what the new owner sends again (`resend_all`).
-    pub fn take_over(&mut self, instance: usize, partition: usize, now_ms: i64) -> Outbox {
+    /// saved. Returns the new epoch and what the new owner sends again
+    /// (`resend_all`). The task serves from `begin_serving` on.
+    pub fn take_over(&mut self, instance: usize, partition: usize, now_ms: i64) -> (i64, Outbox) {
         let store = &mut self.stores[partition];
         store.epoch += 1;
         store.released = false;
@@ -106,18 +116,78 @@ impl<S: Service> ServiceModel<S> {
             locals: Vec::new(),
             messages: Vec::new(),
             standing_by: false,
+            loading: true,
+            loaded_ms: now_ms,
+            waiting: Vec::new(),
         });
-        sends
+        (epoch, sends)
     }
 
-    /// The task of `instance` that serves `partition` now (not standing by).
+    /// The takeover of `instance`'s task (of `epoch`) for `partition` is
+    /// done: it serves from `now_ms` (`OwnedState::begin_serving`; with
+    /// `grace_from_load`, from its load time: the bug bde4573 fixed), and
+    /// the calls that waited for it are its first batch's. False when that
+    /// task is gone or serves already.
+    pub fn begin_serving(
+        &mut self,
+        instance: usize,
+        partition: usize,
+        epoch: i64,
+        now_ms: i64,
+        grace_from_load: bool,
+    ) -> bool {
+        if !self.up[instance] {
+            return false;
+        }
+        let Some(task) = self.tasks[instance][partition]
+            .as_mut()
+            .filter(|task| task.epoch == epoch && task.loading && !task.standing_by)
+        else {
+            return false;
+        };
+        task.loading = false;
+        let serving_from = if grace_from_load { task.loaded_ms } else { now_ms };
+        task.state.begin_serving(serving_from);
+        let waiting = std::mem::take(&mut task.waiting);
+        task.locals.extend(waiting.into_iter().map(|(_, local)| local));
+        true
+    }
+
+    /// Whether `instance` serves `partition` or is taking it over.
+    pub fn owns(&self, instance: usize, partition: usize) -> bool {
+        self.up[instance]
+            && self.tasks[instance][partition]
+                .as_ref()
+                .is_some_and(|task| !task.standing_by)
+    }
+
+    /// The task of `instance` that is taking `partition` over (loading).
+    pub fn loading(&mut self, instance: usize, partition: usize) -> Option<&mut Task<S>> {
+        if !self.up[instance] {
+            return None;
+        }
+        self.tasks[instance][partition]
+            .as_mut()
+            .filter(|task| task.loading && !task.standing_by)
+    }
+
+    /// Callers that waited for a loading task until `now` give up: their
+    /// channels close (UNAVAILABLE, or a refused link command).
+    pub fn give_up_waiting(&mut self, instance: usize, partition: usize, now: i64) {
+        if let Some(task) = self.tasks[instance][partition].as_mut() {
+            task.waiting.retain(|(give_up_at, _)| *give_up_at > now);
+        }
+    }
+
+    /// The task of `instance` that serves `partition` now (taken over,
+    /// not standing by).
     pub fn serving(&mut self, instance: usize, partition: usize) -> Option<&mut Task<S>> {
         if !self.up[instance] {
             return None;
         }
         self.tasks[instance][partition]
             .as_mut()
-            .filter(|task| !task.standing_by)
+            .filter(|task| !task.standing_by && !task.loading)
     }
 
     /// Decide and commit one batch of `instance`'s task for `partition`.
@@ -135,7 +205,7 @@ impl<S: Service> ServiceModel<S> {
     ) -> BatchEnd {
         let Some(task) = self.tasks[instance][partition]
             .as_mut()
-            .filter(|task| !task.standing_by)
+            .filter(|task| !task.standing_by && !task.loading)
         else {
             return BatchEnd::Idle;
         };
@@ -190,6 +260,8 @@ impl<S: Service> ServiceModel<S> {
             let epoch = task.epoch;
             let partition_number = i32::try_from(partition).unwrap_or(i32::MAX);
             task.state = self.service.load(&store.image, partition_number, epoch, now_ms);
+            // A reload serves at once (`reload_until_done`).
+            task.state.begin_serving(now_ms);
             return BatchEnd::Failed;
         }
         self.service.save(&mut store.image, writes);

@@ -20,7 +20,8 @@ pub trait Service {
     /// What the service's tables hold for one partition.
     type Image: Default;
 
-    /// The state a new owner loads (`OwnedStore::load`).
+    /// The state a new owner loads (`OwnedStore::load`); it serves after
+    /// `OwnedState::begin_serving`.
     fn load(&self, image: &Self::Image, partition: i32, epoch: i64, now_ms: i64) -> Self::State;
 
     /// Fold a committed batch's writes into the image (`OwnedStore::persist`).
@@ -59,7 +60,7 @@ impl Service for Admission {
     type State = AdmissionPartition;
     type Image = AdmissionImage;
 
-    fn load(&self, image: &AdmissionImage, partition: i32, _epoch: i64, now_ms: i64) -> AdmissionPartition {
+    fn load(&self, image: &AdmissionImage, partition: i32, _epoch: i64, _now_ms: i64) -> AdmissionPartition {
         let hub = sluice_admission::work::WorkerHub::without_workers();
         let settings = sluice_admission::partition::PartitionSettings {
             partition,
@@ -68,9 +69,9 @@ impl Service for Admission {
         let mut rows: Vec<JobRow> = image.active.values().cloned().collect();
         // The order a SQL load gives is no order: make it one.
         rows.sort_by(|left, right| left.state.job_id.cmp(&right.state.job_id));
-        let mut state = AdmissionPartition::new(settings, rows, image.seq, None, 0);
-        sluice_common::owner::OwnedState::begin_serving(&mut state, now_ms);
-        state
+        // Leases and re-send timers start when the owner serves
+        // (`ServiceModel::begin_serving`), not here.
+        AdmissionPartition::new(settings, rows, image.seq, None, 0)
     }
 
     fn save(&self, image: &mut AdmissionImage, writes: AdmissionWrites) {

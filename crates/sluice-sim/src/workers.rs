@@ -85,6 +85,9 @@ struct Worker {
     calls: BTreeMap<u64, Purpose>,
     /// Messages delivered to this worker and not dealt with yet.
     held: Vec<pb::AdmittedJob>,
+    /// Attempts whose completion is not answered yet (one entry for each
+    /// completion sent).
+    completing: Vec<(String, u32)>,
     complete_twice_next: bool,
 }
 
@@ -118,6 +121,25 @@ impl Workers {
 
     pub fn publish(&mut self, job: pb::AdmittedJob, at: i64) {
         self.queue.push_back((at, job));
+    }
+}
+
+impl Worker {
+    /// Whether the worker handles the attempt: claiming it (held), running
+    /// it, or completing it (a completion not answered yet, or to be sent
+    /// again after UNAVAILABLE: a takeover can take seconds).
+    fn handles(&self, job_id: &str, attempt: u32) -> bool {
+        self.held
+            .iter()
+            .any(|held| held.job_id == job_id && held.attempt == attempt)
+            || self
+                .active
+                .values()
+                .any(|active| active.job_id == job_id && active.attempt == attempt)
+            || self
+                .completing
+                .iter()
+                .any(|(completing, completing_attempt)| completing == job_id && *completing_attempt == attempt)
     }
 }
 
@@ -171,17 +193,10 @@ impl World {
             let Some((_, job)) = self.workers.queue.pop_front() else {
                 return;
             };
-            // A delivery of an attempt this worker already handles is a
-            // duplicate (worker-protocol.md §2): dropped without a claim.
-            let state = &self.workers.list[worker];
-            let handled = state
-                .held
-                .iter()
-                .any(|held| held.job_id == job.job_id && held.attempt == job.attempt)
-                || state
-                    .active
-                    .values()
-                    .any(|active| active.job_id == job.job_id && active.attempt == job.attempt);
+            // A delivery of an attempt this worker already handles
+            // (claiming, running, completing) is a duplicate
+            // (worker-protocol.md §2): dropped without a claim.
+            let handled = self.workers.list[worker].handles(&job.job_id, job.attempt);
             if handled && self.config.bug != Some(crate::config::Bug::WorkerRunsDuplicateDelivery) {
                 continue;
             }
@@ -238,6 +253,9 @@ impl World {
     }
 
     fn send_complete(&mut self, worker: usize, job_id: String, attempt: u32, end: AttemptEnd, tries: u32) {
+        if tries == 0 {
+            self.workers.list[worker].completing.push((job_id.clone(), attempt));
+        }
         let id = worker_id(worker, self.workers.list[worker].incarnation);
         let completions = vec![(job_id.clone(), attempt, end.clone())];
         let token = self.call(Some(worker), &job_id.clone(), move || {
@@ -334,6 +352,14 @@ impl World {
                 if matches!(answer, Answer::Unavailable) && tries < 40 {
                     let retry = self.rng.random_range(100..500);
                     self.retry_complete(worker, job_id, attempt, end, tries + 1, retry);
+                } else {
+                    let completing = &mut self.workers.list[worker].completing;
+                    if let Some(index) = completing
+                        .iter()
+                        .position(|(other, other_attempt)| *other == job_id && *other_attempt == attempt)
+                    {
+                        completing.remove(index);
+                    }
                 }
             }
         }
@@ -495,6 +521,7 @@ impl World {
                 let state = &mut self.workers.list[worker];
                 state.up = false;
                 state.calls.clear();
+                state.completing.clear();
                 let held = std::mem::take(&mut state.held);
                 for run in runs {
                     self.stop_run(worker, run);

@@ -106,6 +106,19 @@ pub(crate) enum Event {
         instance: usize,
         partition: usize,
     },
+    /// A takeover is done: the task of `epoch` serves.
+    Serve {
+        svc: Svc,
+        instance: usize,
+        partition: usize,
+        epoch: i64,
+    },
+    /// Callers waiting for a loading partition give up.
+    LoadingWaitOver {
+        svc: Svc,
+        instance: usize,
+        partition: usize,
+    },
     Check,
 }
 
@@ -418,6 +431,17 @@ impl World {
                 None => self.producer_answer(token, answer),
             },
             Event::Worker { worker, event } => self.worker_event(worker, event),
+            Event::Check => {
+                self.check_owners();
+                self.at(250, Event::Check);
+            }
+            owners => self.handle_owners(owners),
+        }
+    }
+
+    /// The events of the group and the owners' tasks (faults.rs, owners.rs).
+    fn handle_owners(&mut self, event: Event) {
+        match event {
             Event::Fault => self.fault(),
             Event::Restart { svc, instance } => self.restart(svc, instance),
             Event::Reassign { svc, partition, to } => self.reassign(svc, partition, to),
@@ -431,10 +455,18 @@ impl World {
                 instance,
                 partition,
             } => self.idle_check(svc, instance, partition),
-            Event::Check => {
-                self.check_owners();
-                self.at(250, Event::Check);
-            }
+            Event::Serve {
+                svc,
+                instance,
+                partition,
+                epoch,
+            } => self.serve(svc, instance, partition, epoch),
+            Event::LoadingWaitOver {
+                svc,
+                instance,
+                partition,
+            } => self.loading_wait_over(svc, instance, partition),
+            _ => {}
         }
     }
 
