@@ -879,6 +879,23 @@ class ConfigContractTest(ChartTestCase):
         for key in ("kafka.partitions.grants", "topics.grants"):
             self.assertIn(f"WARNING: {key} is ignored", notes)
 
+    def test_resend_intervals_are_sluices_defaults_unless_set(self):
+        """admission.resend_waiting_after and claim_timeout are left unset by
+        default, so Sluice derives them from the session timeout (12 s and
+        30 s) as it does outside the chart; the chart once pinned the old
+        30 s and 60 s, so a lost acquire cost a chart user 30 s."""
+        admission = config_toml(render())["admission"]
+        self.assertNotIn("resend_waiting_after", admission)
+        self.assertNotIn("claim_timeout", admission)
+        admission = config_toml(render(
+            "--set", "admission.config.resendWaitingAfter=20s",
+            "--set", "admission.config.claimTimeout=45s",
+        ))["admission"]
+        self.assertEqual(admission["resend_waiting_after"], "20s")
+        self.assertEqual(admission["claim_timeout"], "45s")
+        with self.assertRaises(RenderError):
+            render("--set", "admission.config.claimTimeout=0s")
+
     def test_payload_limit_fits_the_message_size(self):
         """The services refuse to start when admission.max_payload_bytes plus
         the admitted message's envelope does not fit in

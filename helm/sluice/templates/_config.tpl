@@ -129,8 +129,13 @@ max_limits_per_job = {{ .maxLimitsPerJob | int64 }}
 max_key_bytes = {{ .maxKeyBytes | int64 }}
 max_floating_metadata_bytes = {{ .maxFloatingMetadataBytes | int64 }}
 default_idempotency_window = {{ .defaultIdempotencyWindow | toJson }}
+{{- /* Unset: Sluice derives them from the session timeout. */}}
+{{- if not (kindIs "invalid" .resendWaitingAfter) }}
 resend_waiting_after = {{ .resendWaitingAfter | toJson }}
+{{- end }}
+{{- if not (kindIs "invalid" .claimTimeout) }}
 claim_timeout = {{ .claimTimeout | toJson }}
+{{- end }}
 sweep_interval = {{ .sweepInterval | toJson }}
 stand_behind_interval = {{ .standBehindInterval | toJson }}
 max_batch = {{ .maxBatch | int64 }}

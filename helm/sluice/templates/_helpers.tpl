@@ -513,8 +513,11 @@ keys.
   "admission.config.resendWaitingAfter" $admission.resendWaitingAfter
   "limitGrant.config.ticketGrace" .Values.limitGrant.config.ticketGrace }}
 {{- range $key := keys $durations | sortAlpha }}
+{{- /* null: the setting is left to Sluice's default. */}}
+{{- if not (kindIs "invalid" (index $durations $key)) }}
 {{- if le (include "sluice.durationMs" (index $durations $key) | float64) 0.0 }}
 {{- fail (printf "%s must be greater than 0." $key) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- $standBehindMs := include "sluice.durationMs" $admission.standBehindInterval | float64 }}
