@@ -159,6 +159,7 @@ impl World {
                     svc,
                     instance: old,
                     partition,
+                    decided_at: self.now,
                 },
             );
         }
@@ -198,14 +199,20 @@ impl World {
                 svc,
                 instance: old,
                 partition,
+                decided_at: self.now,
             },
         );
     }
 
     pub(crate) fn reassign(&mut self, svc: Svc, partition: usize, to: usize) {
-        if !self.up(svc, to) {
+        // The group assigns among the members it has: a member that went
+        // down meanwhile is not one of them.
+        let Some(to) = std::iter::once(to)
+            .chain(0..self.config.instances)
+            .find(|member| self.up(svc, *member))
+        else {
             return;
-        }
+        };
         let has_task = match svc {
             Svc::Admission => self.adm.tasks[to][partition].is_some(),
             Svc::LimitGrant => self.lg.tasks[to][partition].is_some(),
@@ -220,13 +227,16 @@ impl World {
         self.assign(svc, partition, to);
     }
 
-    pub(crate) fn revoke(&mut self, svc: Svc, instance: usize, partition: usize) {
-        let assigned = match svc {
-            Svc::Admission => self.adm.assigned[partition],
-            Svc::LimitGrant => self.lg.assigned[partition],
+    pub(crate) fn revoke(&mut self, svc: Svc, instance: usize, partition: usize, decided_at: i64) {
+        let (assigned, assigned_at) = match svc {
+            Svc::Admission => (self.adm.assigned[partition], self.adm.assigned_at[partition]),
+            Svc::LimitGrant => (self.lg.assigned[partition], self.lg.assigned_at[partition]),
         };
-        if assigned == Some(instance) {
-            // Still assigned here: this revoke was overtaken.
+        if assigned == Some(instance) && assigned_at > decided_at {
+            // Assigned here again after the group decided this revoke: it
+            // was overtaken. (A member that joins has the old owner give a
+            // partition up before it is assigned anew: still assigned here
+            // then, and revoked all the same.)
             return;
         }
         match svc {

@@ -70,7 +70,7 @@ impl World {
         let conn = self.next_conn;
         self.conns[adm][owner] = Some(conn);
         let claims = self.claims[adm].clone();
-        let delay = self.net_delay();
+        let delay = self.conn_delay(conn, true);
         self.at(
             delay,
             Event::Hello {
@@ -89,9 +89,11 @@ impl World {
     /// A link breaks: what was on its way is lost; the client connects
     /// again and sends what was not applied.
     pub fn break_link(&mut self, adm: usize, owner: usize) {
-        if self.conns[adm][owner].take().is_none() {
+        let Some(conn) = self.conns[adm][owner].take() else {
             return;
-        }
+        };
+        self.conn_last_arrival.remove(&(conn, true));
+        self.conn_last_arrival.remove(&(conn, false));
         for pending in self.clients[adm].unacked.values_mut() {
             if pending.sent.is_some_and(|(sent_to, _)| sent_to == owner) {
                 pending.sent = None;
@@ -160,7 +162,7 @@ impl World {
         if let Some(pending) = self.clients[adm].unacked.get_mut(&seq) {
             pending.sent = Some((owner, conn));
         }
-        let delay = self.net_delay();
+        let delay = self.conn_delay(conn, true);
         self.at(
             delay,
             Event::Commands {
@@ -198,7 +200,7 @@ impl World {
             return;
         }
         if !self.lg.owns(owner, partition) {
-            let delay = self.net_delay();
+            let delay = self.conn_delay(conn, false);
             self.at(delay, Event::Refused { adm, owner, conn, seq });
             return;
         }
@@ -248,7 +250,7 @@ impl World {
         for mut ack in acks {
             match ack.receiver.try_recv() {
                 Ok(_) => {
-                    let delay = self.net_delay();
+                    let delay = self.conn_delay(ack.conn, false);
                     self.at(
                         delay,
                         Event::Applied {
@@ -262,7 +264,7 @@ impl World {
                 Err(oneshot::error::TryRecvError::Closed)
                     if self.config.bug == Some(crate::config::Bug::DroppedCommandsNotRefused) => {}
                 Err(oneshot::error::TryRecvError::Closed) => {
-                    let delay = self.net_delay();
+                    let delay = self.conn_delay(ack.conn, false);
                     self.at(
                         delay,
                         Event::Refused {
@@ -287,7 +289,7 @@ impl World {
         if self.conns[adm][owner] != Some(conn) {
             return;
         }
-        let delay = self.net_delay();
+        let delay = self.conn_delay(conn, false);
         self.at(
             delay,
             Event::Grants {
@@ -356,7 +358,7 @@ impl World {
         self.claims[adm] = claims.clone();
         for owner in 0..self.config.instances {
             if let Some(conn) = self.conns[adm][owner] {
-                let delay = self.net_delay();
+                let delay = self.conn_delay(conn, true);
                 self.at(
                     delay,
                     Event::Hello {

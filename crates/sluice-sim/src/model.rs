@@ -68,6 +68,8 @@ pub struct ServiceModel<S: Service> {
     pub tasks: Vec<Vec<Option<Task<S>>>>,
     /// The partition's assignment in the consumer group.
     pub assigned: Vec<Option<usize>>,
+    /// When (simulated ms) the group last assigned the partition.
+    pub assigned_at: Vec<i64>,
     pub up: Vec<bool>,
 }
 
@@ -88,6 +90,7 @@ impl<S: Service> ServiceModel<S> {
                 .map(|_| (0..partitions).map(|_| None).collect())
                 .collect(),
             assigned: vec![None; partitions],
+            assigned_at: vec![0; partitions],
             up: vec![true; instances],
         }
     }

@@ -22,17 +22,18 @@ impl World {
 
     /// The group assigns `partition` to `instance`, which takes it over:
     /// it loads and re-sends what the partition implies now, and serves
-    /// once its takeover is done (`serve`: admission `takeover_ms` later,
-    /// limit-grant at once).
+    /// once its takeover is done (`serve`, `takeover_ms` later).
     pub(crate) fn assign(&mut self, svc: Svc, partition: usize, instance: usize) {
         let now_ms = self.clock_ms();
         let (epoch, sends) = match svc {
             Svc::Admission => {
                 self.adm.assigned[partition] = Some(instance);
+                self.adm.assigned_at[partition] = self.now;
                 self.adm.take_over(instance, partition, now_ms)
             }
             Svc::LimitGrant => {
                 self.lg.assigned[partition] = Some(instance);
+                self.lg.assigned_at[partition] = self.now;
                 self.lg.take_over(instance, partition, now_ms)
             }
         };
@@ -41,13 +42,6 @@ impl World {
             // An ownership of the partition here that this one replaces
             // ended: its claim goes (the new one claims when it serves).
             self.claims_changed(instance);
-        }
-        if svc == Svc::LimitGrant {
-            // limit-grant's takeover takes no time yet: with it, seed 282
-            // leaves a held ticket whose grant never reaches admission
-            // (not looked into yet).
-            self.serve(svc, instance, partition, epoch);
-            return;
         }
         let takeover_ms = self.takeover_ms();
         self.at(

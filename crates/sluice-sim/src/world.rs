@@ -100,6 +100,9 @@ pub(crate) enum Event {
         svc: Svc,
         instance: usize,
         partition: usize,
+        /// When the group decided it: a revoke is overtaken only by an
+        /// assignment to the same member after it.
+        decided_at: i64,
     },
     IdleCheck {
         svc: Svc,
@@ -137,6 +140,10 @@ pub struct World {
     pub(crate) routers: Vec<Router>,
     /// `conns[adm][owner]`: the link's generation when open.
     pub(crate) conns: Vec<Vec<Option<u64>>>,
+    /// When the last message on a link arrives, by (link generation,
+    /// towards the owner): a link is one gRPC stream, which delivers each
+    /// way in the order sent (TCP reorders nothing within it).
+    pub(crate) conn_last_arrival: std::collections::BTreeMap<(u64, bool), i64>,
     pub(crate) next_conn: u64,
     /// The claims each admission instance last sent.
     pub(crate) claims: Vec<Vec<(usize, i64)>>,
@@ -209,6 +216,7 @@ impl World {
             clients: (0..instances).map(|_| LinkClient::default()).collect(),
             routers: (0..instances).map(|_| Router::default()).collect(),
             conns: vec![vec![None; instances]; instances],
+            conn_last_arrival: std::collections::BTreeMap::new(),
             next_conn: 0,
             claims: vec![Vec::new(); instances],
             calls: Vec::new(),
@@ -246,6 +254,17 @@ impl World {
 
     pub(crate) fn net_delay(&mut self) -> i64 {
         self.rng.random_range(1..=15)
+    }
+
+    /// The delay of a message on link `conn` (`to_owner`: admission to
+    /// limit-grant, else back): a network delay, but never arriving before
+    /// the message sent before it the same way.
+    pub(crate) fn conn_delay(&mut self, conn: u64, to_owner: bool) -> i64 {
+        let delay = self.net_delay();
+        let last = self.conn_last_arrival.get(&(conn, to_owner)).copied().unwrap_or(0);
+        let arrival = (self.now + delay).max(last);
+        self.conn_last_arrival.insert((conn, to_owner), arrival);
+        arrival - self.now
     }
 
     /// The clock of a partition's owner (anchored at PostgreSQL's).
@@ -449,7 +468,8 @@ impl World {
                 svc,
                 instance,
                 partition,
-            } => self.revoke(svc, instance, partition),
+                decided_at,
+            } => self.revoke(svc, instance, partition, decided_at),
             Event::IdleCheck {
                 svc,
                 instance,
