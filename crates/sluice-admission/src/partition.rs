@@ -307,6 +307,9 @@ pub struct AdmissionPartition {
     active_by_tenant: HashMap<String, u64>,
     /// Rate tokens by tenant (`max_enqueues_per_second`).
     buckets: HashMap<String, crate::quota::Bucket>,
+    /// Spans the batch being decided planned, recorded once it is
+    /// committed (its observations).
+    planned_spans: Vec<sluice_common::telemetry::PlannedSpan>,
 }
 
 /// Where a batch's decisions go.
@@ -349,6 +352,7 @@ impl AdmissionPartition {
             crash_after_commit: false,
             active_by_tenant: HashMap::default(),
             buckets: HashMap::default(),
+            planned_spans: Vec::new(),
         };
         for row in jobs {
             partition.last_enqueued_at_us = partition.last_enqueued_at_us.max(row.enqueued_at_us);
@@ -551,6 +555,9 @@ impl OwnedState for AdmissionPartition {
         self.prepared = Prepared::default();
         self.queue_pushes(&mut out);
         self.close_batch(out.writes);
+        for span in self.planned_spans.drain(..) {
+            out.outbox.observe(move || span.record());
+        }
     }
 
     fn crash_after_commit(&mut self) -> bool {

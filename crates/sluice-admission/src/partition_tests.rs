@@ -1215,3 +1215,80 @@ fn a_completion_queued_before_its_lease_ran_out_wins_over_the_sweep() {
         harness.state(job)
     );
 }
+
+/// What a batch logs, captured.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("not poisoned").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn count(&self, needle: &str) -> usize {
+        String::from_utf8_lossy(&self.0.lock().expect("not poisoned"))
+            .matches(needle)
+            .count()
+    }
+}
+
+#[test]
+fn a_dead_letter_is_logged_and_counted_once_its_batch_is_committed() {
+    use prost::Message as _;
+    let mut harness = Harness::new();
+    let handover = pb::JobHandOver {
+        job_id: String::new(),
+        source_topic: "sluice.requests".to_string(),
+        source_partition: 0,
+        source_offset: 7,
+        source_timestamp_ms: 0,
+        payload: b"not a job request".to_vec(),
+        headers: Vec::new(),
+    };
+    let message = sluice_common::kafka::InMsg {
+        partition: 0,
+        offset: 1,
+        key: None,
+        payload: Some(
+            pb::JobHandOverBatch {
+                requests: vec![handover],
+            }
+            .encode_to_vec(),
+        ),
+        headers: Vec::new(),
+        timestamp_ms: None,
+    };
+    let logs = Captured::default();
+    let subscriber = {
+        let logs = logs.clone();
+        tracing_subscriber::fmt().with_writer(move || logs.clone()).finish()
+    };
+    tracing::subscriber::with_default(subscriber, || {
+        let mut writes = AdmissionWrites::default();
+        let mut outbox = Outbox::new();
+        let (mut replies, mut rejected) = (Vec::new(), Vec::new());
+        harness.partition.apply(
+            harness.now_ms,
+            std::slice::from_ref(&message),
+            Vec::new(),
+            &mut writes,
+            &mut outbox,
+            &mut replies,
+            &mut rejected,
+        );
+        assert!(rejected.is_empty(), "{rejected:?}");
+        assert!(!outbox.is_empty(), "the dead letter is sent");
+        // Decided, not committed: nothing logged (a batch decided again
+        // after a failed commit would log it twice).
+        assert_eq!(logs.count("dead-lettering a job request"), 0);
+        outbox.take_observations().record();
+        assert_eq!(logs.count("dead-lettering a job request"), 1);
+    });
+}

@@ -218,8 +218,7 @@ fn init_logging_to(
         tracing::debug!(service_name, "telemetry already initialised in this process");
     }
     if let Some(provider) = &provider {
-        opentelemetry::global::set_tracer_provider(provider.clone());
-        SPANS_EXPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
+        install_tracer_provider(provider, config.sampling_ratio);
     }
     Ok(TelemetryGuard {
         provider,
@@ -384,30 +383,144 @@ pub fn record_span(
     end: std::time::SystemTime,
     attributes: impl FnOnce() -> Vec<opentelemetry::KeyValue>,
 ) -> TraceContext {
-    use opentelemetry::trace::{Span as _, TraceContextExt, Tracer as _};
+    let (context, planned) = plan_span(scope, name, parent, start, end, attributes);
+    if let Some(planned) = planned {
+        planned.record();
+    }
+    context
+}
+
+/// A span a decision made, to record once the decision is committed
+/// (`kafka::Outbox::observe`): its ids are chosen when it is planned, so
+/// what the decision sends can name it as a parent before it is recorded,
+/// and a decision made again after a failed commit records it once.
+#[derive(Debug)]
+pub struct PlannedSpan {
+    scope: &'static str,
+    name: &'static str,
+    parent: TraceContext,
+    trace_id: opentelemetry::trace::TraceId,
+    span_id: opentelemetry::trace::SpanId,
+    start: std::time::SystemTime,
+    end: std::time::SystemTime,
+    attributes: Vec<opentelemetry::KeyValue>,
+}
+
+/// `record_span`, but recorded later (`PlannedSpan::record`): returns the
+/// new span's context at once, and the span to record when spans are
+/// exported and it is sampled (the same decision the tracer will make:
+/// its parent's flag, else the configured ratio on the trace id).
+pub fn plan_span(
+    scope: &'static str,
+    name: &'static str,
+    parent: &TraceContext,
+    start: std::time::SystemTime,
+    end: std::time::SystemTime,
+    attributes: impl FnOnce() -> Vec<opentelemetry::KeyValue>,
+) -> (TraceContext, Option<PlannedSpan>) {
+    use opentelemetry::trace::{SpanContext, SpanKind, TraceContextExt, TraceFlags, TraceState};
+    use opentelemetry_sdk::trace::{IdGenerator, RandomIdGenerator, SamplingDecision, ShouldSample};
     if !spans_exported() || parent_not_sampled(parent) {
-        return parent.clone();
+        return (parent.clone(), None);
     }
-    let attributes = attributes();
-    let parent_context = extract(parent);
-    let tracer = opentelemetry::global::tracer(scope);
-    let mut span = tracer
-        .span_builder(name)
-        .with_start_time(start)
-        .with_attributes(attributes)
-        .start_with_context(&tracer, &parent_context);
-    let context = opentelemetry::Context::new().with_remote_span_context(span.span_context().clone());
-    let valid = span.span_context().is_valid();
-    span.end_with_timestamp(end);
-    if !valid {
-        return parent.clone();
-    }
+    let parent_span = extract(parent).span().span_context().clone();
+    let ids = RandomIdGenerator::default();
+    let (trace_id, trace_state) = if parent_span.is_valid() {
+        (parent_span.trace_id(), parent_span.trace_state().clone())
+    } else {
+        let trace_id = ids.new_trace_id();
+        let ratio = f64::from_bits(ROOT_SAMPLING_RATIO.load(std::sync::atomic::Ordering::Relaxed));
+        let decision = Sampler::TraceIdRatioBased(ratio)
+            .should_sample(None, trace_id, name, &SpanKind::Internal, &[], &[])
+            .decision;
+        if decision != SamplingDecision::RecordAndSample {
+            return (parent.clone(), None);
+        }
+        (trace_id, TraceState::default())
+    };
+    let span_id = ids.new_span_id();
+    let context = opentelemetry::Context::new().with_remote_span_context(SpanContext::new(
+        trace_id,
+        span_id,
+        TraceFlags::SAMPLED,
+        true,
+        trace_state,
+    ));
     let mut fields = HashMap::new();
     TraceContextPropagator::new().inject_context(&context, &mut MapCarrier(&mut fields));
-    TraceContext {
+    let child = TraceContext {
         traceparent: fields.remove("traceparent").unwrap_or_default(),
         tracestate: fields.remove("tracestate").unwrap_or_default(),
+    };
+    let planned = PlannedSpan {
+        scope,
+        name,
+        parent: parent.clone(),
+        trace_id,
+        span_id,
+        start,
+        end,
+        attributes: attributes(),
+    };
+    (child, Some(planned))
+}
+
+impl PlannedSpan {
+    /// Export the span, with the ids it was planned with (the tracer's
+    /// `PlannedIdGenerator` hands them out while it is built).
+    pub fn record(self) {
+        use opentelemetry::trace::{Span as _, Tracer as _};
+        let parent_context = extract(&self.parent);
+        let tracer = opentelemetry::global::tracer(self.scope);
+        PLANNED_IDS.with(|ids| ids.set(Some((self.trace_id, self.span_id))));
+        let mut span = tracer
+            .span_builder(self.name)
+            .with_start_time(self.start)
+            .with_attributes(self.attributes)
+            .start_with_context(&tracer, &parent_context);
+        PLANNED_IDS.with(|ids| ids.set(None));
+        span.end_with_timestamp(self.end);
     }
+}
+
+thread_local! {
+    /// The ids of the span `PlannedSpan::record` builds on this thread.
+    static PLANNED_IDS: std::cell::Cell<Option<(opentelemetry::trace::TraceId, opentelemetry::trace::SpanId)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// The tracer's id generator: the planned ids of the span being recorded
+/// (`PlannedSpan::record`), else random ones.
+#[derive(Debug, Default)]
+pub struct PlannedIdGenerator;
+
+impl opentelemetry_sdk::trace::IdGenerator for PlannedIdGenerator {
+    fn new_trace_id(&self) -> opentelemetry::trace::TraceId {
+        PLANNED_IDS
+            .with(|ids| ids.get())
+            .map(|(trace_id, _)| trace_id)
+            .unwrap_or_else(|| opentelemetry_sdk::trace::RandomIdGenerator::default().new_trace_id())
+    }
+
+    fn new_span_id(&self) -> opentelemetry::trace::SpanId {
+        PLANNED_IDS
+            .with(|ids| ids.get())
+            .map(|(_, span_id)| span_id)
+            .unwrap_or_else(|| opentelemetry_sdk::trace::RandomIdGenerator::default().new_span_id())
+    }
+}
+
+/// The sampling ratio of spans without a parent (as `f64` bits), which
+/// `plan_span` decides as the tracer does.
+static ROOT_SAMPLING_RATIO: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x3FF0_0000_0000_0000);
+
+/// Export spans to `provider` from now on in this process (what `init`
+/// does with an OTLP endpoint; tests install an in-memory one), roots
+/// sampled at `sampling_ratio`.
+pub fn install_tracer_provider(provider: &SdkTracerProvider, sampling_ratio: f64) {
+    ROOT_SAMPLING_RATIO.store(sampling_ratio.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    SPANS_EXPORTED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Record `span` below the context in `headers` and put the span's
@@ -499,6 +612,7 @@ fn build_provider(
         .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
             sampling_ratio,
         ))))
+        .with_id_generator(PlannedIdGenerator)
         .with_resource(resource)
         .build())
 }

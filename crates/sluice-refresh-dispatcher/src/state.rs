@@ -233,7 +233,7 @@ impl RefreshPartition {
             tracestate: schedule.tracestate.clone(),
         };
         let at = sluice_common::clock::system_time_at_ms;
-        let span = sluice_common::telemetry::record_span(
+        let (span, planned) = sluice_common::telemetry::plan_span(
             "sluice-refresh-dispatcher",
             "refresh-dispatcher.issue",
             &parent,
@@ -249,6 +249,10 @@ impl RefreshPartition {
                 ]
             },
         );
+        if let Some(planned) = planned {
+            // Recorded once the batch is committed.
+            outbox.observe(move || planned.record());
+        }
         let partition = key_partition(&key_id.0, &key_id.1, self.settings.refresh_tasks_partitions);
         outbox.push(OutMsg {
             topic: self.settings.refresh_tasks_topic.clone(),
@@ -303,8 +307,12 @@ impl RefreshPartition {
         let mut to_issue = Vec::new();
         for (key_id, schedule) in &mut self.schedules {
             if let Some(outcome) = schedule.time_out(now_ms, &policy) {
-                log_failure(key_id, &outcome);
-                record_outcome(&outcome);
+                // Logged and counted once the batch is committed.
+                let (failed_key, label) = (key_id.clone(), outcome_label(&outcome));
+                outbox.observe(move || {
+                    log_failure(&failed_key, &outcome);
+                    record_outcome(label);
+                });
                 counts.failed += 1;
                 writes.upsert(key_id, schedule);
             }
@@ -341,12 +349,17 @@ impl RefreshPartition {
         };
         let due_again = schedule.due_since_issued();
         let outcome = schedule.report(task_id, result, now_ms, &policy);
-        record_outcome(&outcome);
+        // Counted and logged once the batch is committed.
+        let label = outcome_label(&outcome);
+        outbox.observe(move || record_outcome(label));
         match outcome {
             ReportOutcome::Applied(max) => {
                 counts.succeeded += 1;
                 writes.upsert(key_id, schedule);
-                tracing::info!(tenant = %key_id.0, key = %key_id.1, task_id, max, "floating max refreshed");
+                let (tenant, key, task) = (key_id.0.clone(), key_id.1.clone(), task_id.to_string());
+                outbox.observe(move || {
+                    tracing::info!(%tenant, %key, task_id = %task, max, "floating max refreshed");
+                });
                 self.emit_set_max(now_ms, key_id, task_id, max, outbox);
                 if due_again {
                     self.issue(now_ms, key_id, writes, outbox, counts);
@@ -363,7 +376,8 @@ impl RefreshPartition {
             } => {
                 counts.failed += 1;
                 writes.upsert(key_id, schedule);
-                log_failure(key_id, &outcome);
+                let (failed_key, failed) = (key_id.clone(), outcome.clone());
+                outbox.observe(move || log_failure(&failed_key, &failed));
                 pb::ReportRefreshResponse {
                     applied: true,
                     detail: format!(
@@ -476,8 +490,8 @@ fn log_failure(key_id: &KeyId, outcome: &ReportOutcome) {
     }
 }
 
-fn record_outcome(outcome: &ReportOutcome) {
-    let label = match outcome {
+fn outcome_label(outcome: &ReportOutcome) -> &'static str {
+    match outcome {
         ReportOutcome::Applied(_) => "succeeded",
         ReportOutcome::Failed {
             outcome: pb::RefreshOutcome::TimedOut,
@@ -489,7 +503,10 @@ fn record_outcome(outcome: &ReportOutcome) {
         } => "out_of_range",
         ReportOutcome::Failed { .. } => "failed",
         ReportOutcome::Ignored(_) => "ignored",
-    };
+    }
+}
+
+fn record_outcome(label: &'static str) {
     sluice_common::metrics::metrics()
         .refresh_outcomes
         .add(1, &[opentelemetry::KeyValue::new("outcome", label)]);
@@ -663,6 +680,58 @@ mod tests {
             },
             receiver,
         )
+    }
+
+    /// What a batch logs, captured.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_timed_out_task_is_logged_and_counted_once_its_batch_is_committed() {
+        let mut state = RefreshPartition::new(settings(), 3);
+        assert_eq!(step(&mut state, 100, vec![due("k", 100, 1)], Vec::new()).tasks.len(), 1);
+        let logs = Captured::default();
+        let subscriber = {
+            let logs = logs.clone();
+            tracing_subscriber::fmt().with_writer(move || logs.clone()).finish()
+        };
+        let logged = || {
+            String::from_utf8_lossy(&logs.0.lock().unwrap())
+                .matches("refresh failed")
+                .count()
+        };
+        tracing::subscriber::with_default(subscriber, || {
+            let mut writes = RefreshWrites::default();
+            let mut outbox = Outbox::new();
+            let (mut replies, mut rejected) = (Vec::new(), Vec::new());
+            // Past the task's 5 s deadline: it times out.
+            state.apply(
+                6_000,
+                &[],
+                Vec::new(),
+                &mut writes,
+                &mut outbox,
+                &mut replies,
+                &mut rejected,
+            );
+            assert!(!writes.is_empty(), "the failure is saved");
+            // Decided, not committed: nothing logged (a batch decided again
+            // after a failed commit would log and count it twice).
+            assert_eq!(logged(), 0);
+            outbox.take_observations().record();
+            assert_eq!(logged(), 1);
+        });
     }
 
     #[test]

@@ -10,7 +10,7 @@ use sluice_common::hash::HashSet;
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
-use sluice_common::telemetry::record_span;
+use sluice_common::telemetry::plan_span;
 use sluice_common::FaultPoint;
 use sluice_proto::v1 as pb;
 
@@ -203,10 +203,10 @@ impl AdmissionPartition {
     }
 
     /// The job's row with the trace context of its `admission.admit` span.
-    fn with_admitted_span(&self, job_id: &str) -> Option<JobRow> {
+    fn with_admitted_span(&mut self, job_id: &str) -> Option<JobRow> {
         let active = self.jobs.get(job_id)?;
         let now = sluice_common::clock::system_time_at_ms(self.now_ms);
-        let admitted_trace = record_span(SCOPE, "admission.admit", &active.row.trace, now, now, || {
+        let (admitted_trace, span) = plan_span(SCOPE, "admission.admit", &active.row.trace, now, now, || {
             vec![
                 KeyValue::new("sluice.job_id", job_id.to_string()),
                 KeyValue::new("sluice.attempt", i64::from(active.row.state.attempt)),
@@ -215,6 +215,8 @@ impl AdmissionPartition {
         });
         let mut published = active.row.clone();
         published.trace = admitted_trace;
+        // Recorded once the batch is committed.
+        self.planned_spans.extend(span);
         Some(published)
     }
 

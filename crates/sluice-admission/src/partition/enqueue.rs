@@ -11,7 +11,7 @@ use sluice_common::hash::{HashMap, HashSet};
 use opentelemetry::KeyValue;
 use sluice_common::kafka::Outbox;
 use sluice_common::link::Link;
-use sluice_common::telemetry::record_span;
+use sluice_common::telemetry::{plan_span, PlannedSpan};
 
 use crate::consumers::Refusal;
 use crate::effects::{count_dead_letters, DeadLetterClass};
@@ -27,12 +27,14 @@ use super::{
 
 impl AdmissionPartition {
     /// The row of a new job (its state decided at `now_ms`).
-    fn new_row(&mut self, incoming: &Incoming, now_ms: i64) -> JobRow {
+    /// With the job's `admission.enqueue` span, recorded once the job is
+    /// saved (a duplicate or a refused call records none).
+    fn new_row(&mut self, incoming: &Incoming, now_ms: i64) -> (JobRow, Option<PlannedSpan>) {
         let valid = &incoming.valid;
         // The job's own span, under the producer's: every span of the job
         // hangs below it, across services.
         let now = sluice_common::clock::system_time_at_ms(now_ms);
-        let job_trace = record_span(SCOPE, "admission.enqueue", &incoming.trace, now, now, || {
+        let (job_trace, span) = plan_span(SCOPE, "admission.enqueue", &incoming.trace, now, now, || {
             vec![
                 KeyValue::new("sluice.job_id", incoming.job_id.clone()),
                 KeyValue::new("sluice.tenant", valid.request.tenant.clone()),
@@ -75,7 +77,7 @@ impl AdmissionPartition {
                 transitions::start_acquiring(&mut state, now_ms, self.settings.timing);
             }
         }
-        JobRow {
+        let row = JobRow {
             state,
             tenant: valid.request.tenant.clone(),
             task_group: valid.request.task_group.clone(),
@@ -92,7 +94,8 @@ impl AdmissionPartition {
             },
             trace: job_trace,
             request_hash,
-        }
+        };
+        (row, span)
     }
 
     /// The job an id already names, if any: active here, or stored.
@@ -117,7 +120,8 @@ impl AdmissionPartition {
         out: &mut Out<'_>,
     ) -> Result<Vec<EnqueueOutcome>, EnqueueError> {
         // Decide every outcome first: a refused call changes nothing.
-        let rows: Vec<JobRow> = jobs.iter().map(|incoming| self.new_row(incoming, now_ms)).collect();
+        let (rows, mut spans): (Vec<JobRow>, Vec<Option<PlannedSpan>>) =
+            jobs.iter().map(|incoming| self.new_row(incoming, now_ms)).unzip();
         let plan = self.plan_enqueue(now_ms, &rows, jobs, on_conflict)?;
         self.check_quotas(
             now_ms,
@@ -134,6 +138,7 @@ impl AdmissionPartition {
         for (index, expires_at_ms) in plan.new_rows {
             if let Some(row) = rows.get_mut(index).and_then(Option::take) {
                 self.insert_new_job(row, expires_at_ms, out);
+                self.planned_spans.extend(spans.get_mut(index).and_then(Option::take));
             }
         }
         Ok(plan.outcomes)
@@ -399,7 +404,6 @@ impl AdmissionPartition {
             Err(refusal) => Some(refusal.clone()),
         };
         if let Some(refusal) = refusal {
-            tracing::warn!(topic = %handover.source_topic, partition = handover.source.partition, offset = handover.source.offset, reason = %refusal.reason, "dead-lettering a job request");
             self.settings.routes.push_deadletter(
                 out.outbox,
                 &handover.source_topic,
@@ -407,7 +411,17 @@ impl AdmissionPartition {
                 refusal.class,
                 &refusal.reason,
             );
-            count_dead_letters(&handover.source_topic, refusal.class, 1);
+            // Logged and counted once it is committed: a batch decided
+            // again after a failed commit counts it once.
+            let (topic, partition, offset) = (
+                handover.source_topic.clone(),
+                handover.source.partition,
+                handover.source.offset,
+            );
+            out.outbox.observe(move || {
+                tracing::warn!(%topic, partition, offset, reason = %refusal.reason, "dead-lettering a job request");
+                count_dead_letters(&topic, refusal.class, 1);
+            });
         }
     }
 }

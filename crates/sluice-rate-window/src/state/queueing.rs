@@ -76,7 +76,9 @@ impl RatePartition {
         self.waiting_in.insert(ticket.clone(), stored.clone());
         self.pump(now_ms, &stored, writes, outbox);
         if self.waiting_in.contains_key(&ticket) {
-            count_deferral(&key);
+            // Counted once the batch is committed (once, whatever a failed
+            // commit makes the runtime decide again).
+            outbox.observe(move || count_deferral(&key));
         }
         Ok(())
     }
