@@ -37,6 +37,8 @@ pub struct Task<S: Service> {
     pub loading: bool,
     /// When the task loaded the partition (owner clock, ms).
     pub loaded_ms: i64,
+    /// When it began serving (owner clock, ms; again after a reload).
+    pub serving_since_ms: i64,
     /// Calls waiting for the task to serve, each with the simulated time
     /// its caller gives up (`LOADING_WAIT`: then UNAVAILABLE).
     pub waiting: Vec<(i64, <S::State as OwnedState>::Local)>,
@@ -121,6 +123,7 @@ impl<S: Service> ServiceModel<S> {
             standing_by: false,
             loading: true,
             loaded_ms: now_ms,
+            serving_since_ms: now_ms,
             waiting: Vec::new(),
         });
         (epoch, sends)
@@ -149,6 +152,7 @@ impl<S: Service> ServiceModel<S> {
             return false;
         };
         task.loading = false;
+        task.serving_since_ms = now_ms;
         let serving_from = if grace_from_load { task.loaded_ms } else { now_ms };
         task.state.begin_serving(serving_from);
         let waiting = std::mem::take(&mut task.waiting);
@@ -265,6 +269,7 @@ impl<S: Service> ServiceModel<S> {
             task.state = self.service.load(&store.image, partition_number, epoch, now_ms);
             // A reload serves at once (`reload_until_done`).
             task.state.begin_serving(now_ms);
+            task.serving_since_ms = now_ms;
             return BatchEnd::Failed;
         }
         self.service.save(&mut store.image, writes);

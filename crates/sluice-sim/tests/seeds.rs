@@ -39,11 +39,7 @@ fn every_model_bug_put_back_is_found() {
     // first second it is not found in 1,000 seeds (it is at seed 568 with
     // SIM_PRODUCE_EVERY_MS=500, where the correct code also fails seed 809:
     // not looked into yet).
-    // grace-from-load is not found yet: the simulated workers claim from
-    // Kafka, whose own copy of the lease runs out during a takeover that
-    // outlasts it, so no run overlaps; the guarantee it breaks (a heartbeat
-    // that reaches admission within the lease extends it) has no check yet.
-    let not_found_yet = [Bug::SendWithoutFence, Bug::GraceFromLoad];
+    let not_found_yet = [Bug::SendWithoutFence];
     for (name, bug) in Bug::ALL.iter().filter(|(_, bug)| !not_found_yet.contains(bug)) {
         let config = SimConfig {
             bug: Some(*bug),
