@@ -105,3 +105,50 @@ async fn two_members_holding_the_same_partitions_do_not_take_them_back_and_forth
     stack.stop().await;
     Ok(())
 }
+
+/// A member the group assigns a partition that its previous owner still
+/// serves waits for that owner to give it up (the group can assign a
+/// partition to a new member before the old one has let it go: tansu does,
+/// for seconds, and fencing the live owner at once moved partitions there
+/// and back). What it waits on: another member's row that moved recently
+/// and is not released. Its own row, a released one or a still one is no
+/// reason to wait.
+#[tokio::test]
+async fn only_a_live_owner_that_has_not_released_a_partition_holds_up_its_new_assignee() -> anyhow::Result<()> {
+    use sluice_common::owner::live_other_owner;
+    let stack = Stack::start(test_config("handover", &[])?, 1).await?;
+    stack.wait_owned(Duration::from_secs(60)).await?;
+    let pool = sluice_common::storage::connect(&stack.config.postgres, &stack.config.schema("admission")).await?;
+    let (owner_id, endpoint): (String, String) =
+        sqlx::query_as("SELECT owner_id, endpoint FROM owners WHERE partition = 0")
+            .fetch_one(&pool)
+            .await?;
+    let alive_within = Duration::from_secs(5);
+    // The owner touches its row every two seconds while it serves.
+    assert_eq!(
+        live_other_owner(&pool, 0, "another-member", alive_within)
+            .await?
+            .map(|(owner, _)| owner),
+        Some(endpoint),
+        "a live owner holds up a new assignee"
+    );
+    assert_eq!(
+        live_other_owner(&pool, 0, &owner_id, alive_within).await?,
+        None,
+        "its own row"
+    );
+    assert_eq!(
+        live_other_owner(&pool, 0, "another-member", Duration::ZERO).await?,
+        None,
+        "a row stiller than the threshold: its owner is gone"
+    );
+    sqlx::query("UPDATE owners SET released = true WHERE partition = 0")
+        .execute(&pool)
+        .await?;
+    assert_eq!(
+        live_other_owner(&pool, 0, "another-member", alive_within).await?,
+        None,
+        "a released partition"
+    );
+    Ok(())
+}

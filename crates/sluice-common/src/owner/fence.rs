@@ -197,6 +197,29 @@ pub async fn owner_let_go(
     })
 }
 
+/// Another owner that still holds `partition` and is alive (its row moved
+/// within `silent_after` and it did not release it): its endpoint and how
+/// long its row has been still. `None`: no other owner holds it, or the
+/// one that did is gone.
+pub async fn live_other_owner(
+    pool: &PgPool,
+    partition: i32,
+    owner_id: &str,
+    silent_after: Duration,
+) -> Result<Option<(String, i64)>, sqlx::Error> {
+    let silent_ms = i64::try_from(silent_after.as_millis()).unwrap_or(i64::MAX);
+    let row: Option<(String, String, bool, i64)> = sqlx::query_as(
+        "SELECT owner_id, endpoint, released, (extract(epoch FROM now() - updated_at) * 1000)::bigint
+         FROM owners WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.and_then(|(owner, endpoint, released, still_ms)| {
+        (owner != owner_id && !released && still_ms < silent_ms).then_some((endpoint, still_ms))
+    }))
+}
+
 /// Mark `partition` released by the owner of `epoch` (given up in order):
 /// a member standing by for it takes it at once. Best effort: a member
 /// otherwise takes it once the row has been silent long enough.

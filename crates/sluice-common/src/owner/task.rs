@@ -9,7 +9,7 @@ use futures::FutureExt;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 
-use super::fence::release;
+use super::fence::{live_other_owner, release};
 use super::registry::Loading;
 use super::{lookup_owner, owner_let_go, OwnedState, OwnedStore, OwnerContext, OwnerRegistry};
 use crate::faults::{FaultPoint, Faults};
@@ -105,6 +105,17 @@ const STANDBY_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// partitions sooner (its session timeout); this covers a member that
 /// still holds an assignment the group already gave away.
 const OWNER_SILENT_AFTER: Duration = Duration::from_secs(8);
+/// A member the group assigns a partition that another member still
+/// serves (alive: its row moved within this, which is over two of its
+/// idle touches) waits for that owner to give it up before taking it over.
+/// A dead owner's row is stiller than this by the time the group
+/// reassigns its partitions (the session timeout, 6 s by default).
+const OWNER_ALIVE_WITHIN: Duration = Duration::from_secs(5);
+/// The longest a member waits for a live owner to give a partition up
+/// before it takes it over all the same.
+const HANDOVER_WAIT_MAX: Duration = Duration::from_secs(10);
+/// How often a waiting member looks at the owner row again.
+const HANDOVER_CHECK_EVERY: Duration = Duration::from_millis(200);
 /// How often an owned partition publishes its keys for per-key metrics.
 const KEY_STATS_EVERY: Duration = Duration::from_secs(1);
 /// How long reading a partition's watermarks may take.
@@ -190,6 +201,9 @@ impl<S: OwnedStore> PartitionTask<S> {
     /// waits instead of fencing back.
     async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
         let mut carried: Vec<InMsg> = Vec::new();
+        if !self.wait_for_handover(&input).await {
+            return Ok(());
+        }
         loop {
             match self.own(&mut input, &mut carried).await? {
                 Ownership::Ended => return Ok(()),
@@ -198,6 +212,47 @@ impl<S: OwnedStore> PartitionTask<S> {
                         return Ok(());
                     }
                 }
+            }
+        }
+    }
+
+    /// Before taking a newly assigned partition over: wait while another
+    /// member still serves it (the group may assign a partition to a new
+    /// member before the old one has given it up: tansu does, for
+    /// seconds). Fencing a live owner at once moved partitions from one
+    /// member to the other and back within seconds, and a completion sent
+    /// meanwhile could miss every owner's grace: the job ran again. True
+    /// when this member should take it over (the owner released it, fell
+    /// silent, or `HANDOVER_WAIT_MAX` passed); false when the partition was
+    /// revoked here meanwhile, or the service stops.
+    async fn wait_for_handover(&self, input: &PartitionInput) -> bool {
+        let partition = input.partition;
+        let deadline = tokio::time::Instant::now() + HANDOVER_WAIT_MAX;
+        let mut said = false;
+        loop {
+            if input.stop.is_cancelled() {
+                return false;
+            }
+            match live_other_owner(&self.pool, partition, &self.settings.owner_id, OWNER_ALIVE_WITHIN).await {
+                Ok(None) => return true,
+                Ok(Some((endpoint, _))) if tokio::time::Instant::now() >= deadline => {
+                    tracing::warn!(service = self.settings.service, partition, %endpoint, waited = ?HANDOVER_WAIT_MAX, "the previous owner still holds the partition; taking it over all the same");
+                    return true;
+                }
+                Ok(Some((endpoint, still_ms))) => {
+                    if !said {
+                        tracing::info!(service = self.settings.service, partition, %endpoint, still_ms, "assigned a partition its previous owner still serves; waiting for it to give it up");
+                        said = true;
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(service = self.settings.service, partition, %error, "reading the owner row failed; taking the partition over");
+                    return true;
+                }
+            }
+            tokio::select! {
+                _ = input.stop.cancelled() => return false,
+                () = tokio::time::sleep(HANDOVER_CHECK_EVERY) => {}
             }
         }
     }
