@@ -437,4 +437,23 @@ mod tests {
         let cut = &jobs_only[..jobs_only.len() - 2];
         assert!(rows_of_snapshot(cut.to_vec(), 3).is_err());
     }
+
+    #[test]
+    fn a_snapshot_job_whose_request_does_not_decode_loads_without_it() {
+        let mut job = snapshot_job("garbled", "k1");
+        job.spec = Some(vec![0xff, 0x00, 0xff]);
+        let row = job.into_row(0);
+        assert_eq!(row.state.job_id, "garbled");
+        assert_eq!(row.state.chain.len(), 1, "the chain is kept");
+        assert_eq!(row.spec.request(), pb::JobRequest::default());
+        // And a whole snapshot holding it still loads its other jobs.
+        let mut bad = snapshot_job("garbled", "k1");
+        bad.spec = Some(vec![0xff, 0x00, 0xff]);
+        let snapshot = Snapshot {
+            jobs: vec![bad, snapshot_job("fine", "k2")],
+        };
+        let rows = rows_of_snapshot(snapshot.encode_to_vec(), 0).expect("decodes");
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows["fine"].spec.request().tenant, "acme");
+    }
 }
