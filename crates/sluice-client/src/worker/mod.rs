@@ -755,6 +755,27 @@ impl Dispatcher {
                 return;
             }
         };
+        let queued_already = self
+            .pending
+            .iter()
+            .find(|queued| queued.admitted.job_id == admitted.job_id && queued.admitted.attempt == admitted.attempt);
+        if let Some(queued) = queued_already {
+            // Admission re-sent an attempt nobody claimed within its claim
+            // timeout, or a rebalance delivered the message again, while it
+            // waits here for a slot: keep it once, in its place in the queue.
+            let same_message =
+                queued.received.partition == received.partition && queued.received.offset == received.offset;
+            tracing::debug!(
+                job_id = %admitted.job_id,
+                attempt = admitted.attempt,
+                same_message,
+                "a job already queued here came again: kept once"
+            );
+            if !same_message {
+                self.done(&received.partition, received.offset);
+            }
+            return;
+        }
         let hops = received
             .header_text(HANDOFF_HOPS_HEADER)
             .and_then(|text| text.parse().ok())

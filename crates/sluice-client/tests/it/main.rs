@@ -9,6 +9,7 @@ mod cancel;
 mod heartbeat;
 mod local_limits;
 mod producer;
+mod redelivery;
 mod refresh;
 mod shutdown;
 mod trace;

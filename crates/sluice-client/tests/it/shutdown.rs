@@ -85,8 +85,11 @@ async fn shutdown_hands_back_queued_and_overdue_jobs_and_their_tickets_return_at
     })
     .await;
     if let Err(error) = queued {
-        // Failed once under a full `make test`, never alone: say where the
-        // two jobs were.
+        // Failed under full `make test` runs (CI) with four jobs queued: two
+        // messages came again while the first two waited (re-sent after the
+        // claim timeout, or delivered again) and the worker queued them
+        // twice; it now keeps each attempt once (redelivery.rs). Say where
+        // the two jobs were.
         let snapshot = first.status.snapshot();
         let views = [job_view(&stack, "queued-1").await, job_view(&stack, "queued-2").await];
         let views: Vec<String> = views
