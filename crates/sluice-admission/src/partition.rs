@@ -310,6 +310,9 @@ pub struct AdmissionPartition {
     /// Spans the batch being decided planned, recorded once it is
     /// committed (its observations).
     planned_spans: Vec<sluice_common::telemetry::PlannedSpan>,
+    /// Requests received before this batch wait behind it
+    /// (`OwnedState::requests_queued`): leases do not end meanwhile.
+    requests_queued: bool,
 }
 
 /// Where a batch's decisions go.
@@ -353,6 +356,7 @@ impl AdmissionPartition {
             active_by_tenant: HashMap::default(),
             buckets: HashMap::default(),
             planned_spans: Vec::new(),
+            requests_queued: false,
         };
         for row in jobs {
             partition.last_enqueued_at_us = partition.last_enqueued_at_us.max(row.enqueued_at_us);
@@ -492,6 +496,10 @@ impl OwnedState for AdmissionPartition {
 
     fn prepared(&mut self, prepared: Prepared) {
         self.prepared = prepared;
+    }
+
+    fn requests_queued(&mut self, queued: bool) {
+        self.requests_queued = queued;
     }
 
     fn apply(

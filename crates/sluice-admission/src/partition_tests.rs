@@ -939,6 +939,75 @@ fn an_unconfirmed_push_is_handed_back_after_a_takeover() {
     );
 }
 
+/// After a takeover, a pushed attempt's grace ends while requests received
+/// before the batch still wait behind it (after a takeover, the grants of
+/// thousands of re-sent acquires): its worker's completion may be among
+/// them, so the attempt is not handed back before they are applied. The
+/// 100,000-job backlog run had 59 jobs run twice this way. A partition
+/// that stays behind ends the lease one lease later.
+#[test]
+fn a_lease_does_not_end_while_requests_received_before_it_wait() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 2);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let pushed: Vec<usize> = (0..JOBS)
+        .filter(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .collect();
+    let [completed, stranded] = pushed[..] else {
+        panic!("two pushes: {pushed:?}");
+    };
+    harness.take_over();
+    let grace_ms = i64::try_from(
+        harness
+            .partition
+            .settings()
+            .config
+            .admission
+            .stream_end_grace
+            .0
+            .as_millis(),
+    )
+    .unwrap();
+    let lease_ms = harness.state(completed).expect("active").lease_ms;
+    harness.now_ms += grace_ms + 1;
+    OwnedState::requests_queued(&mut harness.partition, true);
+    harness.apply(Vec::new());
+    for job in [completed, stranded] {
+        let state = harness.state(job).expect("active");
+        assert_eq!(
+            (state.status, state.attempt),
+            (Status::Running, 1),
+            "a lease ended with requests received before it queued: {:?}",
+            state.history.records
+        );
+    }
+    // The queued completion is applied: the job succeeded once.
+    let (reply, mut answer) = oneshot::channel();
+    harness.apply(vec![Local::Complete {
+        scope: sluice_common::auth::JobScope::All,
+        worker_id: "worker-s".to_string(),
+        completions: vec![(job_id(completed), 1, AttemptEnd::Succeeded)],
+        caller_trace: pb::TraceContext::default(),
+        reply,
+    }]);
+    assert_eq!(
+        answer.try_recv().expect("answered")[0].outcome,
+        pb::CompleteOutcome::Accepted as i32
+    );
+    // Still behind, one lease after the grace: the other push is handed back.
+    harness.now_ms += lease_ms;
+    harness.apply(Vec::new());
+    let state = harness.state(stranded).expect("active");
+    assert_eq!(
+        (
+            state.attempt,
+            state.history.records.last().map(|record| record.outcome.as_str())
+        ),
+        (2, Some("handed_back"))
+    );
+}
+
 /// A pushed attempt's lease runs from when its push was written, not from
 /// the claim decided before the commit.
 #[test]

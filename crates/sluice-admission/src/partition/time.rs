@@ -21,6 +21,9 @@ impl AdmissionPartition {
             .map(|(_, job_id)| job_id.clone())
             .collect();
         for job_id in due {
+            if self.lease_end_waits_for_queued_requests(&job_id, now_ms) {
+                continue;
+            }
             let active_jobs = self.jobs.len();
             // A waiting or admitted job's timer re-sends its pending command
             // and moves only its own next time: kept in memory, so re-sends
@@ -46,6 +49,27 @@ impl AdmissionPartition {
             self.next_stand_behind_ms = now_ms + self.settings.stand_behind_interval_ms;
             self.stand_behind(now_ms, out.outbox);
         }
+    }
+
+    /// A running attempt's lease has ended, but requests received before
+    /// this batch still wait behind it: its worker's heartbeat or completion
+    /// may be among them (after a takeover, behind the grants of thousands
+    /// of re-sent acquires), and ending the attempt first would run the job
+    /// again. It waits for them, for one more lease at most, so a partition
+    /// that never catches up still ends leases. The job stays due: looked
+    /// at again next batch.
+    fn lease_end_waits_for_queued_requests(&self, job_id: &str, now_ms: i64) -> bool {
+        if !self.requests_queued {
+            return false;
+        }
+        let Some(active) = self.jobs.get(job_id) else {
+            return false;
+        };
+        let state = &active.row.state;
+        matches!(state.status, Status::Running | Status::Cancelling)
+            && state
+                .lease_expires_at_ms
+                .is_some_and(|end| end <= now_ms && now_ms < end.saturating_add(state.lease_ms))
     }
 
     /// Tell every limit partition which tickets this job partition stands

@@ -343,6 +343,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 }
             }
             self.fill_batch(input, &mut local_receiver, &mut messages, &mut locals);
+            state.requests_queued(!local_receiver.is_empty());
             // The consumer only goes back when its position was reset (the
             // log it read is gone): see whether the log was lost.
             if went_back(&mut last_received, &messages) {

@@ -45,6 +45,14 @@ pub trait OwnedState: Send + 'static {
     /// to decide on.
     fn prepared(&mut self, _prepared: Self::Prepared) {}
 
+    /// Before `apply`: whether requests from this process's handlers that
+    /// were received before the batch are still queued behind it (the batch
+    /// took `max_batch` of them and more wait). A state that ends something
+    /// by time because nobody spoke up (a lease) waits while this holds:
+    /// the word may be in the queue (a completion behind thousands of
+    /// grants after a takeover).
+    fn requests_queued(&mut self, _queued: bool) {}
+
     /// Advance to `now_ms` (timers), then apply `messages` and `locals` in
     /// order, recording writes, effects and replies.
     ///
