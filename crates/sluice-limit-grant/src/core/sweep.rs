@@ -1,7 +1,8 @@
 //! Admission's sweeps: the tickets it stands behind, the grants it still
-//! waits for; a ticket nobody stands behind is reclaimed.
+//! waits for; a ticket nobody stands behind is reclaimed, and so is a
+//! ticket of an attempt the sweep shows is over.
 
-use sluice_common::hash::HashSet;
+use sluice_common::hash::{HashMap, HashSet};
 use std::sync::Arc;
 
 use sluice_common::kafka::Outbox;
@@ -18,6 +19,13 @@ pub(super) struct PendingSweep {
     parts: u32,
     seen_parts: HashSet<u32>,
     received_at_ms: i64,
+    /// The newest attempt of each job the sweep lists a ticket of. A job
+    /// moves to a new attempt only after its previous attempt ended and
+    /// gave back every ticket it held or waited for (`end_attempt`'s
+    /// release), so a ticket of an older attempt is one whose release was
+    /// lost (an admission instance that died or lost the job partition
+    /// with the release unsent): reclaimed at once, not after the grace.
+    newest_attempts: HashMap<String, u32>,
 }
 
 impl LimitPartition {
@@ -85,8 +93,13 @@ impl LimitPartition {
                 parts,
                 seen_parts: HashSet::default(),
                 received_at_ms: now_ms,
+                newest_attempts: HashMap::default(),
             });
         pending.seen_parts.insert(stand_behind.part);
+        for ticket in &stand_behind.tickets {
+            let newest = pending.newest_attempts.entry(ticket.job_id.clone()).or_default();
+            *newest = (*newest).max(ticket.attempt);
+        }
         if u32::try_from(pending.seen_parts.len()).unwrap_or(u32::MAX) >= pending.parts {
             if let Some(complete) = self.sweeps.remove(&stand_behind.sweep_id) {
                 self.expire_unconfirmed(now_ms, &complete, out);
@@ -107,13 +120,20 @@ impl LimitPartition {
                     .job_partitions
                     .contains(&job_partition(&ticket.job_id, grants_partitions))
             };
+            let superseded = |ticket: &TicketKey| {
+                sweep
+                    .newest_attempts
+                    .get(&*ticket.job_id)
+                    .is_some_and(|newest| *newest > ticket.attempt)
+            };
             for (ticket, holder) in &state.holders {
-                if holder.confirmed_at_ms < cutoff && covered(ticket) {
+                if (holder.confirmed_at_ms < cutoff && covered(ticket)) || superseded(ticket) {
                     expired.push((state.id.clone(), ticket.clone()));
                 }
             }
             for (_, _, waiting) in state.waiters.iter() {
-                if waiting.confirmed_at_ms < cutoff && covered(&waiting.record.ticket) {
+                let ticket = &waiting.record.ticket;
+                if (waiting.confirmed_at_ms < cutoff && covered(ticket)) || superseded(ticket) {
                     expired.push((state.id.clone(), waiting.record.ticket.clone()));
                 }
             }

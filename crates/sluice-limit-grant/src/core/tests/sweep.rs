@@ -83,3 +83,62 @@ fn a_grant_admission_still_waits_for_is_sent_again_at_its_sweep() {
     let (granted, _) = run(&mut state, vec![sweep(vec!["b"])]);
     assert!(granted.is_empty());
 }
+
+/// Seed 1572 of the simulation: an attempt's lease expired, and its
+/// release was lost with the admission instance that sent it (it lost the
+/// job partition, then restarted). The job's next attempt waited behind
+/// the old attempt's ticket for the whole grace (30 s after the new
+/// owner's load), though every sweep listed the new attempt. A sweep that
+/// lists a later attempt of a job reclaims the older attempt's tickets at
+/// once: a job starts a new attempt only after releasing the old one's.
+#[test]
+fn a_sweep_listing_a_later_attempt_reclaims_the_earlier_attempts_tickets() {
+    let mut state = partition();
+    let ticket = |job: &str, attempt: u32| pb::TicketId {
+        job_id: job.to_string(),
+        attempt,
+        step: 0,
+    };
+    let acquire_attempt = |job: &str, attempt: u32, enqueued_at_us: i64| {
+        let mut command = acquire(job, "k", 50, enqueued_at_us, 1);
+        if let Some(pb::limit_command::Command::Acquire(acquire)) = command.command.as_mut() {
+            acquire.ticket = Some(ticket(job, attempt));
+        }
+        command
+    };
+    let (granted, _) = run(&mut state, vec![acquire_attempt("a", 1, 1), acquire_attempt("b", 1, 2)]);
+    assert_eq!(granted, vec!["a"]);
+    // a's attempt 1 ended; its release never arrives. Attempt 2 waits.
+    let (granted, _) = run(&mut state, vec![acquire_attempt("a", 2, 1)]);
+    assert!(granted.is_empty());
+    let sweep = pb::LimitCommand {
+        command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+            sweep_id: "s".to_string(),
+            // Well within the grace of every ticket here.
+            snapshot_at_ms: 1_000,
+            job_partitions: vec![0],
+            part: 0,
+            parts: 1,
+            tickets: vec![ticket("a", 2), ticket("b", 1)],
+            grace_ms: 30_000,
+            waiting: vec![ticket("a", 2), ticket("b", 1)],
+        })),
+        ..Default::default()
+    };
+    let (granted, writes) = run(&mut state, vec![sweep]);
+    assert!(
+        writes.deletes.contains(&TicketKey {
+            job_id: Arc::from("a"),
+            attempt: 1,
+            step: 0
+        }),
+        "the superseded attempt's ticket is reclaimed"
+    );
+    assert_eq!(
+        granted,
+        vec!["a"],
+        "the freed slot goes to a's attempt 2 (enqueued first)"
+    );
+    assert_eq!(state.holders_of("t", "k"), 1);
+    assert_eq!(state.waiting_on("t", "k"), 1);
+}
