@@ -96,7 +96,9 @@ impl LimitPartition {
                 newest_attempts: HashMap::default(),
             });
         pending.seen_parts.insert(stand_behind.part);
-        for ticket in &stand_behind.tickets {
+        // Attempts count from 1: a first attempt supersedes nothing, so
+        // a sweep of first attempts (the usual one) records nothing here.
+        for ticket in stand_behind.tickets.iter().filter(|ticket| ticket.attempt > 1) {
             let newest = pending.newest_attempts.entry(ticket.job_id.clone()).or_default();
             *newest = (*newest).max(ticket.attempt);
         }
