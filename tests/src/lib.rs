@@ -1808,3 +1808,18 @@ pub async fn publish_raw(config: &SluiceConfig, messages: Vec<sluice_common::kaf
         .await?;
     Ok(())
 }
+
+/// The partition librdkafka's default `consistent_random` partitioner gives
+/// a message with `key` among `partitions`: CRC-32 (IEEE) of the key.
+pub fn keyed_partition(key: &[u8], partitions: i32) -> i32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for byte in key {
+        crc ^= u32::from(*byte);
+        for _ in 0..8 {
+            let mask = (crc & 1).wrapping_neg();
+            crc = (crc >> 1) ^ (0xEDB8_8320 & mask);
+        }
+    }
+    let hash = i64::from(!crc);
+    i32::try_from(hash % i64::from(partitions.max(1))).unwrap_or(0)
+}

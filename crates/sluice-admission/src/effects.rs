@@ -39,6 +39,9 @@ pub struct Routes {
     pub deadletter: Arc<str>,
     pub admitted: HashMap<String, Arc<str>>,
     pub max_message_bytes: usize,
+    /// `admission.claim_timeout`: an admitted job published again this long
+    /// after its admission goes to another partition (`admitted_key`).
+    pub claim_timeout_ms: i64,
 }
 
 impl Routes {
@@ -54,6 +57,7 @@ impl Routes {
                 .map(|group| (group.clone(), Arc::from(config.admitted_topic(group))))
                 .collect(),
             max_message_bytes: config.kafka.max_message_bytes,
+            claim_timeout_ms: i64::try_from(config.claim_timeout().0.as_millis()).unwrap_or(i64::MAX),
         }
     }
 
@@ -274,10 +278,19 @@ impl Routes {
         headers.push(("content-type".to_string(), b"application/x-protobuf".to_vec()));
         // Keyed by attempt: a job handed back (a new attempt) may land on
         // another worker's partition instead of the one that gave it back.
+        // Published again because nobody claimed it within the claim
+        // timeout, it is keyed by how many claim timeouts passed too: the
+        // partition it sat on may have no live consumer (a worker that hangs
+        // while its client still heartbeats holds its partitions until
+        // `max.poll.interval.ms`; a group slow to reassign a dead worker's).
+        let resends = job.state.admitted_at_ms.map_or(0, |admitted_at| {
+            now_ms.saturating_sub(admitted_at) / self.claim_timeout_ms.max(1)
+        });
+        let resends = u32::try_from(resends).unwrap_or(u32::MAX);
         outbox.push(OutMsg {
             topic: topic.clone(),
             partition: None,
-            key: Some(admitted_key(&job.state.job_id, job.state.attempt).into_bytes()),
+            key: Some(admitted_key(&job.state.job_id, job.state.attempt, resends).into_bytes()),
             payload: admitted.encode_to_vec(),
             headers,
         });
@@ -421,7 +434,14 @@ pub fn count_dead_letters(source_topic: &str, class: DeadLetterClass, count: u64
     );
 }
 
-/// The Kafka key of an admitted message: `<job id>/<attempt>`.
-pub fn admitted_key(job_id: &str, attempt: u32) -> String {
-    format!("{job_id}/{attempt}")
+/// The Kafka key of an admitted message: `<job id>/<attempt>` when it is
+/// published at its admission (or by a new owner within a claim timeout of
+/// it), `<job id>/<attempt>/<n>` when published again `n` claim timeouts
+/// after it: each re-send lands on a partition picked anew.
+pub fn admitted_key(job_id: &str, attempt: u32, resends: u32) -> String {
+    if resends == 0 {
+        format!("{job_id}/{attempt}")
+    } else {
+        format!("{job_id}/{attempt}/{resends}")
+    }
 }

@@ -1008,6 +1008,38 @@ fn a_lease_does_not_end_while_requests_received_before_it_wait() {
     );
 }
 
+/// An admitted job nobody claims is published again every claim timeout,
+/// each time under a new key, so that it lands on a partition picked anew:
+/// the one it sat on may have no live consumer.
+#[test]
+fn an_unclaimed_job_is_published_again_under_a_new_key_each_claim_timeout() {
+    let mut harness = Harness::new();
+    let claim_timeout_ms = harness.partition.settings().routes.claim_timeout_ms;
+    let keys_after = |harness: &mut Harness, ms: i64| -> Vec<String> {
+        harness.now_ms += ms;
+        let mut outbox = harness.apply_sending(Vec::new());
+        drop(outbox.take_links());
+        let mut keys: Vec<String> = outbox
+            .into_messages()
+            .into_iter()
+            .filter(|message| message.topic.contains("admitted"))
+            .filter_map(|message| message.key.map(|key| String::from_utf8_lossy(&key).to_string()))
+            .collect();
+        keys.sort();
+        keys
+    };
+    let expected = |resends: u32| -> Vec<String> {
+        let mut keys: Vec<String> = (0..JOBS)
+            .map(|job| crate::effects::admitted_key(&job_id(job), 1, resends))
+            .collect();
+        keys.sort();
+        keys
+    };
+    assert_eq!(keys_after(&mut harness, claim_timeout_ms), expected(1));
+    assert_eq!(keys_after(&mut harness, claim_timeout_ms), expected(2));
+    assert_ne!(expected(1), expected(0), "a re-send's key is its first publish's");
+}
+
 /// A pushed attempt's lease runs from when its push was written, not from
 /// the claim decided before the commit.
 #[test]

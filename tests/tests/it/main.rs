@@ -27,5 +27,6 @@ mod rate;
 mod reflection;
 mod shadow;
 mod storage;
+mod stranded;
 mod tls;
 mod work;

@@ -200,28 +200,14 @@ pub async fn wait_assigned(workers: &[&RunningWorker], partitions: usize) -> any
     .await
 }
 
-/// CRC-32 (IEEE), the hash librdkafka's default `consistent_random`
-/// partitioner applies to message keys.
-pub fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = 0xFFFF_FFFFu32;
-    for byte in bytes {
-        crc ^= u32::from(*byte);
-        for _ in 0..8 {
-            let mask = (crc & 1).wrapping_neg();
-            crc = (crc >> 1) ^ (0xEDB8_8320 & mask);
-        }
-    }
-    !crc
-}
-
 /// Job ids whose first attempt admission's producer (keyed by
 /// `<job id>/<attempt>`) puts on `partition`.
 pub fn job_ids_on_partition(prefix: &str, partition: i32, partitions: i32, count: usize) -> Vec<String> {
     (0..)
         .map(|index| format!("{prefix}-{index}"))
         .filter(|job_id| {
-            let key = sluice_admission::effects::admitted_key(job_id, 1);
-            i64::from(crc32(key.as_bytes())) % i64::from(partitions) == i64::from(partition)
+            let key = sluice_admission::effects::admitted_key(job_id, 1, 0);
+            sluice_e2e::keyed_partition(key.as_bytes(), partitions) == partition
         })
         .take(count)
         .collect()
