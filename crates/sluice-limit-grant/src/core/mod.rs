@@ -69,6 +69,10 @@ pub struct LimitPartition {
     /// Where each ticket (held or waiting) is.
     ticket_keys: HashMap<TicketKey, TicketPlace>,
     sweeps: HashMap<String, PendingSweep>,
+    /// When this owner restored the saved tickets (its takeover): a ticket
+    /// still confirmed at exactly this time was never stood behind since
+    /// (`sweep::RESTORED_MARGIN_MS`).
+    restored_at_ms: Option<i64>,
     /// Floating keys that had waiters when last looked at: their refresh
     /// falls due on a timer too, not only when a job comes or goes
     /// (`refresh::refresh_if_due`). Ordered, so timers fire in one order.
@@ -89,6 +93,7 @@ impl LimitPartition {
             keys: HashMap::default(),
             ticket_keys: HashMap::default(),
             sweeps: HashMap::default(),
+            restored_at_ms: None,
             refresh_watch: BTreeSet::new(),
             journal_seq: 0,
             journal_bytes_since_snapshot: 0,
@@ -123,10 +128,12 @@ impl LimitPartition {
         partition
     }
 
-    /// Restore loaded rows. Every restored ticket gets one grace period from
-    /// `now_ms` (a new owner gives every ticket one lease of grace).
+    /// Restore loaded rows. Every restored ticket counts as stood behind at
+    /// `now_ms`: one grace period from it, unless a sweep taken after it
+    /// shows nobody stands behind it (`sweep::RESTORED_MARGIN_MS`).
     /// Flows join their key's round in the order of their first waiters.
     pub fn restore(&mut self, now_ms: i64, keys: Vec<(KeyId, KeyRecord)>, mut tickets: Vec<TicketRecord>) {
+        self.restored_at_ms = Some(now_ms);
         for (key_id, record) in keys {
             self.key_state(&key_id).record = record;
         }

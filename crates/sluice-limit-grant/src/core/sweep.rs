@@ -28,6 +28,13 @@ pub(super) struct PendingSweep {
     newest_attempts: HashMap<String, u32>,
 }
 
+/// How much later than a takeover a sweep must be taken for it to reclaim
+/// a restored ticket it does not list, without the grace: room for clocks
+/// that differ between instances and for an acquire sent just before the
+/// sweep's snapshot (the grace, `limit_grant.ticket_grace`, covers tickets
+/// created around a sweep; a restored one was created before the takeover).
+pub(super) const RESTORED_MARGIN_MS: i64 = 2_000;
+
 impl LimitPartition {
     /// Admission waits for the grant of these tickets, and this owner holds
     /// them as granted: their grants were lost on the way (a stream that
@@ -114,6 +121,17 @@ impl LimitPartition {
 
     pub(super) fn expire_unconfirmed(&mut self, now_ms: i64, sweep: &PendingSweep, out: &mut Decided) {
         let cutoff = sweep.snapshot_at_ms - sweep.grace_ms;
+        // A sweep taken well after this owner restored its tickets: a
+        // restored ticket it does not list (and no sweep listed since) is
+        // one whose release was lost around the takeover. Every ticket
+        // restored was created before the takeover, so admission, which
+        // asks for a ticket only after saving the job that waits for it,
+        // lists every live one in a sweep taken after it.
+        let restored_unconfirmed = self
+            .restored_at_ms
+            .filter(|restored_at| sweep.snapshot_at_ms > restored_at.saturating_add(RESTORED_MARGIN_MS));
+        let unconfirmed =
+            |confirmed_at_ms: i64| confirmed_at_ms < cutoff || restored_unconfirmed == Some(confirmed_at_ms);
         let grants_partitions = self.settings.grants_partitions;
         let mut expired: Vec<(Arc<KeyId>, TicketKey)> = Vec::new();
         for state in self.keys.values() {
@@ -129,13 +147,13 @@ impl LimitPartition {
                     .is_some_and(|newest| *newest > ticket.attempt)
             };
             for (ticket, holder) in &state.holders {
-                if (holder.confirmed_at_ms < cutoff && covered(ticket)) || superseded(ticket) {
+                if (unconfirmed(holder.confirmed_at_ms) && covered(ticket)) || superseded(ticket) {
                     expired.push((state.id.clone(), ticket.clone()));
                 }
             }
             for (_, _, waiting) in state.waiters.iter() {
                 let ticket = &waiting.record.ticket;
-                if (waiting.confirmed_at_ms < cutoff && covered(ticket)) || superseded(ticket) {
+                if (unconfirmed(waiting.confirmed_at_ms) && covered(ticket)) || superseded(ticket) {
                     expired.push((state.id.clone(), waiting.record.ticket.clone()));
                 }
             }

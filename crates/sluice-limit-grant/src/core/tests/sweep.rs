@@ -142,3 +142,86 @@ fn a_sweep_listing_a_later_attempt_reclaims_the_earlier_attempts_tickets() {
     assert_eq!(state.holders_of("t", "k"), 1);
     assert_eq!(state.waiting_on("t", "k"), 1);
 }
+
+/// A release lost around a takeover (sim seed 2267: two jobs succeeded and
+/// their last releases never arrived): the new owner restored the ticket
+/// as stood behind at its takeover, and it held its slot a whole grace
+/// from there (30 s, then the next sweep) while a job waited behind it. A
+/// sweep taken after the takeover (beyond the margin for clocks) that does
+/// not list it reclaims it; one taken within the margin does not, and a
+/// restored ticket the sweep lists keeps its grace.
+#[test]
+fn a_restored_ticket_a_sweep_taken_after_the_takeover_does_not_list_is_reclaimed() {
+    let mut first = partition();
+    run(
+        &mut first,
+        vec![
+            acquire("lost", "k", 50, 1, 2),
+            acquire("live", "k", 50, 2, 2),
+            acquire("behind", "k", 50, 3, 2),
+        ],
+    );
+    let saved: Vec<TicketRecord> = first.tickets().cloned().collect();
+    let restored_at = 50_000;
+    let mut second = partition();
+    second.restore(restored_at, Vec::new(), saved);
+    let sweep = |snapshot_at_ms: i64| pb::LimitCommand {
+        command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+            sweep_id: format!("s{snapshot_at_ms}"),
+            snapshot_at_ms,
+            job_partitions: vec![0],
+            part: 0,
+            parts: 1,
+            tickets: ["live", "behind"]
+                .into_iter()
+                .map(|job| pb::TicketId {
+                    job_id: job.to_string(),
+                    attempt: 1,
+                    step: 0,
+                })
+                .collect(),
+            grace_ms: 30_000,
+            waiting: Vec::new(),
+        })),
+        ..Default::default()
+    };
+    let lost = TicketKey {
+        job_id: Arc::from("lost"),
+        attempt: 1,
+        step: 0,
+    };
+    // Taken within the margin of the takeover: nothing is reclaimed.
+    let (granted, writes) = run(
+        &mut second,
+        vec![sweep(restored_at + crate::core::sweep::RESTORED_MARGIN_MS)],
+    );
+    assert!(granted.is_empty() && writes.deletes.is_empty(), "{granted:?}");
+    // Taken after it, well within the grace: the unlisted restored ticket
+    // goes, and the job behind it is granted its slot.
+    let (granted, writes) = run(
+        &mut second,
+        vec![sweep(restored_at + crate::core::sweep::RESTORED_MARGIN_MS + 1)],
+    );
+    assert_eq!(granted, vec!["behind"]);
+    assert!(writes.deletes.contains(&lost));
+    // The listed ones were confirmed by the sweeps: a later sweep that
+    // omits them but is within their grace reclaims nothing.
+    let (granted, writes) = run(&mut second, vec![sweep_without_tickets(restored_at + 10_000)]);
+    assert!(granted.is_empty() && writes.deletes.is_empty(), "{writes:?}");
+}
+
+fn sweep_without_tickets(snapshot_at_ms: i64) -> pb::LimitCommand {
+    pb::LimitCommand {
+        command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
+            sweep_id: format!("empty{snapshot_at_ms}"),
+            snapshot_at_ms,
+            job_partitions: vec![0],
+            part: 0,
+            parts: 1,
+            tickets: Vec::new(),
+            grace_ms: 30_000,
+            waiting: Vec::new(),
+        })),
+        ..Default::default()
+    }
+}
