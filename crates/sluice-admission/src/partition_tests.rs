@@ -207,6 +207,8 @@ impl Harness {
 #[derive(Default)]
 struct Model {
     holder: HashMap<usize, (u32, usize)>,
+    /// Attempts handed back as lost on its way, and their worker.
+    lost: HashMap<usize, (u32, usize)>,
     won: HashSet<(usize, u32)>,
 }
 
@@ -276,6 +278,7 @@ fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), Tes
             attempt,
             end,
         } => {
+            let end_kind = end;
             let end = match end {
                 0 => AttemptEnd::Succeeded,
                 1 => AttemptEnd::Failed {
@@ -300,7 +303,15 @@ fn apply_op(harness: &mut Harness, model: &mut Model, op: &Op) -> Result<(), Tes
             let accepted = results
                 .first()
                 .is_some_and(|result| result.outcome == pb::CompleteOutcome::Accepted as i32);
-            if accepted {
+            let late_success = accepted
+                && matches!(end_kind, 0)
+                && model.lost.get(&job) == Some(&(attempt, worker))
+                && !model.holder.contains_key(&job)
+                && harness.state(job).is_none();
+            if late_success {
+                // Its next attempt had not started: the job succeeded.
+                model.lost.remove(&job);
+            } else if accepted {
                 prop_assert_eq!(
                     model.holder.remove(&job),
                     Some((attempt, worker)),
@@ -336,7 +347,21 @@ fn check_holders(harness: &Harness, model: &mut Model) -> Result<(), TestCaseErr
                 prop_assert_eq!(claimed_by, holder.map(|(_, worker)| worker_id(worker)));
             }
             None => {
-                model.holder.remove(&job);
+                // Handed back as lost on its way (no sign of its worker):
+                // its worker's success may still come, and ends the job
+                // while the next attempt has not started.
+                if let Some(held) = model.holder.remove(&job) {
+                    let lost = harness.state(job).is_some_and(|state| {
+                        state.history.records.last().is_some_and(|record| {
+                            record.attempt == held.0
+                                && record.outcome == "handed_back"
+                                && record.detail.starts_with("no sign of worker")
+                        })
+                    });
+                    if lost {
+                        model.lost.insert(job, held);
+                    }
+                }
             }
         }
     }
@@ -1038,6 +1063,61 @@ fn an_unclaimed_job_is_published_again_under_a_new_key_each_claim_timeout() {
     assert_eq!(keys_after(&mut harness, claim_timeout_ms), expected(1));
     assert_eq!(keys_after(&mut harness, claim_timeout_ms), expected(2));
     assert_ne!(expected(1), expected(0), "a re-send's key is its first publish's");
+}
+
+/// A push handed back as lost on its way whose worker did run it: its
+/// success, reported late (the 100,000-job backlog run: completions that
+/// waited 6.7 s inside the new owner's instance), ends the job if the next
+/// attempt has not started, instead of running the job again. Another
+/// worker's report is stale.
+#[test]
+fn a_late_success_of_an_attempt_handed_back_as_lost_ends_the_job_if_the_next_has_not_started() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let job = (0..JOBS)
+        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
+        .expect("one push");
+    harness.take_over();
+    harness.now_ms += 31_000;
+    harness.apply(Vec::new());
+    let state = harness.state(job).expect("active");
+    assert_eq!(
+        (state.attempt, state.status),
+        (2, Status::Admitted),
+        "handed back, not started"
+    );
+    let complete = |harness: &mut Harness, worker: &str| {
+        let (reply, mut answer) = oneshot::channel();
+        harness.apply(vec![Local::Complete {
+            scope: sluice_common::auth::JobScope::All,
+            worker_id: worker.to_string(),
+            completions: vec![(job_id(job), 1, AttemptEnd::Succeeded)],
+            caller_trace: pb::TraceContext::default(),
+            reply,
+        }]);
+        answer.try_recv().expect("answered")[0].clone()
+    };
+    assert_eq!(
+        complete(&mut harness, "worker-other").outcome,
+        pb::CompleteOutcome::Stale as i32,
+        "only the worker the attempt was pushed to ran it"
+    );
+    let result = complete(&mut harness, "worker-s");
+    assert_eq!(
+        (result.outcome, result.status),
+        (pb::CompleteOutcome::Accepted as i32, pb::JobStatus::Succeeded as i32)
+    );
+    assert!(harness.state(job).is_none(), "the job ended");
+    let saved = harness
+        .saved
+        .get(&job_id(job))
+        .map(|row| (row.state.status, row.state.attempt));
+    assert!(
+        saved.is_none() || saved == Some((Status::Succeeded, 1)),
+        "saved as {saved:?}"
+    );
 }
 
 /// A pushed attempt's lease runs from when its push was written, not from

@@ -287,10 +287,7 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing, active_jobs: usiz
             let run_over = job.status == Status::Running
                 && matches!((job.run_timeout_ms, job.claimed_at_ms), (Some(limit), Some(claimed)) if claimed + limit <= now_ms);
             if lease_over && !job.confirmed {
-                let reason = format!(
-                    "no sign of worker {:?} within the lease: the attempt was lost on its way (never ran)",
-                    job.claimed_by.clone().unwrap_or_default()
-                );
+                let reason = lost_on_its_way(job.claimed_by.as_deref().unwrap_or_default());
                 end_attempt(job, now_ms, AttemptEnd::HandedBack { reason }, timing)
             } else if lease_over {
                 end_attempt(job, now_ms, AttemptEnd::LeaseExpired, timing)
@@ -306,6 +303,39 @@ pub fn on_due(job: &mut JobState, now_ms: i64, timing: Timing, active_jobs: usiz
             Vec::new()
         }
     }
+}
+
+/// The reason an unconfirmed attempt whose lease ended is handed back.
+fn lost_on_its_way(worker_id: &str) -> String {
+    format!("no sign of worker {worker_id:?} within the lease: the attempt was lost on its way (never ran)")
+}
+
+/// Whether `worker_id`'s report that `attempt` succeeded, come after the
+/// attempt was handed back as lost on its way (its completion reached the
+/// owner late: after a takeover, behind everything the new owner's instance
+/// had to do), finds the next attempt not started (nobody claimed it): then
+/// the job succeeded (`late_success`); else the report is stale.
+pub fn succeeds_late(job: &JobState, attempt: u32, worker_id: &str) -> bool {
+    let not_started = matches!(job.status, Status::Scheduled | Status::Waiting | Status::Admitted);
+    let handed_back_as_lost = job.history.records.last().is_some_and(|record| {
+        record.attempt == attempt && record.outcome == "handed_back" && record.detail == lost_on_its_way(worker_id)
+    });
+    not_started && handed_back_as_lost && job.attempt == attempt.saturating_add(1)
+}
+
+/// The job ends succeeded by `attempt` (`succeeds_late` holds): what the
+/// next attempt holds or waits for is given back.
+pub fn late_success(job: &mut JobState, now_ms: i64, attempt: u32) -> Vec<Effect> {
+    let effects = job.release_everything(pb::ReleaseReason::Cancelled);
+    job.attempt = attempt;
+    job.record(
+        now_ms,
+        "succeeded",
+        "its completion came after it was handed back as lost on its way, before the next attempt started".to_string(),
+    );
+    job.clear_run();
+    job.finish(now_ms, Status::Succeeded);
+    effects
 }
 
 /// When a running job must be looked at: its lease end or run-time end.

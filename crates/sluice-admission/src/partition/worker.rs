@@ -219,6 +219,10 @@ impl AdmissionPartition {
                     result.outcome = pb::CompleteOutcome::Stale as i32;
                 }
                 result.status = stored.row.state.status as i32;
+            } else if let Some(effects) = self.late_success(now_ms, &job_id, attempt, &end, worker_id) {
+                result.outcome = pb::CompleteOutcome::Accepted as i32;
+                result.status = Status::Succeeded as i32;
+                self.after_transition(&job_id, &effects, out);
             } else if let Some(active) = self.jobs.get(&job_id) {
                 result.outcome = pb::CompleteOutcome::Stale as i32;
                 result.status = active.row.state.status as i32;
@@ -231,6 +235,32 @@ impl AdmissionPartition {
             results.push(result);
         }
         results
+    }
+
+    /// A success reported after its attempt was handed back as lost on its
+    /// way, while the next attempt has not started
+    /// (`transitions::late_success`): the job ends succeeded.
+    fn late_success(
+        &mut self,
+        now_ms: i64,
+        job_id: &str,
+        attempt: u32,
+        end: &AttemptEnd,
+        worker_id: &str,
+    ) -> Option<Vec<transitions::Effect>> {
+        let applies = matches!(end, AttemptEnd::Succeeded)
+            && self
+                .jobs
+                .get(job_id)
+                .is_some_and(|active| transitions::succeeds_late(&active.row.state, attempt, worker_id));
+        if !applies {
+            return None;
+        }
+        let mut effects = Vec::new();
+        self.update(job_id, |state| {
+            effects = transitions::late_success(state, now_ms, attempt);
+        });
+        Some(effects)
     }
 
     /// Cancel a job (`transitions::cancel`). `None`: no such job.
