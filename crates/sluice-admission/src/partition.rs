@@ -371,10 +371,13 @@ impl AdmissionPartition {
 
     /// A new owner gives every running job one lease from `now_ms`: a worker
     /// whose heartbeats reached the old owner within its lease keeps it.
-    /// An attempt pushed on a `Work` stream gets the stream end grace
-    /// instead (if shorter): the old owner may have died with the push
-    /// unsent, and its streams ended with it, so this is a stream end that
-    /// nobody reported. A worker that holds the attempt heartbeats it every
+    /// An attempt pushed on a `Work` stream that its worker has not
+    /// confirmed gets the stream end grace instead (if shorter): the old
+    /// owner may have died with the push unsent, and its streams ended with
+    /// it, so this is a stream end that nobody reported. A confirmed one was
+    /// received: its worker's next word may take longer than the grace to
+    /// reach a new owner busy with its takeover (8–13 s in a 100,000-job
+    /// backlog run), and it keeps the whole lease. A worker that holds the attempt heartbeats it every
     /// third of the grace (at once when its stream ends) and keeps it; a lost
     /// push no longer holds its slots for a whole lease. Safe for a live
     /// worker: its own renewal counts for the grace at most from when it was
@@ -393,7 +396,7 @@ impl AdmissionPartition {
             // (to any owner) and then lost is a lease expiry that uses an
             // attempt, whoever owns the partition by then.
             self.update_unsaved(&job_id, |state| {
-                state.lease_expires_at_ms = Some(if state.pushed {
+                state.lease_expires_at_ms = Some(if state.pushed && !state.confirmed {
                     now_ms.saturating_add(state.lease_ms.min(stream_end_grace_ms))
                 } else {
                     let grace = now_ms.saturating_add(state.lease_ms);

@@ -927,8 +927,29 @@ fn a_takeover_keeps_a_confirmed_push_confirmed() {
     harness.take_over();
     let state = harness.state(job).expect("active after the takeover");
     assert!(state.confirmed, "the takeover forgot the worker's confirmation");
+    // Received by its worker: the whole lease from the takeover, not the
+    // stream end grace a push nobody confirmed gets (its worker's word may
+    // take longer than that to reach a new owner busy with its takeover).
+    let grace_ms = i64::try_from(
+        harness
+            .partition
+            .settings()
+            .config
+            .admission
+            .stream_end_grace
+            .0
+            .as_millis(),
+    )
+    .unwrap();
+    harness.now_ms += grace_ms + 1;
+    harness.apply(Vec::new());
+    assert_eq!(
+        harness.state(job).map(|state| (state.status, state.attempt)),
+        Some((Status::Running, 1)),
+        "a confirmed push lost its lease at the stream end grace"
+    );
     // The worker is gone: the lease ends and uses an attempt.
-    harness.now_ms += 31_000;
+    harness.now_ms += 31_000 - grace_ms - 1;
     harness.apply(Vec::new());
     let state = harness.state(job).expect("active");
     assert_eq!(
