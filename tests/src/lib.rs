@@ -1093,9 +1093,14 @@ pub async fn run_worker(
             tokio::time::sleep(run_for).await;
             let finished_at = Instant::now();
             // As the worker protocol says: a completion answered
-            // UNAVAILABLE (an owner handing its partition over) is sent again.
+            // UNAVAILABLE (an owner handing its partition over) is sent
+            // again, for longer than a takeover after a crash takes (the
+            // group's session timeout, then the load): a worker that gave up
+            // after 5 s left a job claimed just before its owner crashed to
+            // fail by lease expiry (crash::admission_killed_after_publish_before_offset_commit,
+            // once in a fresh-clone `make test`).
             let mut completed;
-            let mut tries = 0;
+            let give_up_at = Instant::now() + Duration::from_secs(60);
             loop {
                 completed = client
                     .complete(pb::CompleteRequest {
@@ -1107,11 +1112,11 @@ pub async fn run_worker(
                         }],
                     })
                     .await;
-                tries += 1;
                 match &completed {
                     // UNAVAILABLE, or a connection that broke mid-call.
                     Err(status)
-                        if matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown) && tries < 20 =>
+                        if matches!(status.code(), tonic::Code::Unavailable | tonic::Code::Unknown)
+                            && Instant::now() < give_up_at =>
                     {
                         tracing::info!(job_id = %admitted.job_id, %status, "test worker: complete failed; sending it again");
                         tokio::time::sleep(Duration::from_millis(250)).await;
