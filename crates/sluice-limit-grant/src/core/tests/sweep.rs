@@ -7,31 +7,11 @@ fn a_sweep_reclaims_tickets_nobody_stands_behind() {
         &mut state,
         vec![acquire("a", "k", 50, 1, 1), acquire("b", "k", 50, 2, 1)],
     );
-    let sweep = |snapshot_at_ms: i64, tickets: Vec<&str>| pb::LimitCommand {
-        command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
-            sweep_id: format!("s{snapshot_at_ms}"),
-            snapshot_at_ms,
-            job_partitions: vec![0],
-            part: 0,
-            parts: 1,
-            tickets: tickets
-                .into_iter()
-                .map(|job| pb::TicketId {
-                    job_id: job.to_string(),
-                    attempt: 1,
-                    step: 0,
-                })
-                .collect(),
-            grace_ms: 30_000,
-            waiting: Vec::new(),
-        })),
-        ..Default::default()
-    };
     // Within the grace nothing expires even when unlisted.
-    let (granted, _) = run(&mut state, vec![sweep(20_000, vec!["b"])]);
+    let (granted, _) = run(&mut state, vec![stand_behind(20_000, &["b"])]);
     assert!(granted.is_empty());
     // a was last confirmed at 1_000: a sweep at 40_000 without it reclaims it.
-    let (granted, writes) = run(&mut state, vec![sweep(40_000, vec!["b"])]);
+    let (granted, writes) = run(&mut state, vec![stand_behind(40_000, &["b"])]);
     assert_eq!(granted, vec!["b"]);
     assert!(writes.deletes.contains(&TicketKey {
         job_id: Arc::from("a"),
@@ -165,26 +145,7 @@ fn a_restored_ticket_a_sweep_taken_after_the_takeover_does_not_list_is_reclaimed
     let restored_at = 50_000;
     let mut second = partition();
     second.restore(restored_at, Vec::new(), saved);
-    let sweep = |snapshot_at_ms: i64| pb::LimitCommand {
-        command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
-            sweep_id: format!("s{snapshot_at_ms}"),
-            snapshot_at_ms,
-            job_partitions: vec![0],
-            part: 0,
-            parts: 1,
-            tickets: ["live", "behind"]
-                .into_iter()
-                .map(|job| pb::TicketId {
-                    job_id: job.to_string(),
-                    attempt: 1,
-                    step: 0,
-                })
-                .collect(),
-            grace_ms: 30_000,
-            waiting: Vec::new(),
-        })),
-        ..Default::default()
-    };
+    let sweep = |snapshot_at_ms: i64| stand_behind(snapshot_at_ms, &["live", "behind"]);
     let lost = TicketKey {
         job_id: Arc::from("lost"),
         attempt: 1,
@@ -206,19 +167,28 @@ fn a_restored_ticket_a_sweep_taken_after_the_takeover_does_not_list_is_reclaimed
     assert!(writes.deletes.contains(&lost));
     // The listed ones were confirmed by the sweeps: a later sweep that
     // omits them but is within their grace reclaims nothing.
-    let (granted, writes) = run(&mut second, vec![sweep_without_tickets(restored_at + 10_000)]);
+    let (granted, writes) = run(&mut second, vec![stand_behind(restored_at + 10_000, &[])]);
     assert!(granted.is_empty() && writes.deletes.is_empty(), "{writes:?}");
 }
 
-fn sweep_without_tickets(snapshot_at_ms: i64) -> pb::LimitCommand {
+/// A one-part sweep of job partition 0 at `snapshot_at_ms` that stands
+/// behind the first-attempt step-0 tickets of `jobs`.
+fn stand_behind(snapshot_at_ms: i64, jobs: &[&str]) -> pb::LimitCommand {
     pb::LimitCommand {
         command: Some(pb::limit_command::Command::StandBehind(pb::StandBehind {
-            sweep_id: format!("empty{snapshot_at_ms}"),
+            sweep_id: format!("s{snapshot_at_ms}-{}", jobs.join("-")),
             snapshot_at_ms,
             job_partitions: vec![0],
             part: 0,
             parts: 1,
-            tickets: Vec::new(),
+            tickets: jobs
+                .iter()
+                .map(|job| pb::TicketId {
+                    job_id: job.to_string(),
+                    attempt: 1,
+                    step: 0,
+                })
+                .collect(),
             grace_ms: 30_000,
             waiting: Vec::new(),
         })),
