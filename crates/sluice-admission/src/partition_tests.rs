@@ -198,6 +198,13 @@ impl Harness {
         OwnedState::begin_serving(&mut self.partition, self.now_ms);
     }
 
+    /// The jobs running now (claimed or pushed), in job order.
+    fn running_jobs(&self) -> Vec<usize> {
+        (0..JOBS)
+            .filter(|job| self.state(*job).is_some_and(|state| state.status == Status::Running))
+            .collect()
+    }
+
     fn state(&self, job: usize) -> Option<&JobState> {
         self.partition.job(&job_id(job)).map(|row| &row.state)
     }
@@ -911,9 +918,7 @@ fn a_takeover_keeps_a_confirmed_push_confirmed() {
     let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
     let mut harness = Harness::with_hub(Vec::new(), hub);
     harness.apply(vec![Local::Dispatch]);
-    let pushed: Vec<usize> = (0..JOBS)
-        .filter(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .collect();
+    let pushed: Vec<usize> = harness.running_jobs();
     assert_eq!(pushed.len(), 1, "one credit, one push");
     let job = pushed[0];
     assert!(!harness.state(job).expect("active").confirmed);
@@ -970,9 +975,7 @@ fn an_unconfirmed_push_is_handed_back_after_a_takeover() {
     let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
     let mut harness = Harness::with_hub(Vec::new(), hub);
     harness.apply(vec![Local::Dispatch]);
-    let job = (0..JOBS)
-        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .expect("one push");
+    let job = harness.running_jobs().first().copied().expect("one push");
     harness.take_over();
     harness.now_ms += 31_000;
     harness.apply(Vec::new());
@@ -997,9 +1000,7 @@ fn a_lease_does_not_end_while_requests_received_before_it_wait() {
     let (_session, _downstream) = stream_session(&hub, "worker-s", 2);
     let mut harness = Harness::with_hub(Vec::new(), hub);
     harness.apply(vec![Local::Dispatch]);
-    let pushed: Vec<usize> = (0..JOBS)
-        .filter(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .collect();
+    let pushed: Vec<usize> = harness.running_jobs();
     let [completed, stranded] = pushed[..] else {
         panic!("two pushes: {pushed:?}");
     };
@@ -1097,9 +1098,7 @@ fn a_late_success_of_an_attempt_handed_back_as_lost_ends_the_job_if_the_next_has
     let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
     let mut harness = Harness::with_hub(Vec::new(), hub);
     harness.apply(vec![Local::Dispatch]);
-    let job = (0..JOBS)
-        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .expect("one push");
+    let job = harness.running_jobs().first().copied().expect("one push");
     harness.take_over();
     harness.now_ms += 31_000;
     harness.apply(Vec::new());
@@ -1150,9 +1149,7 @@ fn a_pushed_attempt_lease_runs_from_the_push() {
     let mut harness = Harness::with_hub(Vec::new(), hub);
     let claimed_at = harness.now_ms;
     harness.apply(vec![Local::Dispatch]);
-    let job = (0..JOBS)
-        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .expect("one push");
+    let job = harness.running_jobs().first().copied().expect("one push");
     let lease_ms = harness.state(job).expect("active").lease_ms;
     assert_eq!(
         harness.state(job).expect("active").lease_expires_at_ms,
@@ -1196,9 +1193,7 @@ fn a_heartbeat_right_after_a_push_never_answers_a_lease_end_before_the_push_said
     let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
     let mut harness = Harness::with_hub(Vec::new(), hub);
     harness.apply(vec![Local::Dispatch]);
-    let job = (0..JOBS)
-        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .expect("one push");
+    let job = harness.running_jobs().first().copied().expect("one push");
     let lease_ms = harness.state(job).expect("active").lease_ms;
     // The push's clock reads 2 ms later than the partition's.
     let written_at_ms = harness.now_ms + 2;
@@ -1391,9 +1386,7 @@ fn a_completion_queued_before_its_lease_ran_out_wins_over_the_sweep() {
     let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
     let mut harness = Harness::with_hub(Vec::new(), hub);
     harness.apply(vec![Local::Dispatch]);
-    let job = (0..JOBS)
-        .find(|job| harness.state(*job).is_some_and(|state| state.status == Status::Running))
-        .expect("one push");
+    let job = harness.running_jobs().first().copied().expect("one push");
     let lease_ms = harness.state(job).expect("active").lease_ms;
     // The next batch runs after the lease's end, with the completion in it.
     harness.now_ms += lease_ms + 500;
