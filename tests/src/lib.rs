@@ -75,6 +75,70 @@ const TEST_SETTINGS: &[(&str, &str)] = &[
     ("auth.enabled", "false"),
 ];
 
+/// A service binary of this build (`sluice-<service>`, beside the test
+/// binaries' `deps` directory) run as a process of its own with the test
+/// settings, the test's prefixes and `overrides` as `SLUICE__` variables,
+/// listening on `port`: killing it with SIGKILL leaves its consumer group
+/// member behind as a real crash does (an instance inside the test process
+/// leaves the group when it stops). The binaries come from `make build`
+/// (or `cargo build --workspace --bins`), which `make test` runs first.
+pub struct ServiceProcess {
+    child: std::process::Child,
+    pub endpoint: String,
+}
+
+impl ServiceProcess {
+    pub fn start(service: &str, prefix: &str, overrides: &[(&str, &str)], port: u16) -> anyhow::Result<Self> {
+        let deps = std::env::current_exe()?;
+        let binary = deps
+            .parent()
+            .and_then(std::path::Path::parent)
+            .context("no target directory above the test binary")?
+            .join(format!("sluice-{service}"));
+        anyhow::ensure!(
+            binary.exists(),
+            "{} is not built: run `make build` (cargo build --workspace --bins) first",
+            binary.display()
+        );
+        let mut command = std::process::Command::new(&binary);
+        command.arg("run");
+        let prefixes = [("kafka.topic_prefix", prefix), ("postgres.schema_prefix", prefix)];
+        for (key, value) in TEST_SETTINGS.iter().chain(&prefixes).chain(overrides) {
+            command.env(format!("SLUICE__{}", key.replace('.', "__").to_uppercase()), value);
+        }
+        let section = service.replace('-', "_").to_uppercase();
+        command
+            .env(format!("SLUICE__{section}__LISTEN"), format!("127.0.0.1:{port}"))
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".to_string()),
+            )
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit());
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        Ok(ServiceProcess {
+            child,
+            endpoint: format!("http://127.0.0.1:{port}"),
+        })
+    }
+
+    /// SIGKILL, and wait until the process is gone (its port is free).
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for ServiceProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Test configuration: defaults, the test's prefixes, small partition counts
 /// and short timers, then `overrides`.
 pub fn test_config(name: &str, overrides: &[(&str, &str)]) -> anyhow::Result<SluiceConfig> {

@@ -14,10 +14,13 @@ mod outbox;
 mod publisher;
 mod queues;
 mod rebalance;
+mod resume;
 mod topics;
 
 pub use consumer::{run_partitioned_consumer, ConsumerOptions};
-pub use input::{next_batch, InMsg, PartitionInput, PartitionMessages, PartitionTaskError, PartitionTaskFactory};
+pub use input::{
+    next_batch, InMsg, Orphan, PartitionInput, PartitionMessages, PartitionTaskError, PartitionTaskFactory,
+};
 pub use offsets::{log_holds_offset, probe_config, OffsetStore};
 pub use outbox::{batch_entries, single_entry_batch, Observations, OutMsg, Outbox, SendSpan, SpanValue};
 pub use publisher::{apply_producer_properties, Publisher};

@@ -35,8 +35,8 @@ mod task;
 mod traits;
 
 pub use fence::{
-    bump_epoch, commit_fenced, fence_and_advance, insert_quarantined, live_other_owner, lookup_owner, owner_let_go,
-    report_quarantined, CommitError, FencedStatement,
+    bump_epoch, commit_fenced, fence_and_advance, insert_quarantined, live_other_owner, lookup_owner,
+    orphaned_partitions, owner_let_go, report_quarantined, CommitError, FencedStatement,
 };
 pub use registry::{BarrierLocal, LocalCallError, OwnedPartitionHandle, OwnerRegistry};
 pub use task::{OwnerRuntime, OwnerSettings};

@@ -18,8 +18,8 @@ async fn the_fence_refuses_an_older_owner_and_moves_the_offset_only_for_the_curr
     let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
     sluice_common::storage::migrate(&pool, &schema, &sluice_common::owner::MIGRATOR).await?;
     let mut connection = pool.acquire().await?;
-    let (first_epoch, _) = bump_epoch(&mut connection, 3, "owner-a", "http://a").await?;
-    let (second_epoch, _) = bump_epoch(&mut connection, 3, "owner-b", "http://b").await?;
+    let (first_epoch, _) = bump_epoch(&mut connection, 3, "owner-a", "http://a", false).await?;
+    let (second_epoch, _) = bump_epoch(&mut connection, 3, "owner-b", "http://b", false).await?;
     assert_eq!(second_epoch, first_epoch + 1);
     let applied = "SELECT applied_offset FROM owners WHERE partition = 3";
 
@@ -58,8 +58,8 @@ async fn a_batch_committed_as_one_statement_is_fenced_like_a_transaction() -> an
     sluice_common::storage::migrate(&pool, &schema, &sluice_common::owner::MIGRATOR).await?;
     sluice_common::storage::migrate(&pool, &schema, &sluice_limit_grant::store::MIGRATOR).await?;
     let mut connection = pool.acquire().await?;
-    let (first_epoch, _) = bump_epoch(&mut connection, 5, "owner-a", "http://a").await?;
-    let (second_epoch, _) = bump_epoch(&mut connection, 5, "owner-b", "http://b").await?;
+    let (first_epoch, _) = bump_epoch(&mut connection, 5, "owner-a", "http://a", false).await?;
+    let (second_epoch, _) = bump_epoch(&mut connection, 5, "owner-b", "http://b", false).await?;
     drop(connection);
     // Two writes per statement: each must be gated by the fence.
     let row = |seq: i64| {
@@ -279,14 +279,14 @@ async fn a_call_is_forwarded_to_the_named_owner_and_never_back_to_this_instance(
     let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
     sluice_common::storage::migrate(&pool, &schema, &sluice_common::owner::MIGRATOR).await?;
     let mut connection = pool.acquire().await?;
-    bump_epoch(&mut connection, 2, "owner-other", "http://other:1").await?;
+    bump_epoch(&mut connection, 2, "owner-other", "http://other:1", false).await?;
     let forwarded = sluice_common::forward::owner_endpoint(&pool, 2, false, "http://me:1").await;
     assert_eq!(forwarded.ok().as_deref(), Some("http://other:1"));
     let twice = sluice_common::forward::owner_endpoint(&pool, 2, true, "http://me:1")
         .await
         .unwrap_err();
     assert!(twice.message().contains("owned by http://other:1"), "{twice:?}");
-    bump_epoch(&mut connection, 2, "owner-me", "http://me:1").await?;
+    bump_epoch(&mut connection, 2, "owner-me", "http://me:1", false).await?;
     let itself = sluice_common::forward::owner_endpoint(&pool, 2, false, "http://me:1")
         .await
         .unwrap_err();

@@ -25,6 +25,7 @@ mod ownership;
 mod quota;
 mod rate;
 mod reflection;
+mod resume;
 mod shadow;
 mod storage;
 mod stranded;

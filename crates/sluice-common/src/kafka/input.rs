@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
+use futures::FutureExt;
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -133,6 +134,12 @@ pub struct PartitionInput {
     pub max_batch_bytes: usize,
     /// The group's assignments of partitions to this member.
     pub assignments: Assignments,
+    /// Resumed by this instance before the group assigned it anywhere
+    /// (`PartitionTaskFactory::orphans`): the task takes it over without
+    /// waiting for a handover, holds it released (the member the group
+    /// assigns it to takes it at once), and ends, rather than stand by,
+    /// when a newer owner fences it.
+    pub provisional: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -146,7 +153,25 @@ pub enum PartitionTaskError {
     Stopped { partition: i32, reason: String },
 }
 
+/// A partition this instance's previous run owned when it died, and where
+/// to read its input from (`PartitionTaskFactory::orphans`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Orphan {
+    pub partition: i32,
+    /// The first offset not applied yet; `None`: nothing was applied.
+    pub resume_from: Option<i64>,
+}
+
 /// Starts the task that processes one assigned partition.
 pub trait PartitionTaskFactory: Send + Sync + 'static {
     fn start(&self, input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>>;
+
+    /// The partitions this instance's previous run held when it stopped
+    /// without giving them up (killed): the member resumes them at once
+    /// (`PartitionInput::provisional`) instead of leaving them unserved
+    /// until the group notices the dead member (its session timeout) and
+    /// reassigns them. None by default.
+    fn orphans(&self) -> BoxFuture<'static, Vec<Orphan>> {
+        futures::future::ready(Vec::new()).boxed()
+    }
 }

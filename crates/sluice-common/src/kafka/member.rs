@@ -19,6 +19,7 @@ use super::queues::{
     mark_at_end, message_cost, note_first_offset, park, pause_or_resume, read_split_queue, split_partition_queues,
     Parked, ParkedTask, SplitQueue, SplitReader,
 };
+use super::resume::{start_resumed, ResumeSettings, Resumed, ResumedEnd};
 use super::{
     probe_config, Assignments, ConsumerOptions, ConsumerProgress, InMsg, KafkaPlumbingError, OffsetStore,
     PartitionInput, PartitionMessages, PartitionTaskError, PartitionTaskFactory, RebalanceContext,
@@ -86,6 +87,10 @@ struct Member<'a> {
     queues: HashMap<i32, Arc<SplitQueue>>,
     /// The tasks reading them (awaited before the consumer is dropped).
     readers: Vec<tokio::task::JoinHandle<()>>,
+    /// Partitions resumed at the start, ahead of the group (`resume`),
+    /// whose provisional tasks still run: the member starts no task of its
+    /// own for one until its provisional task has ended.
+    resumed: HashMap<i32, Resumed>,
 }
 
 pub(super) async fn consume_as_member(
@@ -112,6 +117,7 @@ pub(super) async fn consume_as_member(
     consumer.subscribe(&[&options.topic])?;
     let (finished_sender, mut finished) = mpsc::unbounded_channel::<Finished>();
     let (caught_up_sender, mut caught_up) = mpsc::unbounded_channel::<CaughtUp>();
+    let (resumed_sender, mut resumed_end) = mpsc::unbounded_channel::<ResumedEnd>();
     let mut member = Member {
         assignments,
         options,
@@ -134,7 +140,9 @@ pub(super) async fn consume_as_member(
         consumed_since_report: 0,
         queues,
         readers: Vec::new(),
+        resumed: HashMap::new(),
     };
+    member.resume_orphans(resumed_sender).await;
     let mut reconcile_timer = tokio::time::interval(Duration::from_millis(100));
     reconcile_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let outcome = loop {
@@ -147,6 +155,11 @@ pub(super) async fn consume_as_member(
             }
             Some((partition, session, forwarded)) = caught_up.recv() => {
                 member.caught_up(partition, session, forwarded);
+            }
+            Some((partition, outcome)) = resumed_end.recv() => {
+                if let Some(end) = member.resumed_finished(partition, outcome) {
+                    break end;
+                }
             }
             _ = reconcile_timer.tick() => {
                 if let Some(end) = member.reconcile(rejoin_within).await {
@@ -166,6 +179,49 @@ pub(super) async fn consume_as_member(
 }
 
 impl Member<'_> {
+    /// Resume the partitions this instance's previous run held when it was
+    /// killed (`PartitionTaskFactory::orphans`), each as a provisional task.
+    async fn resume_orphans(&mut self, done: mpsc::UnboundedSender<ResumedEnd>) {
+        for orphan in self.factory.orphans().await {
+            let settings = ResumeSettings {
+                topic: &self.topic,
+                probe: &self.probe,
+                buffer_bytes: self.buffer_bytes,
+                channel_capacity: self.options.channel_capacity,
+                assignments: &self.assignments,
+                stop: self.shutdown.token().child_token(),
+                done: done.clone(),
+            };
+            match start_resumed(orphan, self.factory, settings) {
+                Ok(resumed) => {
+                    self.resumed.insert(orphan.partition, resumed);
+                }
+                Err(error) => {
+                    tracing::warn!(topic = %self.topic, partition = orphan.partition, %error, "could not resume a partition held before; leaving it to the group");
+                }
+            }
+        }
+    }
+
+    /// A provisional task ended: the partition is the group's again (a
+    /// crash stops the member, as any task's does).
+    fn resumed_finished(&mut self, partition: i32, outcome: Result<(), PartitionTaskError>) -> Option<MemberEnd> {
+        self.resumed.remove(&partition);
+        match outcome {
+            Err(PartitionTaskError::Crashed) => {
+                self.shutdown.crash();
+                return Some(MemberEnd::Stopped);
+            }
+            Err(PartitionTaskError::Stopped { reason, .. }) => {
+                tracing::warn!(topic = %self.topic, partition, %reason, "a resumed partition's task failed; leaving the partition to the group");
+            }
+            Ok(()) => {
+                tracing::debug!(topic = %self.topic, partition, "a resumed partition's task ended");
+            }
+        }
+        None
+    }
+
     fn start_task(&mut self, partition: i32) {
         let (sender, receiver) = mpsc::channel(self.options.channel_capacity.max(1));
         let stop = self.shutdown.token().child_token();
@@ -189,6 +245,7 @@ impl Member<'_> {
             },
             max_batch_bytes: self.buffer_bytes,
             assignments: self.assignments.clone(),
+            provisional: false,
         };
         let task = self.factory.start(input);
         // A partition paused for an earlier task that fell behind.
@@ -351,6 +408,16 @@ impl Member<'_> {
         });
         let now = tokio::time::Instant::now();
         for partition in current {
+            if let Some(resumed) = self.resumed.get(&partition) {
+                // The group assigned a resumed partition here: its
+                // provisional task gives it up, then this member's own
+                // task takes it over.
+                if !resumed.stop.is_cancelled() {
+                    tracing::info!(topic = %self.topic, partition, "the group assigned a resumed partition here; handing it to the member's own task");
+                    resumed.stop.cancel();
+                }
+                continue;
+            }
             if self.running.contains_key(&partition) {
                 continue;
             }
@@ -415,6 +482,18 @@ impl Member<'_> {
         }
         self.consumed_since_report += 1;
         self.report_consumed(255);
+        if self.resumed.contains_key(&partition) {
+            // Its provisional task is giving it up: the member's own task
+            // reads from here once that one has ended.
+            let restart = self.restarts.entry(partition).or_insert(Restart {
+                at: tokio::time::Instant::now(),
+                backoff: Duration::ZERO,
+                resume_from: None,
+                first_offset: None,
+            });
+            restart.resume_from.get_or_insert(message.offset());
+            return;
+        }
         if let Some(restart) = self
             .restarts
             .get_mut(&partition)
@@ -484,9 +563,13 @@ impl Member<'_> {
             restarts,
             queues,
             readers,
+            resumed,
             ..
         } = self;
         for entry in running.values() {
+            entry.stop.cancel();
+        }
+        for entry in resumed.values() {
             entry.stop.cancel();
         }
         for partition in restarts.keys() {

@@ -110,25 +110,47 @@ pub enum CommitError {
 
 /// Take over `partition`: bump its epoch and record the owner directory row.
 /// Waits for an old owner's in-flight commit (it holds the row lock).
+/// `released`: the row says the partition may be taken at once (a
+/// provisional owner, `PartitionInput::provisional`).
 pub async fn bump_epoch(
     connection: &mut PgConnection,
     partition: i32,
     owner_id: &str,
     endpoint: &str,
+    released: bool,
 ) -> Result<(i64, i64), sqlx::Error> {
     let row: (i64, i64) = sqlx::query_as(
-        "INSERT INTO owners (partition, epoch, owner_id, endpoint) VALUES ($1, 1, $2, $3)
+        "INSERT INTO owners (partition, epoch, owner_id, endpoint, released) VALUES ($1, 1, $2, $3, $4)
          ON CONFLICT (partition) DO UPDATE
             SET epoch = owners.epoch + 1, owner_id = EXCLUDED.owner_id, endpoint = EXCLUDED.endpoint,
-                owned_since = now(), updated_at = now(), released = false
+                owned_since = now(), updated_at = now(), released = EXCLUDED.released
          RETURNING epoch, applied_offset",
     )
     .bind(partition)
     .bind(owner_id)
     .bind(endpoint)
+    .bind(released)
     .fetch_one(connection)
     .await?;
     Ok(row)
+}
+
+/// The partitions an earlier process at `endpoint` owned and did not give
+/// up (no release): it died, since this process (`owner_id`) now serves
+/// that endpoint. With the offset after the last one each had applied.
+pub async fn orphaned_partitions(
+    pool: &PgPool,
+    endpoint: &str,
+    owner_id: &str,
+) -> Result<Vec<(i32, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT partition, applied_offset FROM owners
+         WHERE endpoint = $1 AND owner_id <> $2 AND NOT released ORDER BY partition",
+    )
+    .bind(endpoint)
+    .bind(owner_id)
+    .fetch_all(pool)
+    .await
 }
 
 /// Inside a batch transaction, first: lock the partition's row, move its

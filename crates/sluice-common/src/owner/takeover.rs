@@ -21,7 +21,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             if input.stop.is_cancelled() {
                 return Step::Stop;
             }
-            match self.try_take_over(partition).await {
+            match self.try_take_over(partition, input.provisional).await {
                 Ok((context, mut state, mut applied_offset)) => {
                     match self
                         .adopt_if_log_lost(&context, &mut state, &mut applied_offset, input)
@@ -59,13 +59,18 @@ impl<S: OwnedStore> PartitionTask<S> {
         }
     }
 
-    async fn try_take_over(&self, partition: i32) -> Result<(OwnerContext, S::State, i64), sqlx::Error> {
+    async fn try_take_over(
+        &self,
+        partition: i32,
+        provisional: bool,
+    ) -> Result<(OwnerContext, S::State, i64), sqlx::Error> {
         let mut connection = self.pool.acquire().await?;
         let (epoch, applied_offset) = bump_epoch(
             &mut connection,
             partition,
             &self.settings.owner_id,
             &self.settings.endpoint,
+            provisional,
         )
         .await?;
         let clock = AnchoredClock::from_postgres(&mut connection).await?;

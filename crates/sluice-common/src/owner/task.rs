@@ -9,11 +9,11 @@ use futures::FutureExt;
 use sqlx::PgPool;
 use tokio::sync::mpsc;
 
-use super::fence::{live_other_owner, release};
+use super::fence::{live_other_owner, orphaned_partitions, release};
 use super::registry::Loading;
 use super::{lookup_owner, owner_let_go, OwnedState, OwnedStore, OwnerContext, OwnerRegistry};
 use crate::faults::{FaultPoint, Faults};
-use crate::kafka::{InMsg, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher};
+use crate::kafka::{InMsg, Orphan, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher};
 use crate::link::LinkSink;
 
 /// Settings of one owner runtime.
@@ -66,6 +66,31 @@ impl<S: OwnedStore> OwnerRuntime<S> {
 }
 
 impl<S: OwnedStore> PartitionTaskFactory for OwnerRuntime<S> {
+    /// The partitions whose owner row names this instance's endpoint under
+    /// another owner id and were not released: the process that served this
+    /// endpoint before was killed (this one holds its address now). A
+    /// failed read resumes nothing (the group reassigns them as usual).
+    fn orphans(&self) -> BoxFuture<'static, Vec<Orphan>> {
+        let pool = self.pool.clone();
+        let settings = self.settings.clone();
+        async move {
+            match orphaned_partitions(&pool, &settings.endpoint, &settings.owner_id).await {
+                Ok(rows) => rows
+                    .into_iter()
+                    .map(|(partition, applied_offset)| Orphan {
+                        partition,
+                        resume_from: (applied_offset >= 0).then(|| applied_offset.saturating_add(1)),
+                    })
+                    .collect(),
+                Err(error) => {
+                    tracing::warn!(service = settings.service, %error, "reading the partitions this endpoint held before failed; leaving them to the group");
+                    Vec::new()
+                }
+            }
+        }
+        .boxed()
+    }
+
     fn start(&self, input: PartitionInput) -> BoxFuture<'static, Result<(), PartitionTaskError>> {
         let task = PartitionTask {
             store: self.store.clone(),
@@ -199,15 +224,28 @@ impl<S: OwnedStore> PartitionTask<S> {
     /// its owner is gone, never back and forth between two members that
     /// both believe they hold it (an overlapping rebalance): the fenced one
     /// waits instead of fencing back.
+    ///
+    /// A provisional task (a partition this instance's previous run held
+    /// when it died, resumed before the group reassigned it) takes it over
+    /// at once and ends when fenced: whoever fenced it is the member the
+    /// group gave the partition to.
     async fn run(self, mut input: PartitionInput) -> Result<(), PartitionTaskError> {
         let mut carried: Vec<InMsg> = Vec::new();
-        if !self.wait_for_handover(&input).await {
+        if !input.provisional && !self.wait_for_handover(&input).await {
             return Ok(());
         }
         loop {
             match self.own(&mut input, &mut carried).await? {
                 Ownership::Ended => return Ok(()),
                 Ownership::Fenced => {
+                    if input.provisional {
+                        tracing::info!(
+                            service = self.settings.service,
+                            partition = input.partition,
+                            "a member the group assigned the resumed partition took it over"
+                        );
+                        return Ok(());
+                    }
                     if !self.stand_by(&input).await {
                         return Ok(());
                     }
