@@ -16,9 +16,10 @@ const PARTITIONS: i64 = 4;
 /// limit-grant run as a process with a group session of a minute: killed,
 /// then started again on the same port, it owns and serves every partition
 /// it held well before the group could reassign them (the session of the
-/// killed member has not expired when the test ends). Fails without the
-/// resume: the restarted member is assigned nothing until then, and
-/// `DescribeKey` answers that the partition has no owner here.
+/// killed member has not expired when the test ends), and so does a third
+/// start after the second is killed while it holds them provisionally.
+/// Fails without the resume: the restarted member is assigned nothing until
+/// then, and `DescribeKey` answers that the partition has no owner here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_instance_started_again_on_its_address_serves_its_partitions_before_the_group_reassigns_them(
 ) -> anyhow::Result<()> {
@@ -52,24 +53,16 @@ async fn a_killed_instance_started_again_on_its_address_serves_its_partitions_be
         .await?;
     first.kill()?;
 
-    let _second = ServiceProcess::start("limit-grant", &prefix, &overrides, port)?;
-    let taken =
-        format!("SELECT count(*) FROM \"{schema}\".owners WHERE endpoint = $1 AND owner_id <> $2 AND epoch > $3");
-    eventually(
-        Duration::from_secs(40),
-        "the restarted process owns every partition (the group waits 60 s for the killed member)",
-        || async {
-            let resumed: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(taken.clone()))
-                .bind(&endpoint)
-                .bind(&killed_owner)
-                .bind(killed_epoch)
-                .fetch_one(&pool)
-                .await
-                .unwrap_or(0);
-            Ok(resumed == PARTITIONS)
-        },
-    )
-    .await?;
+    // Started again, then killed again while it holds the partitions
+    // provisionally, then started a third time: each resumes them.
+    let mut second = ServiceProcess::start("limit-grant", &prefix, &overrides, port)?;
+    let second_epoch = resumed_by_another(&pool, &schema, &endpoint, &killed_owner, killed_epoch).await?;
+    let (second_owner, _): (String, i64) = sqlx::query_as(sqlx::AssertSqlSafe(owners.clone()))
+        .fetch_one(&pool)
+        .await?;
+    second.kill()?;
+    let _third = ServiceProcess::start("limit-grant", &prefix, &overrides, port)?;
+    resumed_by_another(&pool, &schema, &endpoint, &second_owner, second_epoch).await?;
     // It serves them: keys of every partition are described by their owner.
     let mut limits = LimitsClient::connect(endpoint.clone()).await?;
     for index in 0..16 {
@@ -86,4 +79,40 @@ async fn a_killed_instance_started_again_on_its_address_serves_its_partitions_be
         anyhow::ensure!(described.is_ok(), "key resume-{index}: {described:?}");
     }
     Ok(())
+}
+
+/// Waits until every partition's row names `endpoint` under an owner other
+/// than `before` at an epoch above `before_epoch` (the group waits 60 s for
+/// the killed member, so only a resume does this within 40 s); returns the
+/// new owner's highest epoch.
+async fn resumed_by_another(
+    pool: &sqlx::PgPool,
+    schema: &str,
+    endpoint: &str,
+    before: &str,
+    before_epoch: i64,
+) -> anyhow::Result<i64> {
+    let taken = format!(
+        "SELECT count(*), coalesce(max(epoch), 0) FROM \"{schema}\".owners
+         WHERE endpoint = $1 AND owner_id <> $2 AND epoch > $3"
+    );
+    let epoch = std::sync::Mutex::new(0);
+    eventually(
+        Duration::from_secs(40),
+        "the restarted process owns every partition (the group waits 60 s for the killed member)",
+        || async {
+            let (resumed, highest): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(taken.clone()))
+                .bind(endpoint)
+                .bind(before)
+                .bind(before_epoch)
+                .fetch_one(pool)
+                .await
+                .unwrap_or((0, 0));
+            *epoch.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = highest;
+            Ok(resumed == PARTITIONS)
+        },
+    )
+    .await?;
+    let highest = *epoch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    Ok(highest)
 }

@@ -136,7 +136,7 @@ pub struct PartitionInput {
     pub assignments: Assignments,
     /// Resumed by this instance before the group assigned it anywhere
     /// (`PartitionTaskFactory::orphans`): the task takes it over without
-    /// waiting for a handover, holds it released (the member the group
+    /// waiting for a handover, holds it provisionally (the member the group
     /// assigns it to takes it at once), and ends, rather than stand by,
     /// when a newer owner fences it.
     pub provisional: bool,

@@ -110,34 +110,36 @@ pub enum CommitError {
 
 /// Take over `partition`: bump its epoch and record the owner directory row.
 /// Waits for an old owner's in-flight commit (it holds the row lock).
-/// `released`: the row says the partition may be taken at once (a
-/// provisional owner, `PartitionInput::provisional`).
+/// `provisional`: the owner resumed the partition ahead of the group
+/// (`PartitionInput::provisional`); any member the group assigns it to takes
+/// it at once, as from an owner that released it.
 pub async fn bump_epoch(
     connection: &mut PgConnection,
     partition: i32,
     owner_id: &str,
     endpoint: &str,
-    released: bool,
+    provisional: bool,
 ) -> Result<(i64, i64), sqlx::Error> {
     let row: (i64, i64) = sqlx::query_as(
-        "INSERT INTO owners (partition, epoch, owner_id, endpoint, released) VALUES ($1, 1, $2, $3, $4)
+        "INSERT INTO owners (partition, epoch, owner_id, endpoint, provisional) VALUES ($1, 1, $2, $3, $4)
          ON CONFLICT (partition) DO UPDATE
             SET epoch = owners.epoch + 1, owner_id = EXCLUDED.owner_id, endpoint = EXCLUDED.endpoint,
-                owned_since = now(), updated_at = now(), released = EXCLUDED.released
+                owned_since = now(), updated_at = now(), released = false, provisional = EXCLUDED.provisional
          RETURNING epoch, applied_offset",
     )
     .bind(partition)
     .bind(owner_id)
     .bind(endpoint)
-    .bind(released)
+    .bind(provisional)
     .fetch_one(connection)
     .await?;
     Ok(row)
 }
 
 /// The partitions an earlier process at `endpoint` owned and did not give
-/// up (no release): it died, since this process (`owner_id`) now serves
-/// that endpoint. With the offset after the last one each had applied.
+/// up (no release; provisionally held ones included): it died, since this
+/// process (`owner_id`) now serves that endpoint. With the last offset each
+/// had applied.
 pub async fn orphaned_partitions(
     pool: &PgPool,
     endpoint: &str,
@@ -204,14 +206,15 @@ pub async fn owner_let_go(
 ) -> Result<Option<String>, sqlx::Error> {
     let silent_ms = i64::try_from(silent_after.as_millis()).unwrap_or(i64::MAX);
     let row: Option<(bool, i64)> = sqlx::query_as(
-        "SELECT released, (extract(epoch FROM now() - updated_at) * 1000)::bigint FROM owners WHERE partition = $1",
+        "SELECT released OR provisional, (extract(epoch FROM now() - updated_at) * 1000)::bigint
+         FROM owners WHERE partition = $1",
     )
     .bind(partition)
     .fetch_optional(pool)
     .await?;
     Ok(match row {
         None => Some("no owner".to_string()),
-        Some((true, _)) => Some("its owner released it".to_string()),
+        Some((true, _)) => Some("its owner released it (or held it provisionally)".to_string()),
         Some((false, silent_for_ms)) if silent_for_ms >= silent_ms => {
             Some(format!("its owner has been silent for {silent_for_ms} ms"))
         }
@@ -220,7 +223,8 @@ pub async fn owner_let_go(
 }
 
 /// Another owner that still holds `partition` and is alive (its row moved
-/// within `silent_after` and it did not release it): its endpoint and how
+/// within `silent_after`, it did not release it and does not hold it
+/// provisionally): its endpoint and how
 /// long its row has been still. `None`: no other owner holds it, or the
 /// one that did is gone.
 pub async fn live_other_owner(
@@ -231,7 +235,7 @@ pub async fn live_other_owner(
 ) -> Result<Option<(String, i64)>, sqlx::Error> {
     let silent_ms = i64::try_from(silent_after.as_millis()).unwrap_or(i64::MAX);
     let row: Option<(String, String, bool, i64)> = sqlx::query_as(
-        "SELECT owner_id, endpoint, released, (extract(epoch FROM now() - updated_at) * 1000)::bigint
+        "SELECT owner_id, endpoint, released OR provisional, (extract(epoch FROM now() - updated_at) * 1000)::bigint
          FROM owners WHERE partition = $1",
     )
     .bind(partition)
