@@ -102,16 +102,12 @@ pub(super) async fn consume_as_member(
     rejoin_within: Duration,
 ) -> Result<MemberEnd, KafkaPlumbingError> {
     let topic: Arc<str> = Arc::from(options.topic.as_str());
-    let assigned = Arc::new(Mutex::new(HashSet::new()));
-    let lost_since = Arc::new(Mutex::new(None));
-    let assignments = Assignments::default();
-    let context = RebalanceContext {
-        topic: topic.clone(),
-        assigned: assigned.clone(),
-        progress: progress.clone(),
-        lost_since: lost_since.clone(),
-        assignments: assignments.clone(),
-    };
+    let context = RebalanceContext::new(topic.clone(), progress.clone());
+    let (assigned, lost_since, assignments) = (
+        context.assigned.clone(),
+        context.lost_since.clone(),
+        context.assignments.clone(),
+    );
     let consumer = Arc::new(member_consumer(kafka, options, context)?);
     let queues = split_partition_queues(&consumer, &topic).await;
     consumer.subscribe(&[&options.topic])?;
@@ -482,16 +478,7 @@ impl Member<'_> {
         }
         self.consumed_since_report += 1;
         self.report_consumed(255);
-        if self.resumed.contains_key(&partition) {
-            // Its provisional task is giving it up: the member's own task
-            // reads from here once that one has ended.
-            let restart = self.restarts.entry(partition).or_insert(Restart {
-                at: tokio::time::Instant::now(),
-                backoff: Duration::ZERO,
-                resume_from: None,
-                first_offset: None,
-            });
-            restart.resume_from.get_or_insert(message.offset());
+        if self.held_for_resumed(partition, message.offset()) {
             return;
         }
         if let Some(restart) = self
@@ -548,6 +535,23 @@ impl Member<'_> {
             pause_or_resume(&self.consumer, &self.topic, partition, true);
             tracing::debug!(topic = %self.topic, partition, "partition task behind; paused the partition");
         }
+    }
+
+    /// Whether `partition`'s provisional task still runs (it is giving the
+    /// partition up): then the member's own task reads from `offset` once
+    /// that one has ended.
+    fn held_for_resumed(&mut self, partition: i32, offset: i64) -> bool {
+        if !self.resumed.contains_key(&partition) {
+            return false;
+        }
+        let restart = self.restarts.entry(partition).or_insert(Restart {
+            at: tokio::time::Instant::now(),
+            backoff: Duration::ZERO,
+            resume_from: None,
+            first_offset: None,
+        });
+        restart.resume_from.get_or_insert(offset);
+        true
     }
 
     /// Stop the tasks; at a clean stop, wait for them to end (each stores

@@ -109,6 +109,17 @@ impl ClientContext for RebalanceContext {
 }
 
 impl RebalanceContext {
+    /// A member's context: nothing assigned yet.
+    pub(super) fn new(topic: Arc<str>, progress: Arc<ConsumerProgress>) -> Self {
+        RebalanceContext {
+            topic,
+            assigned: Arc::new(Mutex::new(HashSet::new())),
+            progress,
+            lost_since: Arc::new(Mutex::new(None)),
+            assignments: Assignments::default(),
+        }
+    }
+
     fn record_lag(&self, statistics: &rdkafka::Statistics) {
         for (name, topic) in &statistics.topics {
             for (partition, state) in &topic.partitions {
