@@ -192,9 +192,16 @@ impl Harness {
     /// and gives running attempts their takeover lease, as
     /// `OwnedState::begin_serving` does when the owner starts serving.
     fn take_over(&mut self) {
+        self.take_over_from(false);
+    }
+
+    /// A takeover from an owner that was alive (`true`: a handover) or
+    /// crashed.
+    fn take_over_from(&mut self, live_owner: bool) {
         let settings = self.partition.settings().clone();
         let rows: Vec<crate::jobs::JobRow> = self.saved.values().cloned().collect();
         self.partition = AdmissionPartition::new(settings, rows, self.saved_seq, None, 0);
+        self.partition.handed_over_by_live_owner(live_owner);
         OwnedState::begin_serving(&mut self.partition, self.now_ms);
     }
 
@@ -985,6 +992,49 @@ fn an_unconfirmed_push_is_handed_back_after_a_takeover() {
     assert_eq!(
         state.history.records.last().map(|record| record.outcome.as_str()),
         Some("handed_back")
+    );
+}
+
+/// Handed over by a live owner (the group moved the partition, or took it
+/// from an owner that had resumed it after a kill), an unconfirmed push
+/// keeps the whole lease, not the stream end grace: that owner did not die
+/// with the push unsent, and the worker's first word may have been queued
+/// in it when it was fenced. Its lease still ends (handed back, no attempt
+/// used) when nobody hears from the worker.
+#[test]
+fn an_unconfirmed_push_handed_over_by_a_live_owner_keeps_the_whole_lease() {
+    let (hub, _reports) = crate::work::WorkerHub::new();
+    let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+    let mut harness = Harness::with_hub(Vec::new(), hub);
+    harness.apply(vec![Local::Dispatch]);
+    let job = harness.running_jobs().first().copied().expect("one push");
+    assert!(!harness.state(job).expect("active").confirmed);
+    harness.take_over_from(true);
+    let grace_ms = i64::try_from(
+        harness
+            .partition
+            .settings()
+            .config
+            .admission
+            .stream_end_grace
+            .0
+            .as_millis(),
+    )
+    .unwrap();
+    harness.now_ms += grace_ms + 1;
+    harness.apply(Vec::new());
+    assert_eq!(
+        harness.state(job).map(|state| (state.status, state.attempt)),
+        Some((Status::Running, 1)),
+        "a push handed over by a live owner lost its lease at the stream end grace"
+    );
+    harness.now_ms += 31_000 - grace_ms - 1;
+    harness.apply(Vec::new());
+    let state = harness.state(job).expect("active");
+    assert_eq!(
+        (state.attempt, state.attempts_used),
+        (2, 0),
+        "handed back, no attempt used"
     );
 }
 

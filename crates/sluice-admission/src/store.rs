@@ -158,13 +158,14 @@ impl OwnedStore for AdmissionStore {
         for batch in batches {
             crate::journal::replay(&mut rows, &mut created_rows, batch);
         }
-        let loaded = AdmissionPartition::new(
+        let mut loaded = AdmissionPartition::new(
             self.partition_settings(partition),
             rows.into_values(),
             journal_seq,
             snapshot_bytes,
             journal_bytes,
         );
+        loaded.handed_over_by_live_owner(context.previous_owner_alive);
         // Leases and re-send timers start when the owner serves
         // (`OwnedState::begin_serving`), not here.
         tracing::debug!(

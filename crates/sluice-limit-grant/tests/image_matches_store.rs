@@ -208,6 +208,7 @@ async fn the_image_loads_as_the_tables_do() -> anyhow::Result<()> {
             partition: 0,
             epoch: 1,
             clock: AnchoredClock::starting_at(NOW_MS),
+            previous_owner_alive: false,
         };
         let mut live = LimitPartition::new(topology().settings(0), 1);
         let mut image = SavedImage::default();

@@ -273,6 +273,7 @@ impl JobPartition {
             partition: 0,
             epoch: 1,
             clock: AnchoredClock::starting_at(NOW_MS),
+            previous_owner_alive: false,
         };
         let mut connection = pool.acquire().await?;
         let state = store.load(&mut connection, &context).await?;
@@ -380,6 +381,7 @@ async fn downstream(
         partition,
         epoch: 1,
         clock: AnchoredClock::starting_at(now_ms),
+        previous_owner_alive: false,
     };
     let (answer, inserted, _) = admission.enqueue(vec![incoming.clone()], OnConflict::Report).await?;
     let outcomes = answer.map_err(|conflict| format!("a conflict: {conflict:?}"))?;

@@ -3,7 +3,7 @@
 
 use sqlx::Connection;
 
-use super::task::{PartitionTask, Step, WATERMARKS_TIMEOUT};
+use super::task::{PartitionTask, Step, OWNER_ALIVE_WITHIN, WATERMARKS_TIMEOUT};
 use super::{bump_epoch, OwnedState, OwnedStore, OwnerContext};
 use crate::clock::AnchoredClock;
 use crate::fault::classify_sql;
@@ -65,6 +65,23 @@ impl<S: OwnedStore> PartitionTask<S> {
         provisional: bool,
     ) -> Result<(OwnerContext, S::State, i64), sqlx::Error> {
         let mut connection = self.pool.acquire().await?;
+        // A provisional owner resumes a partition whose owner was killed
+        // (its row may still look fresh); otherwise a row that moved within
+        // `OWNER_ALIVE_WITHIN` names an owner that is alive.
+        let previous_still_ms: Option<i64> = if provisional {
+            None
+        } else {
+            sqlx::query_scalar(
+                "SELECT (extract(epoch FROM now() - updated_at) * 1000)::bigint FROM owners
+                 WHERE partition = $1 AND owner_id <> $2",
+            )
+            .bind(partition)
+            .bind(&self.settings.owner_id)
+            .fetch_optional(&mut *connection)
+            .await?
+        };
+        let alive_within_ms = i64::try_from(OWNER_ALIVE_WITHIN.as_millis()).unwrap_or(i64::MAX);
+        let previous_owner_alive = previous_still_ms.is_some_and(|still_ms| still_ms < alive_within_ms);
         let (epoch, applied_offset) = bump_epoch(
             &mut connection,
             partition,
@@ -78,6 +95,7 @@ impl<S: OwnedStore> PartitionTask<S> {
             partition,
             epoch,
             clock,
+            previous_owner_alive,
         };
         let mut transaction = connection.begin().await?;
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")

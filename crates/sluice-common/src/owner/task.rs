@@ -135,7 +135,7 @@ const OWNER_SILENT_AFTER: Duration = Duration::from_secs(8);
 /// idle touches) waits for that owner to give it up before taking it over.
 /// A dead owner's row is stiller than this by the time the group
 /// reassigns its partitions (the session timeout, 6 s by default).
-const OWNER_ALIVE_WITHIN: Duration = Duration::from_secs(5);
+pub(super) const OWNER_ALIVE_WITHIN: Duration = Duration::from_secs(5);
 /// The longest a member waits for a live owner to give a partition up
 /// before it takes it over all the same.
 const HANDOVER_WAIT_MAX: Duration = Duration::from_secs(10);
