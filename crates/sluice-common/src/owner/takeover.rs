@@ -66,22 +66,27 @@ impl<S: OwnedStore> PartitionTask<S> {
     ) -> Result<(OwnerContext, S::State, i64), sqlx::Error> {
         let mut connection = self.pool.acquire().await?;
         // A provisional owner resumes a partition whose owner was killed
-        // (its row may still look fresh); otherwise a row that moved within
-        // `OWNER_ALIVE_WITHIN` names an owner that is alive.
-        let previous_still_ms: Option<i64> = if provisional {
+        // (its row may still look fresh). Otherwise the previous owner is
+        // alive and its pushes reached their streams when it is this process
+        // (a provisional or failed task of ours), or its row moved within
+        // `OWNER_ALIVE_WITHIN` and it did not release the partition: one
+        // that released it stopped (in order, or crashed and let go), and
+        // its streams ended with it.
+        let previous: Option<(String, bool, i64)> = if provisional {
             None
         } else {
-            sqlx::query_scalar(
-                "SELECT (extract(epoch FROM now() - updated_at) * 1000)::bigint FROM owners
-                 WHERE partition = $1 AND owner_id <> $2",
+            sqlx::query_as(
+                "SELECT owner_id, released, (extract(epoch FROM now() - updated_at) * 1000)::bigint
+                 FROM owners WHERE partition = $1",
             )
             .bind(partition)
-            .bind(&self.settings.owner_id)
             .fetch_optional(&mut *connection)
             .await?
         };
         let alive_within_ms = i64::try_from(OWNER_ALIVE_WITHIN.as_millis()).unwrap_or(i64::MAX);
-        let previous_owner_alive = previous_still_ms.is_some_and(|still_ms| still_ms < alive_within_ms);
+        let previous_owner_alive = previous.is_some_and(|(owner_id, released, still_ms)| {
+            owner_id == self.settings.owner_id || (!released && still_ms < alive_within_ms)
+        });
         let (epoch, applied_offset) = bump_epoch(
             &mut connection,
             partition,

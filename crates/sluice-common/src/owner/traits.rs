@@ -15,8 +15,9 @@ pub struct OwnerContext {
     pub partition: i32,
     pub epoch: i64,
     pub clock: AnchoredClock,
-    /// The owner this one took the partition from was alive (its row moved
-    /// within the last few seconds, and it was not resumed after a kill): a
+    /// The owner this one took the partition from was alive (this process,
+    /// or one whose row moved within the last few seconds and that had not
+    /// released the partition; never when resuming after a kill): a
     /// handover, not a crash. What it sent after its commits reached their
     /// streams, which its live instance still holds.
     pub previous_owner_alive: bool,
