@@ -205,6 +205,20 @@ impl Harness {
         OwnedState::begin_serving(&mut self.partition, self.now_ms);
     }
 
+    /// `admission.stream_end_grace` in milliseconds.
+    fn stream_end_grace_ms(&self) -> i64 {
+        i64::try_from(
+            self.partition
+                .settings()
+                .config
+                .admission
+                .stream_end_grace
+                .0
+                .as_millis(),
+        )
+        .unwrap()
+    }
+
     /// The jobs running now (claimed or pushed), in job order.
     fn running_jobs(&self) -> Vec<usize> {
         (0..JOBS)
@@ -942,17 +956,7 @@ fn a_takeover_keeps_a_confirmed_push_confirmed() {
     // Received by its worker: the whole lease from the takeover, not the
     // stream end grace a push nobody confirmed gets (its worker's word may
     // take longer than that to reach a new owner busy with its takeover).
-    let grace_ms = i64::try_from(
-        harness
-            .partition
-            .settings()
-            .config
-            .admission
-            .stream_end_grace
-            .0
-            .as_millis(),
-    )
-    .unwrap();
+    let grace_ms = harness.stream_end_grace_ms();
     harness.now_ms += grace_ms + 1;
     harness.apply(Vec::new());
     assert_eq!(
@@ -1010,17 +1014,7 @@ fn an_unconfirmed_push_handed_over_by_a_live_owner_keeps_the_whole_lease() {
     let job = harness.running_jobs().first().copied().expect("one push");
     assert!(!harness.state(job).expect("active").confirmed);
     harness.take_over_from(true);
-    let grace_ms = i64::try_from(
-        harness
-            .partition
-            .settings()
-            .config
-            .admission
-            .stream_end_grace
-            .0
-            .as_millis(),
-    )
-    .unwrap();
+    let grace_ms = harness.stream_end_grace_ms();
     harness.now_ms += grace_ms + 1;
     harness.apply(Vec::new());
     assert_eq!(
@@ -1055,17 +1049,7 @@ fn a_lease_does_not_end_while_requests_received_before_it_wait() {
         panic!("two pushes: {pushed:?}");
     };
     harness.take_over();
-    let grace_ms = i64::try_from(
-        harness
-            .partition
-            .settings()
-            .config
-            .admission
-            .stream_end_grace
-            .0
-            .as_millis(),
-    )
-    .unwrap();
+    let grace_ms = harness.stream_end_grace_ms();
     let lease_ms = harness.state(completed).expect("active").lease_ms;
     harness.now_ms += grace_ms + 1;
     OwnedState::requests_queued(&mut harness.partition, true);

@@ -153,6 +153,27 @@ pub enum PartitionTaskError {
     Stopped { partition: i32, reason: String },
 }
 
+/// A partition task's end: its partition and outcome.
+pub(super) type TaskEnd = (i32, Result<(), PartitionTaskError>);
+
+/// Run a partition task, reporting its end (a panic as a failure) to `done`.
+pub(super) fn spawn_partition_task(
+    task: BoxFuture<'static, Result<(), PartitionTaskError>>,
+    partition: i32,
+    done: mpsc::UnboundedSender<TaskEnd>,
+) {
+    tokio::spawn(async move {
+        let outcome = match std::panic::AssertUnwindSafe(task).catch_unwind().await {
+            Ok(outcome) => outcome,
+            Err(panic) => Err(PartitionTaskError::Stopped {
+                partition,
+                reason: format!("panicked: {}", crate::fault::panic_message(panic.as_ref())),
+            }),
+        };
+        let _ = done.send((partition, outcome));
+    });
+}
+
 /// A partition this instance's previous run owned when it died, and where
 /// to read its input from (`PartitionTaskFactory::orphans`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

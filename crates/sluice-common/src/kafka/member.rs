@@ -5,7 +5,6 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
@@ -15,6 +14,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::consumer::{member_consumer, task_condition, FenceRetakes, MemberEnd, Restart, RESTART_FIRST, RESTART_MAX};
+use super::input::{spawn_partition_task, TaskEnd};
 use super::queues::{
     mark_at_end, message_cost, note_first_offset, park, pause_or_resume, read_split_queue, split_partition_queues,
     Parked, ParkedTask, SplitQueue, SplitReader,
@@ -56,7 +56,7 @@ impl Running {
     }
 }
 
-type Finished = (i32, Result<(), PartitionTaskError>);
+type Finished = TaskEnd;
 /// (partition, park session, messages forwarded): a parked partition's
 /// forwarder has handed over everything it was given.
 type CaughtUp = (i32, u64, u64);
@@ -263,17 +263,7 @@ impl Member<'_> {
                 topic_attribute: self.topic_attribute.clone(),
             })));
         }
-        let finished = self.finished.clone();
-        tokio::spawn(async move {
-            let outcome = match std::panic::AssertUnwindSafe(task).catch_unwind().await {
-                Ok(outcome) => outcome,
-                Err(panic) => Err(PartitionTaskError::Stopped {
-                    partition,
-                    reason: format!("panicked: {}", crate::fault::panic_message(panic.as_ref())),
-                }),
-            };
-            let _ = finished.send((partition, outcome));
-        });
+        spawn_partition_task(task, partition, self.finished.clone());
         tracing::debug!(topic = %self.topic, partition, "partition task started");
         self.running.insert(
             partition,

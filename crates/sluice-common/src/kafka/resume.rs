@@ -9,21 +9,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::FutureExt;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::input::{spawn_partition_task, TaskEnd};
 use super::queues::message_cost;
 use super::{
-    Assignments, InMsg, KafkaPlumbingError, OffsetStore, Orphan, PartitionInput, PartitionMessages, PartitionTaskError,
+    Assignments, InMsg, KafkaPlumbingError, OffsetStore, Orphan, PartitionInput, PartitionMessages,
     PartitionTaskFactory,
 };
 
 /// A provisional task's end, as the member hears of it.
-pub(super) type ResumedEnd = (i32, Result<(), PartitionTaskError>);
+pub(super) type ResumedEnd = TaskEnd;
 
 /// What a member keeps of a resumed partition while its task runs.
 pub(super) struct Resumed {
@@ -86,18 +86,7 @@ pub(super) fn start_resumed(
         buffer_bytes: settings.buffer_bytes,
         stop: settings.stop.clone(),
     }));
-    let task = factory.start(input);
-    let done = settings.done;
-    tokio::spawn(async move {
-        let outcome = match std::panic::AssertUnwindSafe(task).catch_unwind().await {
-            Ok(outcome) => outcome,
-            Err(panic) => Err(PartitionTaskError::Stopped {
-                partition,
-                reason: format!("panicked: {}", crate::fault::panic_message(panic.as_ref())),
-            }),
-        };
-        let _ = done.send((partition, outcome));
-    });
+    spawn_partition_task(factory.start(input), partition, settings.done);
     tracing::info!(
         %topic,
         partition,
