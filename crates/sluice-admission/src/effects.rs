@@ -38,6 +38,9 @@ pub struct Routes {
     pub jobs_partitions: i32,
     pub deadletter: Arc<str>,
     pub admitted: HashMap<String, Arc<str>>,
+    /// `kafka.partitions.admitted`: where an admitted message's key puts it
+    /// (`partition/overtaken.rs`).
+    pub admitted_partitions: i32,
     pub max_message_bytes: usize,
     /// `admission.claim_timeout`: an admitted job published again this long
     /// after its admission goes to another partition (`admitted_key`).
@@ -56,6 +59,7 @@ impl Routes {
                 .keys()
                 .map(|group| (group.clone(), Arc::from(config.admitted_topic(group))))
                 .collect(),
+            admitted_partitions: config.kafka.partitions.admitted,
             max_message_bytes: config.kafka.max_message_bytes,
             claim_timeout_ms: i64::try_from(config.claim_timeout().0.as_millis()).unwrap_or(i64::MAX),
         }
@@ -72,7 +76,7 @@ impl Routes {
         for effect in effects {
             match effect {
                 Effect::Acquire => self.push_acquire(outbox, job, now_ms),
-                Effect::Admitted => self.push_admitted(outbox, job, now_ms),
+                Effect::Admitted => self.push_admitted(outbox, job, now_ms, 0),
                 Effect::Release {
                     attempt,
                     steps,
@@ -268,7 +272,26 @@ impl Routes {
         }
     }
 
-    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow, now_ms: i64) {
+    /// The key of `job`'s admitted message published at `now_ms`, its
+    /// re-send number raised by `salt` (`partition/overtaken.rs`). Keyed by
+    /// attempt: a job handed back (a new attempt) may land on another
+    /// worker's partition instead of the one that gave it back. Published
+    /// again because nobody claimed it within the claim timeout, it is keyed
+    /// by how many claim timeouts passed too: the partition it sat on may
+    /// have no live consumer (a worker that hangs while its client still
+    /// heartbeats holds its partitions until `max.poll.interval.ms`; a group
+    /// slow to reassign a dead worker's).
+    pub fn admitted_key_of(&self, job: &JobRow, now_ms: i64, salt: u32) -> String {
+        let resends = job.state.admitted_at_ms.map_or(0, |admitted_at| {
+            now_ms.saturating_sub(admitted_at) / self.claim_timeout_ms.max(1)
+        });
+        let resends = u32::try_from(resends).unwrap_or(u32::MAX).saturating_add(salt);
+        admitted_key(&job.state.job_id, job.state.attempt, resends)
+    }
+
+    /// Publish the admitted job, its key's re-send number raised by `salt`
+    /// (`admitted_key_of`).
+    pub fn push_admitted(&self, outbox: &mut Outbox, job: &JobRow, now_ms: i64, salt: u32) {
         let Some(topic) = self.admitted.get(&job.task_group) else {
             tracing::error!(job_id = %job.state.job_id, task_group = %job.task_group, "no admitted topic for task group");
             return;
@@ -276,21 +299,10 @@ impl Routes {
         let admitted = self.admitted_job(job, now_ms);
         let mut headers = trace_headers(&job.trace);
         headers.push(("content-type".to_string(), b"application/x-protobuf".to_vec()));
-        // Keyed by attempt: a job handed back (a new attempt) may land on
-        // another worker's partition instead of the one that gave it back.
-        // Published again because nobody claimed it within the claim
-        // timeout, it is keyed by how many claim timeouts passed too: the
-        // partition it sat on may have no live consumer (a worker that hangs
-        // while its client still heartbeats holds its partitions until
-        // `max.poll.interval.ms`; a group slow to reassign a dead worker's).
-        let resends = job.state.admitted_at_ms.map_or(0, |admitted_at| {
-            now_ms.saturating_sub(admitted_at) / self.claim_timeout_ms.max(1)
-        });
-        let resends = u32::try_from(resends).unwrap_or(u32::MAX);
         outbox.push(OutMsg {
             topic: topic.clone(),
             partition: None,
-            key: Some(admitted_key(&job.state.job_id, job.state.attempt, resends).into_bytes()),
+            key: Some(self.admitted_key_of(job, now_ms, salt).into_bytes()),
             payload: admitted.encode_to_vec(),
             headers,
         });

@@ -129,6 +129,7 @@ pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults, hub: Arc<
         timing: Timing {
             resend_waiting_after_ms: config.resend_waiting_after().as_millis_i64(),
             claim_timeout_ms: config.claim_timeout().as_millis_i64(),
+            claim_overtaken_after_ms: config.claim_overtaken_after().as_millis_i64(),
         },
         stand_behind_interval_ms: config.admission.stand_behind_interval.as_millis_i64(),
         ticket_grace_ms: config.limit_grant.ticket_grace.as_millis_i64(),

@@ -32,6 +32,7 @@ mod active;
 mod enqueue;
 mod grants;
 mod local;
+mod overtaken;
 mod spans;
 mod time;
 mod worker;
@@ -296,6 +297,10 @@ pub struct AdmissionPartition {
     unclaimed: HashMap<String, VecDeque<String>>,
     /// Entries `unclaimed` kept at its last compaction.
     unclaimed_kept: usize,
+    /// Admitted jobs published to their task group's topic and not claimed
+    /// yet: published again when jobs published after them are claimed
+    /// first (`overtaken`).
+    overtaken: overtaken::Overtaken,
     /// Jobs the batch being decided claimed for stream workers, by session.
     pushes: HashMap<u64, Push>,
     /// The time the batch being decided is decided at.
@@ -353,6 +358,7 @@ impl AdmissionPartition {
             changes: HashMap::default(),
             unclaimed: HashMap::default(),
             unclaimed_kept: 0,
+            overtaken: overtaken::Overtaken::default(),
             pushes: HashMap::default(),
             now_ms: 0,
             crash_after_commit: false,
@@ -620,7 +626,11 @@ impl OwnedState for AdmissionPartition {
             return Some(0);
         }
         let timer = self.timers.first().map(|(due, _)| *due);
-        Some(timer.map_or(self.next_stand_behind_ms, |due| due.min(self.next_stand_behind_ms)))
+        let overtaken = self
+            .overtaken
+            .next_due_ms(self.settings.timing.claim_overtaken_after_ms);
+        let next = timer.map_or(self.next_stand_behind_ms, |due| due.min(self.next_stand_behind_ms));
+        Some(overtaken.map_or(next, |due| due.min(next)))
     }
 }
 

@@ -1121,6 +1121,73 @@ fn an_unclaimed_job_is_published_again_under_a_new_key_each_claim_timeout() {
     assert_ne!(expected(1), expected(0), "a re-send's key is its first publish's");
 }
 
+/// An admitted job that sits on its topic while a job of its task group
+/// published after it is claimed (the worker that consumes its partition
+/// was killed, and the group has not noticed) is published again under a
+/// new key once it has been out `claim_overtaken_after`, not only after the
+/// claim timeout: the chaos run's Kafka workers left keys idle for 30–36 s,
+/// a claim timeout, this way (issue 29). Nothing is published again while
+/// no later job was claimed.
+#[test]
+fn an_admitted_job_overtaken_by_a_later_one_claimed_is_published_again_under_a_new_key() {
+    let mut harness = Harness::new();
+    let config = harness.partition.settings().config.clone();
+    let overtaken_after_ms = harness.partition.settings().timing.claim_overtaken_after_ms;
+    assert!(overtaken_after_ms > 1_000, "{overtaken_after_ms}");
+    let admitted_keys = |outbox: Outbox| -> Vec<String> {
+        let mut keys: Vec<String> = outbox
+            .into_messages()
+            .into_iter()
+            .filter(|message| message.topic.contains("admitted"))
+            .filter_map(|message| message.key.map(|key| String::from_utf8_lossy(&key).to_string()))
+            .collect();
+        keys.sort();
+        keys
+    };
+    // A later job, published a second after the first three, and claimed.
+    harness.now_ms += 1_000;
+    assert!(enqueue_one(&mut harness, &config, "acme", "later").is_ok());
+    harness.now_ms += overtaken_after_ms;
+    assert_eq!(
+        admitted_keys(harness.apply_sending(Vec::new())),
+        Vec::<String>::new(),
+        "no job published after them was claimed yet"
+    );
+    // The claim's own batch publishes them again (its timers run last).
+    let (reply, mut claimed) = oneshot::channel();
+    let outbox = harness.apply_sending(vec![Local::Claim {
+        worker_id: "w".to_string(),
+        attempts: vec![("later".to_string(), 1)],
+        scope: sluice_common::auth::JobScope::All,
+        reply,
+    }]);
+    assert_eq!(
+        claimed.try_recv().expect("answered")[0].outcome,
+        pb::ClaimOutcome::Claimed as i32
+    );
+    // Each under a new key that lands where the later job was claimed from
+    // (its consumer is alive), unless that is where it sat already.
+    let partitions = harness.partition.settings().routes.admitted_partitions;
+    let partition = |key: &str| super::overtaken::admitted_partition(key.as_bytes(), partitions);
+    let live = partition("later/1");
+    let keys = admitted_keys(outbox);
+    assert_eq!(keys.len(), JOBS, "{keys:?}");
+    for job in 0..JOBS {
+        let first = crate::effects::admitted_key(&job_id(job), 1, 0);
+        let again = keys
+            .iter()
+            .find(|key| key.starts_with(&format!("{}/1/", job_id(job))))
+            .unwrap_or_else(|| panic!("{} not published again: {keys:?}", job_id(job)));
+        if partition(&first) != live {
+            assert_eq!(partition(again), live, "{again}");
+        }
+    }
+    harness.now_ms += 1;
+    // Published again a second time at most once more each, then only at
+    // claim timeouts.
+    assert_eq!(admitted_keys(harness.apply_sending(Vec::new())), Vec::<String>::new());
+}
+
 /// A push handed back as lost on its way whose worker did run it: its
 /// success, reported late (the 100,000-job backlog run: completions that
 /// waited 6.7 s inside the new owner's instance), ends the job if the next

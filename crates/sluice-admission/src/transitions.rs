@@ -86,6 +86,10 @@ pub const RESENDS_PER_SECOND_PER_PARTITION: i64 = 1_000;
 pub struct Timing {
     pub resend_waiting_after_ms: i64,
     pub claim_timeout_ms: i64,
+    /// An admitted job published this long ago, and overtaken by a job of
+    /// its task group published later and claimed, is published again
+    /// (`partition/overtaken.rs`).
+    pub claim_overtaken_after_ms: i64,
 }
 
 /// A `Work` stream ended while the attempts it carried ran
@@ -522,6 +526,7 @@ mod tests {
     const TIMING: Timing = Timing {
         resend_waiting_after_ms: 5_000,
         claim_timeout_ms: 60_000,
+        claim_overtaken_after_ms: 3_000,
     };
 
     #[test]
@@ -558,6 +563,7 @@ mod tests {
         let timing = Timing {
             resend_waiting_after_ms: 5_000,
             claim_timeout_ms: 60_000,
+            claim_overtaken_after_ms: 3_000,
         };
         let mut pushed = job(Status::Running);
         pushed.step = 3;

@@ -140,6 +140,16 @@ impl SluiceConfig {
         self.admission.claim_timeout.unwrap_or_else(|| self.session_timeouts(5))
     }
 
+    /// When an admitted job that sits unclaimed on its task group's topic
+    /// while a job of the group published after it was claimed is published
+    /// again under a new key (its partition's consumer is dead or behind; at
+    /// most twice per attempt): `kafka.session_timeout_ms / 2` (3 s), long
+    /// enough that consumers of a healthy group, which read their partitions
+    /// at about the same pace, are not taken for stuck.
+    pub fn claim_overtaken_after(&self) -> HumanDuration {
+        HumanDuration(Duration::from_millis(u64::from(self.kafka.session_timeout_ms) / 2))
+    }
+
     /// `times` × `kafka.session_timeout_ms`.
     fn session_timeouts(&self, times: u64) -> HumanDuration {
         HumanDuration(Duration::from_millis(times * u64::from(self.kafka.session_timeout_ms)))

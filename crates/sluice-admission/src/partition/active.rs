@@ -19,6 +19,7 @@ use crate::journal::{JobChange, JobDynamic, JournalBatch, Snapshot, SnapshotJob}
 use crate::transitions::{self, Effect, JobState, Status};
 use crate::work::Push;
 
+use super::overtaken;
 use super::spans::SCOPE;
 use super::{Active, AdmissionPartition, AdmissionWrites, Out, MIN_JOURNAL_BEFORE_SNAPSHOT, UNCLAIMED_COMPACT_FROM};
 
@@ -105,6 +106,7 @@ impl AdmissionPartition {
             self.payload_bytes = self.payload_bytes.saturating_sub(active.row.payload.len());
         }
         self.awaiting_payload.remove(job_id);
+        self.overtaken.forget(job_id);
         let entry = self.changes.entry(job_id.to_string()).or_insert_with(|| JobChange {
             job_id: job_id.to_string(),
             ..Default::default()
@@ -178,7 +180,16 @@ impl AdmissionPartition {
         // handler span hangs below it.
         let published = self.with_admitted_span(job_id);
         if let Some(published) = published {
-            self.settings.routes.push_admitted(out.outbox, &published, self.now_ms);
+            let routes = &self.settings.routes;
+            let now_ms = self.now_ms;
+            let partition_of = |salt: u32| {
+                let key = routes.admitted_key_of(&published, now_ms, salt);
+                overtaken::admitted_partition(key.as_bytes(), routes.admitted_partitions)
+            };
+            let salt = self.overtaken.salt(&task_group, job_id, partition_of);
+            let partition = partition_of(salt);
+            self.overtaken.published(&task_group, job_id, now_ms, salt, partition);
+            routes.push_admitted(out.outbox, &published, now_ms, salt);
         }
     }
 
@@ -267,6 +278,14 @@ impl AdmissionPartition {
             state.due_at_ms = transitions::running_due_at(state);
         });
         self.awaiting_payload.remove(job_id);
+        if confirmed {
+            // A worker's own claim: its group's consumers got this far.
+            if let Some(active) = self.jobs.get(job_id) {
+                self.overtaken.claimed(&active.row.task_group, job_id);
+            }
+        } else {
+            self.overtaken.forget(job_id);
+        }
         true
     }
 

@@ -45,6 +45,18 @@ impl AdmissionPartition {
             }
             self.after_transition(&job_id, &effects, out);
         }
+        for job_id in self.overtaken.due(now_ms, timing.claim_overtaken_after_ms) {
+            let admitted = self
+                .jobs
+                .get(&job_id)
+                .is_some_and(|active| active.row.state.status == Status::Admitted);
+            if admitted {
+                tracing::debug!(%job_id, "a job of its task group published later was claimed first: publishing it again under a new key");
+                self.publish_admitted(&job_id, out);
+            } else {
+                self.overtaken.forget(&job_id);
+            }
+        }
         if now_ms >= self.next_stand_behind_ms {
             self.next_stand_behind_ms = now_ms + self.settings.stand_behind_interval_ms;
             self.stand_behind(now_ms, out.outbox);

@@ -56,6 +56,10 @@ fn create_producer(kafka: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
         // framing.
         .set("message.max.bytes", (kafka.max_message_bytes + 65_536).to_string())
         .set("queue.buffering.max.messages", "1000000")
+        // librdkafka's default, named: admission picks the key of an
+        // admitted job published again so that it lands on a partition a
+        // live worker consumes (sluice-admission's partition/overtaken.rs).
+        .set("partitioner", "consistent_random")
         .set("message.timeout.ms", "30000");
     apply_producer_properties(&mut client, kafka);
     client.create()

@@ -1,0 +1,323 @@
+//! Admitted jobs overtaken on their task group's topic. A job published to
+//! `jobs.admitted.<group>` sits on one Kafka partition until the worker
+//! that consumes it claims it. When that worker was killed, the partition
+//! has no live consumer until the workers' group notices (a session
+//! timeout, then a rebalance: 45 s with librdkafka's default session;
+//! 14–33 s measured on tansu after a kill, and one partition nobody was
+//! given for 33 s), and until then the job holds its limits' tickets while
+//! nothing runs (issue 29). `claim_timeout` (30 s) is the backstop for
+//! that; this is the event that shows it sooner: a job of the same task
+//! group published *later* was claimed while this one, out for
+//! `claim_overtaken_after_ms` already, was not. Its consumer is dead or
+//! behind, and the job is published again, at most `MAX_OVERTAKEN_RESENDS`
+//! times per attempt (then every `claim_timeout` as before). Whichever copy
+//! is claimed first wins; the other is answered `TAKEN` or `STALE`.
+//!
+//! The copy goes to a partition whose consumer is known to be alive: one
+//! where a job published after the stuck one was claimed. Admission leaves
+//! the partition to the producer's partitioner (librdkafka's
+//! `consistent_random`: CRC-32 of the key modulo the partition count), so it
+//! picks the key's re-send number that lands there (`admitted_partition`).
+//! A key merely changed lands anywhere, the dead partition included: in a
+//! chaos run, two jobs whose first four keys all hashed to the partition
+//! nobody consumed waited 26 s.
+//!
+//! In memory only: a new owner publishes every admitted job again at its
+//! takeover and starts this over.
+
+use std::collections::VecDeque;
+
+use sluice_common::hash::HashMap;
+
+/// How many times one attempt is published again because it was overtaken.
+pub const MAX_OVERTAKEN_RESENDS: u32 = 2;
+
+/// How many re-send numbers to try for a key that lands on the partition
+/// picked (with `n` partitions one in `n` does: 64 tries miss with 6
+/// partitions about once in 10^5).
+const KEY_TRIES: u32 = 64;
+
+/// Queues shorter than this are never compacted.
+const COMPACT_FROM: usize = 1024;
+
+/// A job published to its task group's topic and not claimed yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Published {
+    at_ms: i64,
+    /// The partition the producer puts it on (`admitted_partition`).
+    partition: i32,
+    /// How many times it was published again because it was overtaken.
+    overtaken: u32,
+    /// What its key's re-send number adds to the claim timeouts passed.
+    salt: u32,
+    /// `due` found it overtaken: its next publish aims at a live partition.
+    retarget: bool,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Overtaken {
+    /// Jobs published and not claimed, by id.
+    jobs: HashMap<String, Published>,
+    /// Per task group: (published at, job id), oldest first; an entry whose
+    /// job was claimed or published again since is skipped.
+    queues: HashMap<String, VecDeque<(i64, String)>>,
+    /// Per task group and partition: the latest publish time of a job
+    /// claimed from it (its consumer got that far).
+    claimed: HashMap<String, HashMap<i32, i64>>,
+}
+
+/// The partition librdkafka's default partitioner (`consistent_random`)
+/// puts a message with `key` on: CRC-32 (IEEE, as zlib's) of the key modulo
+/// the partition count.
+pub fn admitted_partition(key: &[u8], partitions: i32) -> i32 {
+    let partitions = u32::try_from(partitions.max(1)).unwrap_or(1);
+    i32::try_from(crc32(key) % partitions).unwrap_or(0)
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = u32::MAX;
+    for byte in bytes {
+        crc ^= u32::from(*byte);
+        for _ in 0..8 {
+            let mask = (crc & 1).wrapping_neg();
+            crc = (crc >> 1) ^ (0xEDB8_8320 & mask);
+        }
+    }
+    !crc
+}
+
+impl Overtaken {
+    /// The re-send number to add to `job_id`'s key for its next publish.
+    /// `partition_of(salt)` says where the key with `salt` lands. A job
+    /// `due` found overtaken gets the first salt past its last whose key
+    /// lands on a live partition of `task_group` (one a job published after
+    /// it was claimed from, not its own), picked by the job id; any other
+    /// keeps its salt.
+    pub fn salt(&self, task_group: &str, job_id: &str, partition_of: impl Fn(u32) -> i32) -> u32 {
+        let Some(published) = self.jobs.get(job_id) else {
+            return 0;
+        };
+        if !published.retarget {
+            return published.salt;
+        }
+        let mut live: Vec<i32> = self
+            .claimed
+            .get(task_group)
+            .map(|partitions| {
+                partitions
+                    .iter()
+                    .filter(|(partition, newest)| **newest > published.at_ms && **partition != published.partition)
+                    .map(|(partition, _)| *partition)
+                    .collect()
+            })
+            .unwrap_or_default();
+        live.sort_unstable();
+        let next = published.salt.saturating_add(1);
+        if live.is_empty() {
+            return next;
+        }
+        let pick = usize::try_from(crc32(job_id.as_bytes())).unwrap_or(0) % live.len();
+        let target = live[pick];
+        (next..next.saturating_add(KEY_TRIES))
+            .find(|salt| partition_of(*salt) == target)
+            .unwrap_or(next)
+    }
+
+    /// `job_id` was published to `task_group`'s topic at `now_ms`, with
+    /// `salt` in its key, on `partition`.
+    pub fn published(&mut self, task_group: &str, job_id: &str, now_ms: i64, salt: u32, partition: i32) {
+        let overtaken = self.jobs.get(job_id).map_or(0, |published| published.overtaken);
+        self.jobs.insert(
+            job_id.to_string(),
+            Published {
+                at_ms: now_ms,
+                partition,
+                overtaken,
+                salt,
+                retarget: false,
+            },
+        );
+        let queue = self.queues.entry(task_group.to_string()).or_default();
+        queue.push_back((now_ms, job_id.to_string()));
+        if queue.len() >= COMPACT_FROM && queue.len() > 2 * self.jobs.len() {
+            let jobs = &self.jobs;
+            queue.retain(|(at_ms, job_id)| jobs.get(job_id).is_some_and(|published| published.at_ms == *at_ms));
+        }
+    }
+
+    /// `job_id` was claimed (or pushed to a stream worker, or left the
+    /// partition): it is no longer waiting on the topic. A claim through
+    /// `Claim` shows that the consumer of its partition got as far as its
+    /// publish.
+    pub fn claimed(&mut self, task_group: &str, job_id: &str) {
+        let Some(published) = self.jobs.remove(job_id) else {
+            return;
+        };
+        let newest = self
+            .claimed
+            .entry(task_group.to_string())
+            .or_default()
+            .entry(published.partition)
+            .or_insert(published.at_ms);
+        *newest = (*newest).max(published.at_ms);
+    }
+
+    /// Forget the job without counting it as claimed.
+    pub fn forget(&mut self, job_id: &str) {
+        self.jobs.remove(job_id);
+    }
+
+    /// The jobs overtaken by `now_ms`, oldest first: published at least
+    /// `after_ms` ago, before a job of their task group that was claimed,
+    /// and published again fewer than `MAX_OVERTAKEN_RESENDS` times. Each
+    /// is counted as published again once more, and its next publish aims
+    /// at a live partition (publish it: `salt`, then `published`).
+    pub fn due(&mut self, now_ms: i64, after_ms: i64) -> Vec<String> {
+        let mut due = Vec::new();
+        let Overtaken { jobs, queues, claimed } = self;
+        for (task_group, queue) in queues.iter_mut() {
+            let newest = claimed
+                .get(task_group)
+                .and_then(|partitions| partitions.values().max().copied());
+            while let Some((at_ms, job_id)) = queue.front() {
+                let at_ms = *at_ms;
+                let Some(published) = jobs.get_mut(job_id).filter(|published| published.at_ms == at_ms) else {
+                    queue.pop_front();
+                    continue;
+                };
+                let overtaken = newest.is_some_and(|newest| newest > at_ms) && at_ms.saturating_add(after_ms) <= now_ms;
+                if !overtaken {
+                    break;
+                }
+                if published.overtaken < MAX_OVERTAKEN_RESENDS {
+                    published.overtaken += 1;
+                    published.retarget = true;
+                    due.push(job_id.clone());
+                }
+                queue.pop_front();
+            }
+        }
+        due
+    }
+
+    /// When `due` may next find a job: the oldest live entry of a task
+    /// group with a claim published after it, `after_ms` after its publish.
+    pub fn next_due_ms(&self, after_ms: i64) -> Option<i64> {
+        self.queues
+            .iter()
+            .filter_map(|(task_group, queue)| {
+                let newest = self.claimed.get(task_group)?.values().max().copied()?;
+                let (at_ms, _) = queue.front()?;
+                (newest > *at_ms).then(|| at_ms.saturating_add(after_ms))
+            })
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Publish as the partition does: the salt `salt` picks, on the
+    /// partition `key(salt)` lands on.
+    fn publish(overtaken: &mut Overtaken, job_id: &str, now_ms: i64) -> (u32, i32) {
+        let partition_of = |salt: u32| admitted_partition(format!("{job_id}/1/{salt}").as_bytes(), 6);
+        let salt = overtaken.salt("g", job_id, partition_of);
+        let partition = partition_of(salt);
+        overtaken.published("g", job_id, now_ms, salt, partition);
+        (salt, partition)
+    }
+
+    #[test]
+    fn the_partition_is_librdkafkas_consistent_random() {
+        // Where tansu put these keys, published by librdkafka (a chaos
+        // run's worker log), and zlib's CRC-32 of them modulo 6.
+        assert_eq!(admitted_partition(b"chaos-4289/1", 6), 3);
+        assert_eq!(admitted_partition(b"chaos-4289/1/3", 6), 5);
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    #[test]
+    fn a_job_is_overtaken_only_by_a_later_publish_claimed_and_only_after_the_wait() {
+        let mut overtaken = Overtaken::default();
+        publish(&mut overtaken, "stuck", 1_000);
+        publish(&mut overtaken, "same-time", 1_000);
+        overtaken.published("other", "elsewhere", 1_000, 0, 0);
+        publish(&mut overtaken, "later", 1_500);
+        assert_eq!(overtaken.next_due_ms(3_000), None, "nothing claimed yet");
+        assert!(overtaken.due(10_000, 3_000).is_empty());
+        overtaken.claimed("g", "same-time");
+        assert!(
+            overtaken.due(10_000, 3_000).is_empty(),
+            "a claim published at the same time overtakes nothing"
+        );
+        overtaken.claimed("g", "later");
+        assert_eq!(overtaken.next_due_ms(3_000), Some(4_000));
+        assert!(overtaken.due(3_999, 3_000).is_empty(), "out for less than the wait");
+        assert_eq!(overtaken.due(4_000, 3_000), vec!["stuck".to_string()]);
+        assert!(
+            overtaken
+                .jobs
+                .get("elsewhere")
+                .is_some_and(|published| !published.retarget),
+            "another task group's claims overtake nothing there"
+        );
+    }
+
+    /// The copy lands on a partition whose consumer claimed a job published
+    /// after the stuck one, never on the stuck one's own.
+    #[test]
+    fn an_overtaken_job_is_published_again_to_a_partition_whose_consumer_is_alive() {
+        for stuck in (0..200).map(|job| format!("stuck-{job}")) {
+            let mut overtaken = Overtaken::default();
+            let (_, dead) = publish(&mut overtaken, &stuck, 0);
+            // Later jobs on every partition; those off the dead one claimed.
+            let mut live = Vec::new();
+            for job in (0..60).map(|job| format!("later-{job}")) {
+                let (_, partition) = publish(&mut overtaken, &job, 10);
+                if partition != dead {
+                    overtaken.claimed("g", &job);
+                    live.push(partition);
+                }
+            }
+            assert_eq!(overtaken.due(3_000, 3_000), vec![stuck.clone()]);
+            let (salt, partition) = publish(&mut overtaken, &stuck, 3_000);
+            assert!(salt >= 1, "a new key");
+            assert_ne!(
+                partition, dead,
+                "{stuck}: published again to the partition nobody consumes"
+            );
+            assert!(
+                live.contains(&partition),
+                "{stuck}: {partition} is not known to be consumed"
+            );
+        }
+    }
+
+    #[test]
+    fn an_attempt_is_published_again_at_most_twice_for_being_overtaken() {
+        let mut overtaken = Overtaken::default();
+        publish(&mut overtaken, "stuck", 0);
+        let mut now = 0;
+        let mut times = 0;
+        let mut salts = vec![0];
+        for round in 1..=5 {
+            let claimed = format!("claimed-{round}");
+            publish(&mut overtaken, &claimed, now + 1);
+            overtaken.claimed("g", &claimed);
+            now += 3_000;
+            for job in overtaken.due(now, 3_000) {
+                assert_eq!(job, "stuck");
+                times += 1;
+                salts.push(publish(&mut overtaken, &job, now).0);
+            }
+        }
+        assert_eq!(times, MAX_OVERTAKEN_RESENDS);
+        assert!(
+            salts.windows(2).all(|pair| pair[0] < pair[1]),
+            "each copy under a new key: {salts:?}"
+        );
+        overtaken.claimed("g", "stuck");
+        assert!(!overtaken.jobs.contains_key("stuck"), "claimed: forgotten");
+    }
+}
