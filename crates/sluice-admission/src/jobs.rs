@@ -174,6 +174,7 @@ impl JobRow {
             confirmed: false,
             heard_at_ms: None,
             pushed: false,
+            stream_ended_at_ms: None,
         };
         Ok(JobRow {
             state,

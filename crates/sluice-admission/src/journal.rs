@@ -49,6 +49,9 @@ pub struct JobDynamic {
     /// claim, a heartbeat), to this owner or an earlier one.
     #[prost(bool, tag = "15")]
     pub confirmed: bool,
+    /// `JobState::stream_ended_at_ms`.
+    #[prost(int64, optional, tag = "16")]
+    pub stream_ended_at_ms: Option<i64>,
 }
 
 impl JobDynamic {
@@ -69,6 +72,7 @@ impl JobDynamic {
             finished_at_ms: state.finished_at_ms,
             pushed: state.pushed,
             confirmed: state.confirmed,
+            stream_ended_at_ms: state.stream_ended_at_ms,
         }
     }
 
@@ -89,6 +93,7 @@ impl JobDynamic {
         state.finished_at_ms = self.finished_at_ms;
         state.pushed = self.pushed;
         state.confirmed = self.confirmed;
+        state.stream_ended_at_ms = self.stream_ended_at_ms;
     }
 }
 
@@ -299,6 +304,7 @@ impl SnapshotJob {
             confirmed: false,
             heard_at_ms: None,
             pushed: false,
+            stream_ended_at_ms: None,
         };
         if let Some(dynamic) = &self.state {
             dynamic.apply_to(&mut state);

@@ -400,6 +400,15 @@ impl AdmissionPartition {
     /// worker: its own renewal counts for the grace at most from when it was
     /// sent, so it stops the handler before this lease ends.
     ///
+    /// An attempt whose `Work` stream ended without a word from its worker
+    /// since (`JobState::stream_ended_at_ms`, saved) keeps the lease its
+    /// stream end left it instead: its worker is gone or stops the job
+    /// within the grace of its last renewal. A make chaos run (stream
+    /// workers) left a key idle for 20 s because a killed worker's attempts
+    /// got a fresh lease at each of three takeovers in a row (a resume
+    /// after both admission instances were killed, the resumed partitions'
+    /// handover, another kill).
+    ///
     /// Taken over from a live owner (`handed_over_by_live_owner`), an
     /// unconfirmed push keeps the whole lease too: that owner did not die
     /// with it unsent (a push is sent after its commit, on a stream its live
@@ -424,7 +433,19 @@ impl AdmissionPartition {
             // (to any owner) and then lost is a lease expiry that uses an
             // attempt, whoever owns the partition by then.
             self.update_unsaved(&job_id, |state| {
-                state.lease_expires_at_ms = Some(if state.pushed && !state.confirmed && !from_live_owner {
+                let stream_ended = state.stream_ended_at_ms.filter(|_| state.pushed);
+                state.lease_expires_at_ms = Some(if let Some(ended_at) = stream_ended {
+                    // Its stream ended and its worker was not heard from
+                    // since (a renewal after the end is saved and clears
+                    // this): the shortened lease stands, however many
+                    // takeovers follow. Its worker's last renewal answered
+                    // was sent before the end (plus the clock allowance),
+                    // and holds for the grace at most.
+                    let held_at_most = ended_at
+                        .saturating_add(transitions::STREAM_END_CLOCK_SKEW_MS)
+                        .saturating_add(state.lease_ms.min(stream_end_grace_ms));
+                    state.lease_expires_at_ms.unwrap_or(held_at_most).max(held_at_most)
+                } else if state.pushed && !state.confirmed && !from_live_owner {
                     now_ms.saturating_add(state.lease_ms.min(stream_end_grace_ms))
                 } else {
                     let grace = now_ms.saturating_add(state.lease_ms);

@@ -978,6 +978,78 @@ fn a_takeover_keeps_a_confirmed_push_confirmed() {
     );
 }
 
+/// Its `Work` stream ended at `closed_at_ms` (reported by the instance that
+/// held it).
+fn stream_ended(harness: &mut Harness, worker: &str, job: usize, closed_at_ms: i64) {
+    let grace_ms = harness.stream_end_grace_ms();
+    let (reply, mut answer) = oneshot::channel();
+    harness.apply(vec![Local::Heartbeat {
+        scope: sluice_common::auth::JobScope::All,
+        worker_id: worker.to_string(),
+        attempts: vec![(job_id(job), 1)],
+        ended: Some(StreamEnd { closed_at_ms, grace_ms }),
+        reply,
+    }]);
+    answer.try_recv().expect("answered");
+}
+
+/// A confirmed push whose stream ended (its worker was killed) keeps the
+/// lease its stream end left it through any number of takeovers: the
+/// stream end is saved, so a new owner does not give the dead worker's
+/// attempt a fresh lease. A make chaos run left a key idle for 20 s that
+/// way (three takeovers in a row, each a new lease). A worker heard from
+/// after the end is alive: the takeover gives it the whole lease again.
+#[test]
+fn a_dead_stream_workers_attempt_gets_no_fresh_lease_at_takeovers() {
+    for heard_after_the_end in [false, true] {
+        let (hub, _reports) = crate::work::WorkerHub::new();
+        let (_session, _downstream) = stream_session(&hub, "worker-s", 1);
+        let mut harness = Harness::with_hub(Vec::new(), hub);
+        harness.apply(vec![Local::Dispatch]);
+        let job = harness.running_jobs().first().copied().expect("one push");
+        assert_eq!(
+            heartbeat(&mut harness, "worker-s", job, 1),
+            pb::HeartbeatOutcome::Extended as i32
+        );
+        let grace_ms = harness.stream_end_grace_ms();
+        let lease_ms = harness.state(job).expect("active").lease_ms;
+        assert!(lease_ms > grace_ms + 2_000, "the default lease outlasts the grace");
+        let ended_at = harness.now_ms;
+        harness.now_ms += 100;
+        stream_ended(&mut harness, "worker-s", job, ended_at);
+        if heard_after_the_end {
+            harness.now_ms += transitions::STREAM_END_CLOCK_SKEW_MS + 100;
+            assert_eq!(
+                heartbeat(&mut harness, "worker-s", job, 1),
+                pb::HeartbeatOutcome::Extended as i32
+            );
+        }
+        // Three takeovers, a second apart, all after a crash.
+        for _ in 0..3 {
+            harness.now_ms += 1_000;
+            harness.take_over();
+        }
+        let held_at_most = ended_at + transitions::STREAM_END_CLOCK_SKEW_MS + grace_ms;
+        harness.now_ms = held_at_most + 1;
+        harness.apply(Vec::new());
+        let state = harness.state(job).expect("active");
+        if heard_after_the_end {
+            assert_eq!(
+                (state.status, state.attempt),
+                (Status::Running, 1),
+                "a worker heard from after its stream ended lost its lease at a takeover"
+            );
+        } else {
+            assert_eq!(
+                (state.attempt, state.attempts_used),
+                (2, 1),
+                "the dead worker's attempt outlived the grace after its stream ended: {:?}",
+                state.lease_expires_at_ms.map(|lease| lease - held_at_most)
+            );
+        }
+    }
+}
+
 /// An unconfirmed push whose lease ends was lost on its way: handed back,
 /// no attempt used, also after a takeover (nothing heard anywhere).
 #[test]

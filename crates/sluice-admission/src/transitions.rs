@@ -48,6 +48,13 @@ pub struct JobState {
     /// so that a new owner knows a lost instance's pushes from claims
     /// (`AdmissionPartition::grant_lease_grace`).
     pub pushed: bool,
+    /// The running attempt's `Work` stream ended (when, by the clock of
+    /// the instance that held it) and its worker was not heard from since:
+    /// its lease was shortened to the grace. Saved, like the renewal that
+    /// clears it (a heartbeat heard after the end), so that a new owner
+    /// knows a dead worker's attempt from a live one's and does not give it
+    /// a fresh lease at every takeover (`AdmissionPartition::grant_lease_grace`).
+    pub stream_ended_at_ms: Option<i64>,
 }
 
 /// Something to publish after the new row is saved.
@@ -145,6 +152,7 @@ pub fn on_stream_ended(job: &mut JobState, now_ms: i64, ended: StreamEnd) -> boo
         return false;
     }
     job.lease_expires_at_ms = Some(shortened);
+    job.stream_ended_at_ms = Some(ended.closed_at_ms);
     job.due_at_ms = running_due_at(job);
     true
 }
@@ -223,6 +231,7 @@ impl JobState {
     fn clear_run(&mut self) {
         self.confirmed = false;
         self.pushed = false;
+        self.stream_ended_at_ms = None;
         self.heard_at_ms = None;
         self.claimed_by = None;
         self.claimed_at_ms = None;
@@ -516,6 +525,7 @@ mod tests {
             confirmed: true,
             heard_at_ms: None,
             pushed: false,
+            stream_ended_at_ms: None,
             finished_at_ms: None,
             cancel_reason: None,
             last_error: String::new(),

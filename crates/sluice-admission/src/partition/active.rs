@@ -270,6 +270,7 @@ impl AdmissionPartition {
             state.status = Status::Running;
             state.claimed_by = Some(worker);
             state.confirmed = confirmed;
+            state.stream_ended_at_ms = None;
             // Only a push is unconfirmed at its claim.
             state.pushed = !confirmed;
             state.heard_at_ms = confirmed.then_some(now_ms);

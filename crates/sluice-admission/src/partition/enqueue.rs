@@ -70,6 +70,7 @@ impl AdmissionPartition {
             confirmed: false,
             heard_at_ms: None,
             pushed: false,
+            stream_ended_at_ms: None,
         };
         match valid.request.run_at_ms {
             Some(run_at) if run_at > now_ms => state.due_at_ms = Some(run_at),

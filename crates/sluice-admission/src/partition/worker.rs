@@ -73,7 +73,9 @@ impl AdmissionPartition {
     /// that is saved before the answer, so that whoever owns the partition
     /// later counts its lease expiry as an attempt used. With `ended`, the
     /// attempts' stream ended instead: their leases are shortened
-    /// (`transitions::on_stream_ended`) unless the worker was heard since.
+    /// (`transitions::on_stream_ended`) unless the worker was heard since,
+    /// and that is saved, as is the first renewal after it, so that a new
+    /// owner does not give a dead worker's attempt a fresh lease.
     pub(super) fn heartbeat(
         &mut self,
         now_ms: i64,
@@ -97,7 +99,10 @@ impl AdmissionPartition {
                         && state.claimed_by.as_deref() == Some(worker_id)
                         && state.lease_expires_at_ms.is_some_and(|lease| lease > now_ms)
                 });
-                let Some(confirmed) = holder.map(|active| active.row.state.confirmed) else {
+                let Some((confirmed, stream_ended)) = holder.map(|active| {
+                    let state = &active.row.state;
+                    (state.confirmed, state.stream_ended_at_ms.is_some())
+                }) else {
                     return result;
                 };
                 let renew = |state: &mut JobState| match ended {
@@ -114,10 +119,14 @@ impl AdmissionPartition {
                             Some(state.lease_expires_at_ms.map_or(renewed, |lease| lease.max(renewed)));
                         state.confirmed = true;
                         state.heard_at_ms = Some(now_ms);
+                        state.stream_ended_at_ms = None;
                         state.due_at_ms = transitions::running_due_at(state);
                     }
                 };
-                if !confirmed && ended.is_none() {
+                // Saved before the answer: a confirmation, a stream end, and
+                // the first renewal after a stream end (each at most once
+                // per attempt and stream). Other renewals are not.
+                if !confirmed || ended.is_some() || stream_ended {
                     self.update(job_id, renew);
                 } else {
                     self.update_unsaved(job_id, renew);
