@@ -1161,6 +1161,19 @@ fn a_lease_does_not_end_while_requests_received_before_it_wait() {
     );
 }
 
+/// The keys of the admitted messages a batch sent, sorted.
+fn admitted_keys(mut outbox: Outbox) -> Vec<String> {
+    drop(outbox.take_links());
+    let mut keys: Vec<String> = outbox
+        .into_messages()
+        .into_iter()
+        .filter(|message| message.topic.contains("admitted"))
+        .filter_map(|message| message.key.map(|key| String::from_utf8_lossy(&key).to_string()))
+        .collect();
+    keys.sort();
+    keys
+}
+
 /// An admitted job nobody claims is published again every claim timeout,
 /// each time under a new key, so that it lands on a partition picked anew:
 /// the one it sat on may have no live consumer.
@@ -1170,16 +1183,7 @@ fn an_unclaimed_job_is_published_again_under_a_new_key_each_claim_timeout() {
     let claim_timeout_ms = harness.partition.settings().routes.claim_timeout_ms;
     let keys_after = |harness: &mut Harness, ms: i64| -> Vec<String> {
         harness.now_ms += ms;
-        let mut outbox = harness.apply_sending(Vec::new());
-        drop(outbox.take_links());
-        let mut keys: Vec<String> = outbox
-            .into_messages()
-            .into_iter()
-            .filter(|message| message.topic.contains("admitted"))
-            .filter_map(|message| message.key.map(|key| String::from_utf8_lossy(&key).to_string()))
-            .collect();
-        keys.sort();
-        keys
+        admitted_keys(harness.apply_sending(Vec::new()))
     };
     let expected = |resends: u32| -> Vec<String> {
         let mut keys: Vec<String> = (0..JOBS)
@@ -1206,16 +1210,6 @@ fn an_admitted_job_overtaken_by_a_later_one_claimed_is_published_again_under_a_n
     let config = harness.partition.settings().config.clone();
     let overtaken_after_ms = harness.partition.settings().timing.claim_overtaken_after_ms;
     assert!(overtaken_after_ms > 1_000, "{overtaken_after_ms}");
-    let admitted_keys = |outbox: Outbox| -> Vec<String> {
-        let mut keys: Vec<String> = outbox
-            .into_messages()
-            .into_iter()
-            .filter(|message| message.topic.contains("admitted"))
-            .filter_map(|message| message.key.map(|key| String::from_utf8_lossy(&key).to_string()))
-            .collect();
-        keys.sort();
-        keys
-    };
     // A later job, published a second after the first three, and claimed.
     harness.now_ms += 1_000;
     assert!(enqueue_one(&mut harness, &config, "acme", "later").is_ok());
