@@ -282,7 +282,7 @@ impl AdmissionPartition {
         if confirmed {
             // A worker's own claim: its group's consumers got this far.
             if let Some(active) = self.jobs.get(job_id) {
-                self.overtaken.claimed(&active.row.task_group, job_id);
+                self.overtaken.claimed(&active.row.task_group, job_id, now_ms);
             }
         } else {
             self.overtaken.forget(job_id);
