@@ -956,18 +956,12 @@ fn a_takeover_keeps_a_confirmed_push_confirmed() {
     // Received by its worker: the whole lease from the takeover, not the
     // stream end grace a push nobody confirmed gets (its worker's word may
     // take longer than that to reach a new owner busy with its takeover).
-    let grace_ms = harness.stream_end_grace_ms();
-    harness.now_ms += grace_ms + 1;
-    harness.apply(Vec::new());
-    assert_eq!(
-        harness.state(job).map(|state| (state.status, state.attempt)),
-        Some((Status::Running, 1)),
-        "a confirmed push lost its lease at the stream end grace"
-    );
     // The worker is gone: the lease ends and uses an attempt.
-    harness.now_ms += 31_000 - grace_ms - 1;
-    harness.apply(Vec::new());
-    let state = harness.state(job).expect("active");
+    let state = outlives_the_grace_then_the_lease_ends(
+        &mut harness,
+        job,
+        "a confirmed push lost its lease at the stream end grace",
+    );
     assert_eq!(
         state.attempts_used, 1,
         "a confirmed attempt's lease expiry used no attempt"
@@ -976,6 +970,23 @@ fn a_takeover_keeps_a_confirmed_push_confirmed() {
         state.history.records.last().map(|record| record.outcome.as_str()),
         Some("lease_expired")
     );
+}
+
+/// `job` (attempt 1) still runs just after the stream end grace (`why`
+/// says what it means if not); its state once its whole lease (30 s from
+/// now) is over.
+fn outlives_the_grace_then_the_lease_ends(harness: &mut Harness, job: usize, why: &str) -> JobState {
+    let grace_ms = harness.stream_end_grace_ms();
+    harness.now_ms += grace_ms + 1;
+    harness.apply(Vec::new());
+    assert_eq!(
+        harness.state(job).map(|state| (state.status, state.attempt)),
+        Some((Status::Running, 1)),
+        "{why}"
+    );
+    harness.now_ms += 31_000 - grace_ms - 1;
+    harness.apply(Vec::new());
+    harness.state(job).expect("active").clone()
 }
 
 /// Its `Work` stream ended at `closed_at_ms` (reported by the instance that
@@ -1086,17 +1097,11 @@ fn an_unconfirmed_push_handed_over_by_a_live_owner_keeps_the_whole_lease() {
     let job = harness.running_jobs().first().copied().expect("one push");
     assert!(!harness.state(job).expect("active").confirmed);
     harness.take_over_from(true);
-    let grace_ms = harness.stream_end_grace_ms();
-    harness.now_ms += grace_ms + 1;
-    harness.apply(Vec::new());
-    assert_eq!(
-        harness.state(job).map(|state| (state.status, state.attempt)),
-        Some((Status::Running, 1)),
-        "a push handed over by a live owner lost its lease at the stream end grace"
+    let state = outlives_the_grace_then_the_lease_ends(
+        &mut harness,
+        job,
+        "a push handed over by a live owner lost its lease at the stream end grace",
     );
-    harness.now_ms += 31_000 - grace_ms - 1;
-    harness.apply(Vec::new());
-    let state = harness.state(job).expect("active");
     assert_eq!(
         (state.attempt, state.attempts_used),
         (2, 0),
