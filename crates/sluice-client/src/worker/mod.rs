@@ -771,9 +771,27 @@ impl Dispatcher {
                 same_message,
                 "a job already queued here came again: kept once"
             );
+            Counters::add(&self.shared.status.counters.duplicates);
             if !same_message {
                 self.done(&received.partition, received.offset);
             }
+            return;
+        }
+        if self
+            .shared
+            .registry
+            .contains(&(admitted.job_id.clone(), admitted.attempt))
+        {
+            // A copy of an attempt this worker runs (admission re-sent it
+            // before the claim reached it): claiming it would only be
+            // answered "claimed already", after waiting for a slot.
+            tracing::debug!(
+                job_id = %admitted.job_id,
+                attempt = admitted.attempt,
+                "a job running here came again: the copy is dropped"
+            );
+            Counters::add(&self.shared.status.counters.duplicates);
+            self.done(&received.partition, received.offset);
             return;
         }
         let hops = received

@@ -102,7 +102,7 @@ impl Registry {
         inserted
     }
 
-    fn contains(&self, key: &(String, u32)) -> bool {
+    pub(crate) fn contains(&self, key: &(String, u32)) -> bool {
         self.entries
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
     pub delivered: AtomicU64,
+    pub duplicates: AtomicU64,
     pub claimed: AtomicU64,
     pub not_claimed: AtomicU64,
     pub succeeded: AtomicU64,
@@ -66,6 +67,10 @@ pub struct WorkerSnapshot {
     pub running_by_type: HashMap<String, usize>,
     /// Admitted-job messages received (duplicates and forwards included).
     pub delivered: u64,
+    /// Deliveries of an attempt already queued or running here (admission
+    /// re-sent it, or a rebalance delivered it again): kept once, the copy
+    /// dropped on arrival.
+    pub duplicates: u64,
     /// Claims won.
     pub claimed: u64,
     /// Claims answered TAKEN, STALE or NOT_FOUND (duplicates, old attempts).
@@ -114,6 +119,7 @@ impl WorkerStatus {
             running: gauges.running,
             running_by_type: gauges.running_by_type.clone(),
             delivered: load(&counters.delivered),
+            duplicates: load(&counters.duplicates),
             claimed: load(&counters.claimed),
             not_claimed: load(&counters.not_claimed),
             succeeded: load(&counters.succeeded),
