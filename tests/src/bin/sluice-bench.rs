@@ -4,7 +4,9 @@
 //!
 //! Environment: BENCH_JOBS (20000), BENCH_KEYS (1000), BENCH_LIMIT (5),
 //! BENCH_FETCH_WAIT_MS (5), BENCH_LATENCY_JOBS (300), BENCH_HOT_JOBS (3000),
-//! BENCH_WIDE_JOBS (20000, over 100,000 keys), BENCH_BROKER_PID (the broker's
+//! BENCH_WIDE_JOBS (20000, over 100,000 keys), BENCH_RESEND_WAITING_AFTER
+//! (60s: `admission.resend_waiting_after`; the default, 12s, re-sends a
+//! large backlog's acquires while it drains), BENCH_BROKER_PID (the broker's
 //! process, for its CPU time; `scripts/bench.sh` sets it), BENCH_BACKLOG
 //! (100000: waiting jobs for `BENCH_ONLY=backlog`, resident memory per
 //! waiting job).
@@ -306,6 +308,7 @@ async fn main() -> anyhow::Result<()> {
     let fetch_wait_ms = env_number("BENCH_FETCH_WAIT_MS", 5);
     let latency_jobs = env_number("BENCH_LATENCY_JOBS", 300);
     let fetch_wait = fetch_wait_ms.to_string();
+    let resend_waiting_after = std::env::var("BENCH_RESEND_WAITING_AFTER").unwrap_or_else(|_| "60s".to_string());
     let overrides: Vec<(&str, &str)> = vec![
         ("kafka.fetch_wait_max_ms", fetch_wait.as_str()),
         ("kafka.partitions.requested", "4"),
@@ -313,7 +316,7 @@ async fn main() -> anyhow::Result<()> {
         ("kafka.partitions.limit_commands", "8"),
         ("kafka.partitions.jobs", "8"),
         ("postgres.max_connections", "16"),
-        ("admission.resend_waiting_after", "60s"),
+        ("admission.resend_waiting_after", resend_waiting_after.as_str()),
         ("admission.claim_timeout", "120s"),
         ("limit_grant.ticket_grace", "60s"),
         ("admission.stand_behind_interval", "20s"),
