@@ -226,6 +226,8 @@ async fn fetch_jobs_selecting(
     }
     let statement = format!("SELECT {columns} FROM jobs WHERE job_id = ANY($1)");
     let rows = sqlx::query(sqlx::AssertSqlSafe(statement))
+        // Planned for these values each time (see admission's `stored_jobs`).
+        .persistent(false)
         .bind(job_ids)
         .fetch_all(connection)
         .await?;

@@ -60,6 +60,15 @@ impl AdmissionStore {
 }
 
 /// Rows of `job_ids`, with their outcomes applied to those that ended.
+///
+/// Its lookups (and every other lookup of a batch of ids in a table that
+/// grows without bound) are planned for the ids they are given, on every
+/// call (`persistent(false)`: an unnamed statement). A named one gets a
+/// generic plan after five executions, made from the table as it was then:
+/// planned while `job_outcomes` held a few hundred rows, it stayed a
+/// sequential scan comparing every row with every id for the connection's
+/// life, until an ANALYZE (autovacuum may be off or behind). With 200,000
+/// ended jobs each enqueue batch's lookup then took 2-4 s.
 pub async fn stored_jobs(
     connection: &mut PgConnection,
     job_ids: &[String],
@@ -77,6 +86,7 @@ pub async fn stored_jobs(
                 cancel_reason, last_error, history
          FROM job_outcomes WHERE job_id = ANY($1)",
     )
+    .persistent(false)
     .bind(job_ids)
     .fetch_all(&mut *connection)
     .await?;
@@ -294,6 +304,7 @@ impl OwnedStore for AdmissionStore {
         if !payloads_needed.is_empty() {
             let rows: Vec<(String, Vec<u8>)> =
                 sqlx::query_as("SELECT job_id, payload FROM jobs WHERE job_id = ANY($1)")
+                    .persistent(false)
                     .bind(&payloads_needed)
                     .fetch_all(&mut *connection)
                     .await?;
@@ -433,6 +444,7 @@ async fn read_idempotency_keys(
          JOIN UNNEST($1::text[], $2::text[]) AS m(tenant, idempotency_key)
            ON i.tenant = m.tenant AND i.idempotency_key = m.idempotency_key",
     )
+    .persistent(false)
     .bind(&tenants)
     .bind(&keys)
     .fetch_all(connection)

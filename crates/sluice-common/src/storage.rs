@@ -31,21 +31,10 @@ pub enum StorageError {
 }
 
 /// A pool whose connections see `schema` first. Creates the schema if needed.
-///
-/// Its connections plan every execution of a prepared statement for the
-/// values it is given (`plan_cache_mode = force_custom_plan`). A generic
-/// plan, which PostgreSQL caches after five executions, is made from the
-/// table as it was then: the services' tables start empty, and a lookup of
-/// a batch of ids (`job_id = ANY($1)`) planned while its table held a few
-/// hundred rows stays a sequential scan, comparing every row with every id,
-/// for the connection's life, whatever the table grows to (until an ANALYZE
-/// invalidates it; autovacuum may be off or behind). With 200,000 ended
-/// jobs that made each enqueue batch's outcome lookup take 2-4 s. Planning
-/// costs tens of microseconds per statement, per batch.
 pub async fn connect(config: &PostgresConfig, schema: &str) -> Result<PgPool, StorageError> {
     let base = PgConnectOptions::from_str(config.url.expose()).map_err(StorageError::Url)?;
     create_schema(&base, schema).await?;
-    let options = base.options([("search_path", schema), ("plan_cache_mode", "force_custom_plan")]);
+    let options = base.options([("search_path", schema)]);
     PgPoolOptions::new()
         .max_connections(config.max_connections)
         .acquire_timeout(config.acquire_timeout.0)

@@ -322,6 +322,8 @@ async fn prune_grant_units(
         "DELETE FROM window_grants AS g USING UNNEST($1::text[], $2::bigint[]) AS p(window_key, cutoff)
          WHERE g.window_key = p.window_key AND g.at_ms <= p.cutoff",
     )
+    // Planned for these values each time (see admission's `stored_jobs`).
+    .persistent(false)
     .bind(keys)
     .bind(cutoffs)
     .execute(&mut *connection)
@@ -345,6 +347,8 @@ async fn delete_tickets(connection: &mut PgConnection, deletes: &HashSet<TicketK
         "DELETE FROM tickets AS t USING UNNEST($1::text[], $2::integer[], $3::integer[]) AS d(job_id, attempt, step)
          WHERE t.job_id = d.job_id AND t.attempt = d.attempt AND t.step = d.step",
     )
+    // Planned for these values each time (see admission's `stored_jobs`).
+    .persistent(false)
     .bind(job_ids)
     .bind(attempts)
     .bind(steps)

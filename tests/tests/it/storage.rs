@@ -41,59 +41,45 @@ async fn postgres_connections_use_tls_when_the_url_requires_it() -> anyhow::Resu
     Ok(())
 }
 
-/// A batch lookup by primary key (`job_id = ANY($1)`, as admission reads
-/// the outcomes of the jobs it is asked to enqueue) prepared while its table
-/// was small still uses the index once the table holds many rows: a generic
-/// plan cached from the small table would scan every row for each lookup.
+/// Admission's lookup of a batch of job ids in `job_outcomes` (each
+/// enqueue batch makes one), run many times while the table was small,
+/// still uses the index once the table holds many rows: a generic plan
+/// cached from the small table would compare every row with every id.
 #[tokio::test]
-async fn a_lookup_prepared_on_a_small_table_uses_the_index_once_it_is_large() -> anyhow::Result<()> {
+async fn a_lookup_run_on_a_small_table_uses_the_index_once_it_is_large() -> anyhow::Result<()> {
     let mut config = test_config("plans", &[])?;
     config.postgres.max_connections = 1;
     let schema = format!("{}plans", config.postgres.schema_prefix);
     let pool = sluice_common::storage::connect(&config.postgres, &schema).await?;
-    // Shaped like admission's job_outcomes.
-    sqlx::query(
-        "CREATE TABLE outcomes (job_id text PRIMARY KEY, status smallint NOT NULL, attempt integer NOT NULL,
-             attempts_used integer NOT NULL, step integer NOT NULL, admitted_at_ms bigint, claimed_by text,
-             finished_at_ms bigint NOT NULL, cancel_reason text, last_error text NOT NULL DEFAULT '', history bytea)",
-    )
-    .execute(&pool)
-    .await?;
-    let lookup = "SELECT job_id, status, attempt, attempts_used, step, admitted_at_ms, claimed_by, finished_at_ms,
-                         cancel_reason, last_error, history FROM outcomes WHERE job_id = ANY($1)";
-    // Batches as large as an enqueue batch's while the table is small (a
-    // custom plan for them costs more than the generic one, which PostgreSQL
-    // then keeps), a small one at the end (its own plan would use the index).
-    let batch: Vec<String> = (0..2000).map(|index| format!("job-{index}")).collect();
+    sluice_common::storage::migrate(&pool, &schema, &sluice_admission::MIGRATOR).await?;
     let mut connection = pool.acquire().await?;
-    let insert = "INSERT INTO outcomes (job_id, status, attempt, attempts_used, step, finished_at_ms)
-                  SELECT 'ended-' || n, 4, 1, 1, 1, n FROM generate_series($1::bigint, $2::bigint) AS n";
+    let ended = "INSERT INTO job_outcomes (job_id, status, attempt, attempts_used, step, finished_at_ms)
+                 SELECT 'ended-' || n, 4, 1, 1, 1, n FROM generate_series($1::bigint, $2::bigint) AS n";
     // The first few hundred jobs ended (a table of a few pages).
-    sqlx::query(insert)
+    sqlx::query(ended)
         .bind(1_i64)
         .bind(400_i64)
         .execute(&mut *connection)
         .await?;
-    // More executions than PostgreSQL's five before it may cache a generic plan.
+    // Batches as large as an enqueue batch's, more often than the five
+    // executions after which PostgreSQL may keep a generic plan.
+    let batch: Vec<String> = (0..2000).map(|index| format!("job-{index}")).collect();
     for _ in 0..8 {
-        let found = sqlx::query(lookup).bind(&batch).fetch_all(&mut *connection).await?;
-        assert!(found.is_empty());
+        let stored = sluice_admission::store::stored_jobs(&mut connection, &batch).await?;
+        assert!(stored.is_empty());
     }
-    sqlx::query(insert)
+    sqlx::query(ended)
         .bind(401_i64)
         .bind(100_000_i64)
         .execute(&mut *connection)
         .await?;
-    // Counted within one transaction: the scans of the lookup alone.
+    // Counted within one transaction: the scans of one lookup alone.
     let mut transaction = sqlx::Connection::begin(&mut *connection).await?;
     let scans = "SELECT seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_xact_user_tables
-                 WHERE relname = 'outcomes' AND schemaname = $1";
+                 WHERE relname = 'job_outcomes' AND schemaname = $1";
     let before: (i64, i64) = sqlx::query_as(scans).bind(&schema).fetch_one(&mut *transaction).await?;
-    let found = sqlx::query(lookup)
-        .bind(&batch[..100])
-        .fetch_all(&mut *transaction)
-        .await?;
-    assert!(found.is_empty());
+    let stored = sluice_admission::store::stored_jobs(&mut transaction, &batch[..100]).await?;
+    assert!(stored.is_empty());
     let after: (i64, i64) = sqlx::query_as(scans).bind(&schema).fetch_one(&mut *transaction).await?;
     let (seq_scans, index_scans) = (after.0 - before.0, after.1 - before.1);
     transaction.rollback().await?;
