@@ -18,7 +18,10 @@
 //! is claimed first wins; the other is answered `TAKEN` or `STALE`.
 //!
 //! The copy goes to a partition whose consumer is known to be alive: one
-//! where a job published after the stuck one was claimed. Admission leaves
+//! where a job published after the stuck one was claimed, and that claimed
+//! within the same wait (in a chaos run, a partition that claimed such a
+//! job just before its consumer died took both copies of three jobs, which
+//! waited 36 s for the group to give it a consumer again). Admission leaves
 //! the partition to the producer's partitioner (librdkafka's
 //! `consistent_random`: CRC-32 of the key modulo the partition count), so it
 //! picks the key's re-send number that lands there (`admitted_partition`).
@@ -122,9 +125,17 @@ impl Overtaken {
     /// `partition_of(salt)` says where the key with `salt` lands. A job
     /// `due` found overtaken gets the first salt past its last whose key
     /// lands on a live partition of `task_group` (one a job published after
-    /// it was claimed from, not its own), picked by the job id; any other
-    /// keeps its salt.
-    pub fn salt(&self, task_group: &str, job_id: &str, partition_of: impl Fn(u32) -> i32) -> u32 {
+    /// it was claimed from, not its own, that claimed within `after_ms`
+    /// before `now_ms`: a partition whose consumer died since is not),
+    /// picked by the job id; any other keeps its salt.
+    pub fn salt(
+        &self,
+        task_group: &str,
+        job_id: &str,
+        now_ms: i64,
+        after_ms: i64,
+        partition_of: impl Fn(u32) -> i32,
+    ) -> u32 {
         let Some(published) = self.jobs.get(job_id) else {
             return 0;
         };
@@ -138,7 +149,9 @@ impl Overtaken {
                 partitions
                     .iter()
                     .filter(|(partition, progress)| {
-                        progress.newest_published_ms > published.at_ms && **partition != published.partition
+                        progress.newest_published_ms > published.at_ms
+                            && progress.last_claim_ms >= now_ms.saturating_sub(after_ms)
+                            && **partition != published.partition
                     })
                     .map(|(partition, _)| *partition)
                     .collect()
@@ -254,7 +267,7 @@ mod tests {
     /// partition `key(salt)` lands on.
     fn publish(overtaken: &mut Overtaken, job_id: &str, now_ms: i64) -> (u32, i32) {
         let partition_of = |salt: u32| admitted_partition(format!("{job_id}/1/{salt}").as_bytes(), 6);
-        let salt = overtaken.salt("g", job_id, partition_of);
+        let salt = overtaken.salt("g", job_id, now_ms, 3_000, partition_of);
         let partition = partition_of(salt);
         overtaken.published("g", job_id, now_ms, salt, partition);
         (salt, partition)
@@ -351,6 +364,38 @@ mod tests {
         }
     }
 
+    /// A partition that claimed a later job once, and nothing since (its
+    /// consumer died right after), is no target: the copy goes to one that
+    /// claims now.
+    #[test]
+    fn a_partition_that_stopped_claiming_is_not_taken_for_alive() {
+        for stuck in (0..100).map(|job| format!("stuck-{job}")) {
+            let mut overtaken = Overtaken::default();
+            let (_, own) = publish(&mut overtaken, &stuck, 0);
+            let later = |index: usize| format!("later-{stuck}-{index}");
+            // A later job on another partition, claimed at once; then that
+            // partition's consumer is gone.
+            let (index, gone) = (0..)
+                .map(|index| (index, publish(&mut overtaken, &later(index), 10).1))
+                .find(|(_, partition)| *partition != own)
+                .expect("a later job on another partition");
+            overtaken.claimed("g", &later(index), 20);
+            // Later jobs on a third partition keep being claimed.
+            let (index, claiming) = (1_000..)
+                .map(|index| (index, publish(&mut overtaken, &later(index), 30).1))
+                .find(|(_, partition)| *partition != own && *partition != gone)
+                .expect("a later job on a third partition");
+            overtaken.claimed("g", &later(index), 9_000);
+            assert!(overtaken.due(9_000, 3_000).contains(&stuck));
+            let (_, partition) = publish(&mut overtaken, &stuck, 9_000);
+            assert_ne!(
+                partition, gone,
+                "{stuck}: sent to a partition that claims nothing any more"
+            );
+            assert_eq!(partition, claiming, "{stuck}");
+        }
+    }
+
     #[test]
     fn an_attempt_is_published_again_at_most_twice_for_being_overtaken() {
         let mut overtaken = Overtaken::default();
@@ -366,7 +411,7 @@ mod tests {
             for job in overtaken.due(now, 3_000) {
                 assert_eq!(job, "stuck");
                 times += 1;
-                let salt = overtaken.salt("g", &job, |salt| if salt == 0 { 0 } else { 2 });
+                let salt = overtaken.salt("g", &job, now, 3_000, |salt| if salt == 0 { 0 } else { 2 });
                 salts.push(salt);
                 // Its copies land on a partition nothing is claimed from.
                 overtaken.published("g", &job, now, salt, 2);
