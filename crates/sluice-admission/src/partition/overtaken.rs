@@ -29,6 +29,17 @@
 //! chaos run, two jobs whose first four keys all hashed to the partition
 //! nobody consumed waited 26 s.
 //!
+//! A partition found holding an overtaken job is marked stuck until a claim
+//! comes from it, for `2 × claim_overtaken_after_ms` at most. While it is,
+//! nothing new is published to it either: a job whose key lands there (a
+//! new attempt after a killed worker's lease ended, a claim-timeout
+//! re-send) goes to a live partition at once, instead of waiting there for
+//! the wait and then being published again (in a chaos run, a killed
+//! worker's job waited its 5 s lease, then 6 s more on a partition of the
+//! same dead worker). The mark ends by itself so a partition the group
+//! gives to a live consumer again is not left without work: if it is still
+//! dead, the next job there marks it again.
+//!
 //! In memory only: a new owner publishes every admitted job again at its
 //! takeover and starts this over.
 
@@ -68,9 +79,21 @@ struct Progress {
     newest_published_ms: i64,
     /// When the last claim of a job from it came.
     last_claim_ms: i64,
+    /// When `due` found a job overtaken on it with no claim since: nothing
+    /// new goes to it for a while (`is_stuck`).
+    stuck_since_ms: Option<i64>,
 }
 
-#[derive(Debug, Default)]
+impl Progress {
+    /// Whether the partition counts as stuck at `now_ms`: marked by `due`
+    /// less than `2 × after_ms` ago, and nothing claimed from it since.
+    fn is_stuck(&self, now_ms: i64, after_ms: i64) -> bool {
+        self.stuck_since_ms
+            .is_some_and(|since| now_ms < since.saturating_add(after_ms.saturating_mul(2)))
+    }
+}
+
+#[derive(Clone, Debug, Default)]
 pub(super) struct Overtaken {
     /// Jobs published and not claimed, by id.
     jobs: HashMap<String, Published>,
@@ -127,7 +150,9 @@ impl Overtaken {
     /// lands on a live partition of `task_group` (one a job published after
     /// it was claimed from, not its own, that claimed within `after_ms`
     /// before `now_ms`: a partition whose consumer died since is not),
-    /// picked by the job id; any other keeps its salt.
+    /// picked by the job id. Any other keeps its salt (0 for its first
+    /// publish), unless its key lands on a partition marked stuck: then it
+    /// too goes to a partition that claimed within `after_ms`.
     pub fn salt(
         &self,
         task_group: &str,
@@ -136,31 +161,46 @@ impl Overtaken {
         after_ms: i64,
         partition_of: impl Fn(u32) -> i32,
     ) -> u32 {
-        let Some(published) = self.jobs.get(job_id) else {
-            return 0;
+        let partitions = self.claimed.get(task_group);
+        let (current, avoid, claimed_after_ms) = match self.jobs.get(job_id) {
+            Some(published) if published.retarget => (published.salt, published.partition, Some(published.at_ms)),
+            published => {
+                let salt = published.map_or(0, |published| published.salt);
+                let any_stuck = partitions
+                    .is_some_and(|partitions| partitions.values().any(|progress| progress.is_stuck(now_ms, after_ms)));
+                if !any_stuck {
+                    return salt;
+                }
+                let natural = partition_of(salt);
+                let stuck = partitions
+                    .and_then(|partitions| partitions.get(&natural))
+                    .is_some_and(|progress| progress.is_stuck(now_ms, after_ms));
+                if !stuck {
+                    return salt;
+                }
+                (salt, natural, None)
+            }
         };
-        if !published.retarget {
-            return published.salt;
-        }
-        let mut live: Vec<i32> = self
-            .claimed
-            .get(task_group)
+        let mut live: Vec<i32> = partitions
             .map(|partitions| {
                 partitions
                     .iter()
                     .filter(|(partition, progress)| {
-                        progress.newest_published_ms > published.at_ms
+                        claimed_after_ms.is_none_or(|at_ms| progress.newest_published_ms > at_ms)
                             && progress.last_claim_ms >= now_ms.saturating_sub(after_ms)
-                            && **partition != published.partition
+                            && !progress.is_stuck(now_ms, after_ms)
+                            && **partition != avoid
                     })
                     .map(|(partition, _)| *partition)
                     .collect()
             })
             .unwrap_or_default();
         live.sort_unstable();
-        let next = published.salt.saturating_add(1);
+        let next = current.saturating_add(1);
         if live.is_empty() {
-            return next;
+            // Nowhere known to be better: a retargeted job still gets a new
+            // key; any other keeps its own.
+            return if claimed_after_ms.is_some() { next } else { current };
         }
         let pick = usize::try_from(crc32(job_id.as_bytes())).unwrap_or(0) % live.len();
         let target = live[pick];
@@ -207,6 +247,7 @@ impl Overtaken {
             .or_default();
         progress.newest_published_ms = progress.newest_published_ms.max(published.at_ms);
         progress.last_claim_ms = progress.last_claim_ms.max(now_ms);
+        progress.stuck_since_ms = None;
     }
 
     /// Forget the job without counting it as claimed.
@@ -219,9 +260,11 @@ impl Overtaken {
     /// of their task group claimed from another partition, and published
     /// again fewer than `MAX_OVERTAKEN_RESENDS` times. Each is counted as
     /// published again once more, and its next publish aims at a live
-    /// partition (publish it: `salt`, then `published`).
+    /// partition (publish it: `salt`, then `published`), and its partition
+    /// is marked stuck (`Progress::is_stuck`).
     pub fn due(&mut self, now_ms: i64, after_ms: i64) -> Vec<String> {
         let mut due = Vec::new();
+        let mut stuck = Vec::new();
         let Overtaken { jobs, queues, claimed } = self;
         for ((task_group, partition), queue) in queues.iter_mut() {
             let partitions = claimed.get(task_group);
@@ -234,12 +277,25 @@ impl Overtaken {
                 if overtaken_at(partitions, *partition, at_ms, after_ms).is_none_or(|at| at > now_ms) {
                     break;
                 }
+                if stuck.last() != Some(&(task_group, *partition)) {
+                    stuck.push((task_group, *partition));
+                }
                 if published.overtaken < MAX_OVERTAKEN_RESENDS {
                     published.overtaken += 1;
                     published.retarget = true;
                     due.push(job_id.clone());
                 }
                 queue.pop_front();
+            }
+        }
+        for (task_group, partition) in stuck {
+            let progress = claimed
+                .entry(task_group.clone())
+                .or_default()
+                .entry(partition)
+                .or_default();
+            if !progress.is_stuck(now_ms, after_ms) {
+                progress.stuck_since_ms = Some(now_ms);
             }
         }
         due.sort_unstable();
@@ -393,6 +449,63 @@ mod tests {
                 "{stuck}: sent to a partition that claims nothing any more"
             );
             assert_eq!(partition, claiming, "{stuck}");
+        }
+    }
+
+    /// A partition found holding an overtaken job takes nothing new while
+    /// it is marked: a job whose key lands there (a killed worker's job
+    /// handed back as a new attempt, say) goes to a partition that claims,
+    /// at once. A claim from it, or the end of the mark, lets jobs land
+    /// there again.
+    #[test]
+    fn nothing_new_lands_on_a_partition_found_stuck() {
+        let natural = |job: &str| admitted_partition(format!("{job}/1/0").as_bytes(), 6);
+        let landing_on = |prefix: &str, partition: i32, count: usize| -> Vec<String> {
+            (0..)
+                .map(|index| format!("{prefix}-{index}"))
+                .filter(|job| natural(job) == partition)
+                .take(count)
+                .collect()
+        };
+        for stuck in (0..50).map(|job| format!("stuck-{job}")) {
+            let mut overtaken = Overtaken::default();
+            let (_, dead) = publish(&mut overtaken, &stuck, 0);
+            let mut live = Vec::new();
+            for job in (0..60).map(|job| format!("later-{stuck}-{job}")) {
+                let (_, partition) = publish(&mut overtaken, &job, 10);
+                if partition != dead {
+                    overtaken.claimed("g", &job, 2_500);
+                    live.push(partition);
+                }
+            }
+            for job in landing_on("before", dead, 3) {
+                assert_eq!(publish(&mut overtaken, &job, 2_900).1, dead, "not marked yet");
+            }
+            assert_eq!(overtaken.due(3_000, 3_000), vec![stuck.clone()]);
+            for job in landing_on("new", dead, 20) {
+                let (salt, partition) = publish(&mut overtaken, &job, 3_100);
+                assert!(salt >= 1, "{job}: a new key");
+                assert!(
+                    live.contains(&partition),
+                    "{job}: {partition} is not known to be consumed"
+                );
+            }
+            let elsewhere = landing_on("elsewhere", (dead + 1) % 6, 1);
+            assert_eq!(
+                publish(&mut overtaken, &elsewhere[0], 3_100).0,
+                0,
+                "a job landing on a live partition keeps its key"
+            );
+
+            // The mark ends by itself, twice the wait after it was made.
+            let mut ended = overtaken.clone();
+            let after_mark = landing_on("after-mark", dead, 1);
+            assert_eq!(publish(&mut ended, &after_mark[0], 9_000), (0, dead));
+
+            // A claim from the partition ends it at once.
+            overtaken.claimed("g", &stuck, 3_200);
+            let claimed_again = landing_on("claimed-again", dead, 1);
+            assert_eq!(publish(&mut overtaken, &claimed_again[0], 3_300), (0, dead));
         }
     }
 
