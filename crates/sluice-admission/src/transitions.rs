@@ -176,6 +176,17 @@ impl JobState {
         matches!(self.status, Status::Succeeded | Status::Failed | Status::Cancelled)
     }
 
+    /// Whether the attempt before this one ended without its worker:
+    /// its lease ran out, or it was handed back (by the worker, or as lost
+    /// on its way). The worker that had it may be dead, and so may the
+    /// consumer of the partition it came from.
+    pub fn previous_attempt_lost(&self) -> bool {
+        self.history.records.last().is_some_and(|record| {
+            record.attempt.saturating_add(1) == self.attempt
+                && matches!(record.outcome.as_str(), "lease_expired" | "handed_back")
+        })
+    }
+
     /// Effects that give back everything the current attempt holds or waits for.
     pub fn release_everything(&self, reason: pb::ReleaseReason) -> Vec<Effect> {
         let held_through = match self.status {
@@ -628,6 +639,29 @@ mod tests {
         end_attempt(&mut strict, 5, AttemptEnd::LeaseExpired, TIMING);
         assert_eq!(strict.status, Status::Failed);
         assert_eq!(strict.history.records[0].outcome, "lease_expired");
+    }
+
+    /// The next attempt of a job whose worker vanished (lease over,
+    /// confirmed or not) or gave it back counts as lost; one that failed or
+    /// a first attempt does not.
+    #[test]
+    fn an_attempt_after_one_its_worker_lost_says_so() {
+        assert!(!job(Status::Running).previous_attempt_lost(), "a first attempt");
+        for confirmed in [true, false] {
+            let mut running = job(Status::Running);
+            running.confirmed = confirmed;
+            on_due(&mut running, 30_000, TIMING, 1);
+            assert_eq!(running.attempt, 2);
+            assert!(running.previous_attempt_lost(), "confirmed: {confirmed}");
+        }
+        let mut failed = job(Status::Running);
+        let end = AttemptEnd::Failed {
+            error: "boom".to_string(),
+            non_retryable: false,
+        };
+        end_attempt(&mut failed, 100, end, TIMING);
+        assert_eq!(failed.attempt, 2);
+        assert!(!failed.previous_attempt_lost(), "its worker reported the failure");
     }
 
     #[test]

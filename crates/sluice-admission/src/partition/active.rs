@@ -187,7 +187,10 @@ impl AdmissionPartition {
                 overtaken::admitted_partition(key.as_bytes(), routes.admitted_partitions)
             };
             let after_ms = self.settings.timing.claim_overtaken_after_ms;
-            let salt = self.overtaken.salt(&task_group, job_id, now_ms, after_ms, partition_of);
+            let lost = published.state.previous_attempt_lost();
+            let salt = self
+                .overtaken
+                .salt(&task_group, job_id, now_ms, after_ms, lost, partition_of);
             let partition = partition_of(salt);
             self.overtaken.published(&task_group, job_id, now_ms, salt, partition);
             routes.push_admitted(out.outbox, &published, now_ms, salt);

@@ -38,7 +38,11 @@
 //! worker's job waited its 5 s lease, then 6 s more on a partition of the
 //! same dead worker). The mark ends by itself so a partition the group
 //! gives to a live consumer again is not left without work: if it is still
-//! dead, the next job there marks it again.
+//! dead, the next job there marks it again. The next attempt of a job
+//! whose worker was lost (its lease ran out, or it was handed back) goes to
+//! a partition that claimed within the wait when its own did not, even
+//! with no mark: the consumer that worker was may be the one its key lands
+//! on, and at a task group's tail no later claim elsewhere shows it.
 //!
 //! In memory only: a new owner publishes every admitted job again at its
 //! takeover and starts this over.
@@ -90,6 +94,12 @@ impl Progress {
     fn is_stuck(&self, now_ms: i64, after_ms: i64) -> bool {
         self.stuck_since_ms
             .is_some_and(|since| now_ms < since.saturating_add(after_ms.saturating_mul(2)))
+    }
+
+    /// Whether the partition's consumer is known alive at `now_ms`: it
+    /// claimed within `after_ms`, and is not marked stuck.
+    fn is_live(&self, now_ms: i64, after_ms: i64) -> bool {
+        self.last_claim_ms >= now_ms.saturating_sub(after_ms) && !self.is_stuck(now_ms, after_ms)
     }
 }
 
@@ -151,14 +161,18 @@ impl Overtaken {
     /// it was claimed from, not its own, that claimed within `after_ms`
     /// before `now_ms`: a partition whose consumer died since is not),
     /// picked by the job id. Any other keeps its salt (0 for its first
-    /// publish), unless its key lands on a partition marked stuck: then it
-    /// too goes to a partition that claimed within `after_ms`.
+    /// publish), unless its key lands on a partition marked stuck, or
+    /// `lost` (its previous attempt ended without its worker: the worker,
+    /// and the consumer it claimed from, may be dead) and its key lands on a
+    /// partition that did not claim within `after_ms`: then it too goes to a
+    /// partition that claimed within `after_ms`.
     pub fn salt(
         &self,
         task_group: &str,
         job_id: &str,
         now_ms: i64,
         after_ms: i64,
+        lost: bool,
         partition_of: impl Fn(u32) -> i32,
     ) -> u32 {
         let partitions = self.claimed.get(task_group);
@@ -168,14 +182,14 @@ impl Overtaken {
                 let salt = published.map_or(0, |published| published.salt);
                 let any_stuck = partitions
                     .is_some_and(|partitions| partitions.values().any(|progress| progress.is_stuck(now_ms, after_ms)));
-                if !any_stuck {
+                if !any_stuck && !lost {
                     return salt;
                 }
                 let natural = partition_of(salt);
-                let stuck = partitions
-                    .and_then(|partitions| partitions.get(&natural))
-                    .is_some_and(|progress| progress.is_stuck(now_ms, after_ms));
-                if !stuck {
+                let progress = partitions.and_then(|partitions| partitions.get(&natural));
+                let stuck = progress.is_some_and(|progress| progress.is_stuck(now_ms, after_ms));
+                let live = progress.is_some_and(|progress| progress.is_live(now_ms, after_ms));
+                if live || !(stuck || lost) {
                     return salt;
                 }
                 (salt, natural, None)
@@ -187,8 +201,7 @@ impl Overtaken {
                     .iter()
                     .filter(|(partition, progress)| {
                         claimed_after_ms.is_none_or(|at_ms| progress.newest_published_ms > at_ms)
-                            && progress.last_claim_ms >= now_ms.saturating_sub(after_ms)
-                            && !progress.is_stuck(now_ms, after_ms)
+                            && progress.is_live(now_ms, after_ms)
                             && **partition != avoid
                     })
                     .map(|(partition, _)| *partition)
@@ -323,7 +336,7 @@ mod tests {
     /// partition `key(salt)` lands on.
     fn publish(overtaken: &mut Overtaken, job_id: &str, now_ms: i64) -> (u32, i32) {
         let partition_of = |salt: u32| admitted_partition(format!("{job_id}/1/{salt}").as_bytes(), 6);
-        let salt = overtaken.salt("g", job_id, now_ms, 3_000, partition_of);
+        let salt = overtaken.salt("g", job_id, now_ms, 3_000, false, partition_of);
         let partition = partition_of(salt);
         overtaken.published("g", job_id, now_ms, salt, partition);
         (salt, partition)
@@ -509,6 +522,48 @@ mod tests {
         }
     }
 
+    /// A job whose previous attempt ended without its worker (a worker
+    /// killed with it: its lease ran out) is published to a partition that
+    /// claims now, even when nothing showed its own partition dead yet (no
+    /// later job was claimed elsewhere while one waited there): the
+    /// consumer that worker was may be the one it lands on.
+    #[test]
+    fn a_job_whose_worker_was_lost_goes_to_a_partition_that_claims() {
+        let natural = |job: &str| admitted_partition(format!("{job}/1/0").as_bytes(), 6);
+        for round in 0..50 {
+            let mut overtaken = Overtaken::default();
+            // Partitions 0-2 claimed at 9 s; 3-5 last at 1 s (their
+            // consumer was killed then).
+            for (index, job) in (0..).map(|index| (index, format!("claimed-{round}-{index}"))).take(60) {
+                let (_, partition) = publish(&mut overtaken, &job, 0);
+                overtaken.claimed("g", &job, if partition < 3 { 9_000 } else { 1_000 + index });
+            }
+            let job = (0..)
+                .map(|index| format!("retried-{round}-{index}"))
+                .find(|job| natural(job) >= 3)
+                .expect("a job landing on a silent partition");
+            let copy = overtaken.clone();
+            let partition_of = |salt: u32| admitted_partition(format!("{job}/1/{salt}").as_bytes(), 6);
+            let salt = copy.salt("g", &job, 10_000, 3_000, true, partition_of);
+            assert!(partition_of(salt) < 3, "{job}: lost, sent to {}", partition_of(salt));
+            assert_eq!(
+                overtaken.salt("g", &job, 10_000, 3_000, false, partition_of),
+                0,
+                "{job}: a first attempt keeps its key while nothing shows its partition dead"
+            );
+            let live_one = (0..)
+                .map(|index| format!("live-{round}-{index}"))
+                .find(|job| natural(job) < 3)
+                .expect("a job landing on a live partition");
+            let partition_of = |salt: u32| admitted_partition(format!("{live_one}/1/{salt}").as_bytes(), 6);
+            assert_eq!(
+                copy.salt("g", &live_one, 10_000, 3_000, true, partition_of),
+                0,
+                "{live_one}: its own partition claims: it keeps its key"
+            );
+        }
+    }
+
     #[test]
     fn an_attempt_is_published_again_at_most_twice_for_being_overtaken() {
         let mut overtaken = Overtaken::default();
@@ -524,7 +579,7 @@ mod tests {
             for job in overtaken.due(now, 3_000) {
                 assert_eq!(job, "stuck");
                 times += 1;
-                let salt = overtaken.salt("g", &job, now, 3_000, |salt| if salt == 0 { 0 } else { 2 });
+                let salt = overtaken.salt("g", &job, now, 3_000, false, |salt| if salt == 0 { 0 } else { 2 });
                 salts.push(salt);
                 // Its copies land on a partition nothing is claimed from.
                 overtaken.published("g", &job, now, salt, 2);
