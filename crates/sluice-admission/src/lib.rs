@@ -136,6 +136,7 @@ pub fn partition_settings(config: &Arc<SluiceConfig>, faults: &Faults, hub: Arc<
         faults: faults.clone(),
         hub,
         quotas: Arc::new(quota::Quotas::from_config(config)),
+        consumers: partition::Consumers::default(),
     }
 }
 

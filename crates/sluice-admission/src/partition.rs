@@ -33,6 +33,7 @@ mod enqueue;
 mod grants;
 mod local;
 mod overtaken;
+pub use overtaken::Consumers;
 mod spans;
 mod time;
 mod worker;
@@ -256,6 +257,9 @@ pub struct PartitionSettings {
     pub hub: Arc<WorkerHub>,
     /// Per-tenant quotas, shared by the instance's partitions.
     pub quotas: Arc<crate::quota::Quotas>,
+    /// What claims showed of the admitted topics' consumers, shared by the
+    /// instance's partitions (`partition/overtaken.rs`).
+    pub consumers: overtaken::Consumers,
 }
 
 /// An active job and whether its payload is in memory.
@@ -342,6 +346,7 @@ impl AdmissionPartition {
         journal_bytes: usize,
     ) -> Self {
         let jobs = jobs.into_iter();
+        let overtaken = overtaken::Overtaken::new(settings.consumers.clone());
         let mut partition = AdmissionPartition {
             settings,
             jobs: HashMap::with_capacity_and_hasher(jobs.size_hint().0, Default::default()),
@@ -358,7 +363,7 @@ impl AdmissionPartition {
             changes: HashMap::default(),
             unclaimed: HashMap::default(),
             unclaimed_kept: 0,
-            overtaken: overtaken::Overtaken::default(),
+            overtaken,
             pushes: HashMap::default(),
             now_ms: 0,
             crash_after_commit: false,

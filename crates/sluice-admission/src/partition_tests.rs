@@ -1259,6 +1259,56 @@ fn an_admitted_job_overtaken_by_a_later_one_claimed_is_published_again_under_a_n
     assert_eq!(admitted_keys(harness.apply_sending(Vec::new())), Vec::<String>::new());
 }
 
+/// A new owner publishes every admitted job again at its takeover. It
+/// knows what the instance's claims showed of the topic's consumers: a job
+/// whose key lands on a partition that claimed nothing within the wait
+/// goes to one that did (in a chaos run, a job partition taken over twice
+/// while a killed worker's partition had no consumer published one job
+/// there three times under its first key).
+#[test]
+fn a_job_published_again_at_a_takeover_avoids_a_partition_that_stopped_claiming() {
+    let mut harness = Harness::new();
+    let config = harness.partition.settings().config.clone();
+    harness.now_ms += 1_000;
+    assert!(enqueue_one(&mut harness, &config, "acme", "later").is_ok());
+    let (reply, mut claimed) = oneshot::channel();
+    harness.apply(vec![Local::Claim {
+        worker_id: "w".to_string(),
+        attempts: vec![("later".to_string(), 1)],
+        scope: sluice_common::auth::JobScope::All,
+        reply,
+    }]);
+    assert_eq!(
+        claimed.try_recv().expect("answered")[0].outcome,
+        pb::ClaimOutcome::Claimed as i32
+    );
+    let partitions = harness.partition.settings().routes.admitted_partitions;
+    let partition = |key: &str| super::overtaken::admitted_partition(key.as_bytes(), partitions);
+    let live = partition("later/1");
+    harness.now_ms += 100;
+    harness.take_over();
+    // The new owner reads their payloads, then publishes them.
+    let payloads = (0..JOBS).map(|job| (job_id(job), b"x".to_vec())).collect();
+    OwnedState::prepared(
+        &mut harness.partition,
+        crate::partition::Prepared {
+            payloads,
+            ..Default::default()
+        },
+    );
+    let keys = admitted_keys(harness.apply_sending(Vec::new()));
+    assert_eq!(keys.len(), JOBS, "{keys:?}");
+    let mut moved = 0;
+    for key in &keys {
+        assert_eq!(partition(key), live, "{key} published again where nothing claims");
+        moved += usize::from(!key.ends_with("/1"));
+    }
+    assert!(
+        moved > 0,
+        "every job's first key landed on the live partition: {keys:?}"
+    );
+}
+
 /// A push handed back as lost on its way whose worker did run it: its
 /// success, reported late (the 100,000-job backlog run: completions that
 /// waited 6.7 s inside the new owner's instance), ends the job if the next

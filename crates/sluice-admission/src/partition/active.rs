@@ -187,10 +187,16 @@ impl AdmissionPartition {
                 overtaken::admitted_partition(key.as_bytes(), routes.admitted_partitions)
             };
             let after_ms = self.settings.timing.claim_overtaken_after_ms;
-            let lost = published.state.previous_attempt_lost();
+            // Published again (a takeover, a claim timeout), or its worker
+            // was lost: its key's partition may have no consumer.
+            let reroute = published.state.previous_attempt_lost()
+                || published
+                    .state
+                    .admitted_at_ms
+                    .is_some_and(|admitted_at| admitted_at < now_ms);
             let salt = self
                 .overtaken
-                .salt(&task_group, job_id, now_ms, after_ms, lost, partition_of);
+                .salt(&task_group, job_id, now_ms, after_ms, reroute, partition_of);
             let partition = partition_of(salt);
             self.overtaken.published(&task_group, job_id, now_ms, salt, partition);
             routes.push_admitted(out.outbox, &published, now_ms, salt);

@@ -44,10 +44,21 @@
 //! with no mark: the consumer that worker was may be the one its key lands
 //! on, and at a task group's tail no later claim elsewhere shows it.
 //!
-//! In memory only: a new owner publishes every admitted job again at its
-//! takeover and starts this over.
+//! What claims show of each partition's consumer (`Consumers`) is the
+//! instance's, shared by its job partitions: it is the same consumer
+//! whichever job partition published, and a new owner (a takeover, a
+//! resumed partition handed to the member's own task) starts knowing it
+//! instead of blind. Such an owner publishes every admitted job again, and
+//! a job published again (a takeover, a claim timeout) whose key lands on a
+//! partition that did not claim within the wait goes to one that did, as
+//! the next attempt of a lost worker's job does: in a chaos run, a job
+//! partition taken over twice while a killed worker's partition had no
+//! consumer published one job there three times under its first key.
+//!
+//! In memory only: a restarted instance starts this over.
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use sluice_common::hash::HashMap;
 
@@ -103,6 +114,19 @@ impl Progress {
     }
 }
 
+/// Per task group and partition of its admitted topic: what claims showed
+/// of the partition's consumer. One per instance, shared by its job
+/// partitions (`PartitionSettings::consumers`).
+#[derive(Clone, Debug, Default)]
+pub struct Consumers(Arc<Mutex<HashMap<String, HashMap<i32, Progress>>>>);
+
+impl Consumers {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, HashMap<i32, Progress>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Cloned, it shares its `Consumers` with the original.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Overtaken {
     /// Jobs published and not claimed, by id.
@@ -110,8 +134,8 @@ pub(super) struct Overtaken {
     /// Per task group and partition: (published at, job id), oldest first;
     /// an entry whose job was claimed or published again since is skipped.
     queues: HashMap<(String, i32), VecDeque<(i64, String)>>,
-    /// Per task group and partition: what claims showed of its consumer.
-    claimed: HashMap<String, HashMap<i32, Progress>>,
+    /// What claims showed of each partition's consumer: the instance's.
+    consumers: Consumers,
 }
 
 /// The partition librdkafka's default partitioner (`consistent_random`)
@@ -154,6 +178,14 @@ fn overtaken_at(partitions: Option<&HashMap<i32, Progress>>, partition: i32, at_
 }
 
 impl Overtaken {
+    /// A job partition's, sharing the instance's `consumers`.
+    pub fn new(consumers: Consumers) -> Self {
+        Overtaken {
+            consumers,
+            ..Overtaken::default()
+        }
+    }
+
     /// The re-send number to add to `job_id`'s key for its next publish.
     /// `partition_of(salt)` says where the key with `salt` lands. A job
     /// `due` found overtaken gets the first salt past its last whose key
@@ -162,34 +194,35 @@ impl Overtaken {
     /// before `now_ms`: a partition whose consumer died since is not),
     /// picked by the job id. Any other keeps its salt (0 for its first
     /// publish), unless its key lands on a partition marked stuck, or
-    /// `lost` (its previous attempt ended without its worker: the worker,
-    /// and the consumer it claimed from, may be dead) and its key lands on a
-    /// partition that did not claim within `after_ms`: then it too goes to a
-    /// partition that claimed within `after_ms`.
+    /// `reroute` (its previous attempt ended without its worker, whose
+    /// consumer may be dead; or it is published again) and its key lands on
+    /// a partition that did not claim within `after_ms`: then it too goes to
+    /// a partition that claimed within `after_ms`.
     pub fn salt(
         &self,
         task_group: &str,
         job_id: &str,
         now_ms: i64,
         after_ms: i64,
-        lost: bool,
+        reroute: bool,
         partition_of: impl Fn(u32) -> i32,
     ) -> u32 {
-        let partitions = self.claimed.get(task_group);
+        let claimed = self.consumers.lock();
+        let partitions = claimed.get(task_group);
         let (current, avoid, claimed_after_ms) = match self.jobs.get(job_id) {
             Some(published) if published.retarget => (published.salt, published.partition, Some(published.at_ms)),
             published => {
                 let salt = published.map_or(0, |published| published.salt);
                 let any_stuck = partitions
                     .is_some_and(|partitions| partitions.values().any(|progress| progress.is_stuck(now_ms, after_ms)));
-                if !any_stuck && !lost {
+                if !any_stuck && !reroute {
                     return salt;
                 }
                 let natural = partition_of(salt);
                 let progress = partitions.and_then(|partitions| partitions.get(&natural));
                 let stuck = progress.is_some_and(|progress| progress.is_stuck(now_ms, after_ms));
                 let live = progress.is_some_and(|progress| progress.is_live(now_ms, after_ms));
-                if live || !(stuck || lost) {
+                if live || !(stuck || reroute) {
                     return salt;
                 }
                 (salt, natural, None)
@@ -252,8 +285,8 @@ impl Overtaken {
         let Some(published) = self.jobs.remove(job_id) else {
             return;
         };
-        let progress = self
-            .claimed
+        let mut claimed = self.consumers.lock();
+        let progress = claimed
             .entry(task_group.to_string())
             .or_default()
             .entry(published.partition)
@@ -278,7 +311,12 @@ impl Overtaken {
     pub fn due(&mut self, now_ms: i64, after_ms: i64) -> Vec<String> {
         let mut due = Vec::new();
         let mut stuck = Vec::new();
-        let Overtaken { jobs, queues, claimed } = self;
+        let Overtaken {
+            jobs,
+            queues,
+            consumers,
+        } = self;
+        let mut claimed = consumers.lock();
         for ((task_group, partition), queue) in queues.iter_mut() {
             let partitions = claimed.get(task_group);
             while let Some((at_ms, job_id)) = queue.front() {
@@ -318,11 +356,12 @@ impl Overtaken {
     /// When `due` may next find a job: the oldest live entry of each
     /// partition's queue, when another partition got past it.
     pub fn next_due_ms(&self, after_ms: i64) -> Option<i64> {
+        let claimed = self.consumers.lock();
         self.queues
             .iter()
             .filter_map(|((task_group, partition), queue)| {
                 let (at_ms, _) = queue.front()?;
-                overtaken_at(self.claimed.get(task_group), *partition, *at_ms, after_ms)
+                overtaken_at(claimed.get(task_group), *partition, *at_ms, after_ms)
             })
             .min()
     }
@@ -560,6 +599,61 @@ mod tests {
                 copy.salt("g", &live_one, 10_000, 3_000, true, partition_of),
                 0,
                 "{live_one}: its own partition claims: it keeps its key"
+            );
+        }
+    }
+
+    /// A new owner (another job partition of the instance, or the same one
+    /// taken over) knows at once what the instance's claims showed: its
+    /// first publishes avoid a partition found stuck, and a job it
+    /// publishes again (its takeover) avoids one that stopped claiming.
+    #[test]
+    fn a_new_owner_knows_what_the_instances_claims_showed() {
+        let natural = |job: &str| admitted_partition(format!("{job}/1/0").as_bytes(), 6);
+        for round in 0..50 {
+            let mut before = Overtaken::default();
+            let (_, dead) = publish(&mut before, &format!("stuck-{round}"), 0);
+            let mut live = Vec::new();
+            for job in (0..60).map(|index| format!("later-{round}-{index}")) {
+                let (_, partition) = publish(&mut before, &job, 10);
+                if partition != dead {
+                    before.claimed("g", &job, 2_500);
+                    live.push(partition);
+                }
+            }
+            assert_eq!(before.due(3_000, 3_000).len(), 1);
+
+            let mut fresh = Overtaken::new(before.consumers.clone());
+            let landing = (0..)
+                .map(|index| format!("new-{round}-{index}"))
+                .find(|job| natural(job) == dead)
+                .expect("a job landing on the stuck partition");
+            let (_, partition) = publish(&mut fresh, &landing, 3_100);
+            assert!(live.contains(&partition), "{landing}: sent to {partition}");
+
+            // Past the mark, a job published again at the takeover still
+            // avoids the partition that has claimed nothing since.
+            let again = (0..)
+                .map(|index| format!("again-{round}-{index}"))
+                .find(|job| natural(job) == dead)
+                .expect("a job landing on the silent partition");
+            let partition_of = |salt: u32| admitted_partition(format!("{again}/1/{salt}").as_bytes(), 6);
+            for job in (0..60).map(|index| format!("claiming-{round}-{index}")) {
+                let (_, partition) = publish(&mut fresh, &job, 9_000);
+                if partition != dead {
+                    fresh.claimed("g", &job, 9_500);
+                }
+            }
+            let salt = fresh.salt("g", &again, 10_000, 3_000, true, partition_of);
+            assert_ne!(
+                partition_of(salt),
+                dead,
+                "{again}: published again to the silent partition"
+            );
+            assert_eq!(
+                fresh.salt("g", &again, 10_000, 3_000, false, partition_of),
+                0,
+                "{again}: a first publish keeps its key once the mark is over"
             );
         }
     }
