@@ -6,13 +6,16 @@
 //! 14–33 s measured on tansu after a kill, and one partition nobody was
 //! given for 33 s), and until then the job holds its limits' tickets while
 //! nothing runs (issue 29). `claim_timeout` (30 s) is the backstop for
-//! that; this is the event that shows it sooner: a job of the same task
-//! group published *later* was claimed while this one, out for
-//! `claim_overtaken_after_ms` already, was not, and nothing was claimed from
-//! its partition for that long either. Its consumer is dead (one that is
-//! only behind keeps claiming: a backlog of 100,000 jobs, its partitions
-//! read at different paces, had 12 % of its jobs published again when the
-//! publish order alone counted, 0.07 % with this), and the job is published
+//! that; this is the event that shows it sooner: another partition of the
+//! task group claimed since this job's publish while this one, out for
+//! `claim_overtaken_after_ms` already, was not claimed, and nothing was
+//! claimed from its partition for that long either (until 2026-11-28 the
+//! claim had to be of a job published *later*: at a serial chain's tail
+//! nothing later exists, and a floating key's chain waited 7 s). Its
+//! consumer is dead (one that is only behind keeps claiming: a backlog of
+//! 100,000 jobs, its partitions read at different paces, had 12 % of its
+//! jobs published again when the publish order alone counted, 0.07 % with
+//! this), and the job is published
 //! again, at most `MAX_OVERTAKEN_RESENDS`
 //! times per attempt (then every `claim_timeout` as before). Whichever copy
 //! is claimed first wins; the other is answered `TAKEN` or `STALE`.
@@ -162,12 +165,16 @@ fn crc32(bytes: &[u8]) -> u32 {
 /// as overtaken: `after_ms` after its publish and after the partition's last
 /// claim (a partition whose consumer keeps claiming is alive, only behind:
 /// a backlog read at different paces is not a reason to publish again), if
-/// another partition of the group got past it.
+/// another partition of the group claimed since its publish. Not only a job
+/// published after it: at a task group's tail nothing later may exist (a
+/// floating key's serial chain admits its next job only when this one
+/// ends), and a `make chaos` run's chain waited 7 s for the group to give a
+/// killed worker's partition a consumer while the others claimed.
 fn overtaken_at(partitions: Option<&HashMap<i32, Progress>>, partition: i32, at_ms: i64, after_ms: i64) -> Option<i64> {
     let partitions = partitions?;
     let passed = partitions
         .iter()
-        .any(|(other, progress)| *other != partition && progress.newest_published_ms > at_ms);
+        .any(|(other, progress)| *other != partition && progress.last_claim_ms > at_ms);
     if !passed {
         return None;
     }
@@ -228,20 +235,28 @@ impl Overtaken {
                 (salt, natural, None)
             }
         };
-        let mut live: Vec<i32> = partitions
-            .map(|partitions| {
-                partitions
-                    .iter()
-                    .filter(|(partition, progress)| {
-                        claimed_after_ms.is_none_or(|at_ms| progress.newest_published_ms > at_ms)
-                            && progress.is_live(now_ms, after_ms)
-                            && **partition != avoid
-                    })
-                    .map(|(partition, _)| *partition)
-                    .collect()
-            })
-            .unwrap_or_default();
-        live.sort_unstable();
+        // Live partitions other than the one to avoid; for an overtaken job,
+        // those that got past it (claimed a job published after it: not
+        // behind) if there are any.
+        let live_where = |past: bool| -> Vec<i32> {
+            let mut live: Vec<i32> = partitions
+                .map(|partitions| {
+                    partitions
+                        .iter()
+                        .filter(|(partition, progress)| {
+                            (!past || claimed_after_ms.is_none_or(|at_ms| progress.newest_published_ms > at_ms))
+                                && progress.is_live(now_ms, after_ms)
+                                && **partition != avoid
+                        })
+                        .map(|(partition, _)| *partition)
+                        .collect()
+                })
+                .unwrap_or_default();
+            live.sort_unstable();
+            live
+        };
+        let past = live_where(true);
+        let live = if past.is_empty() { live_where(false) } else { past };
         let next = current.saturating_add(1);
         if live.is_empty() {
             // Nowhere known to be better: a retargeted job still gets a new
@@ -390,21 +405,24 @@ mod tests {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
     }
 
+    /// A job is overtaken once another partition of its task group claimed
+    /// since its publish (a job published before it, too: at a chain's
+    /// tail nothing later exists), and only after the wait.
     #[test]
-    fn a_job_is_overtaken_only_by_a_later_publish_claimed_elsewhere_and_only_after_the_wait() {
+    fn a_job_is_overtaken_only_once_another_partition_claimed_since_its_publish_and_after_the_wait() {
         let mut overtaken = Overtaken::default();
+        overtaken.published("g", "earlier", 500, 0, 1);
+        overtaken.published("g", "earlier-too", 600, 0, 1);
         overtaken.published("g", "stuck", 1_000, 0, 0);
-        overtaken.published("g", "same-time", 1_000, 0, 1);
         overtaken.published("other", "elsewhere", 1_000, 0, 0);
-        overtaken.published("g", "later", 1_500, 0, 1);
         assert_eq!(overtaken.next_due_ms(3_000), None, "nothing claimed yet");
         assert!(overtaken.due(10_000, 3_000).is_empty());
-        overtaken.claimed("g", "same-time", 2_000);
+        overtaken.claimed("g", "earlier", 900);
         assert!(
             overtaken.due(10_000, 3_000).is_empty(),
-            "a claim published at the same time overtakes nothing"
+            "a claim before its publish overtakes nothing"
         );
-        overtaken.claimed("g", "later", 2_000);
+        overtaken.claimed("g", "earlier-too", 2_000);
         assert_eq!(overtaken.next_due_ms(3_000), Some(4_000));
         assert!(overtaken.due(3_999, 3_000).is_empty(), "out for less than the wait");
         assert_eq!(overtaken.due(4_000, 3_000), vec!["stuck".to_string()]);
