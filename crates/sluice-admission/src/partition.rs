@@ -320,9 +320,8 @@ pub struct AdmissionPartition {
     /// committed (its observations).
     planned_spans: Vec<sluice_common::telemetry::PlannedSpan>,
     /// Requests received before this batch wait behind it
-    /// (`OwnedState::requests_received_through`): leases that ended later
-    /// do not end meanwhile.
-    requests_received_through_ms: i64,
+    /// (`OwnedState::requests_queued`): leases do not end meanwhile.
+    requests_queued: bool,
     /// Taken over from a live owner (`OwnerContext::previous_owner_alive`):
     /// its pushes reached their streams, so none is treated as lost with it.
     from_live_owner: bool,
@@ -371,7 +370,7 @@ impl AdmissionPartition {
             active_by_tenant: HashMap::default(),
             buckets: HashMap::default(),
             planned_spans: Vec::new(),
-            requests_received_through_ms: i64::MAX,
+            requests_queued: false,
             from_live_owner: false,
         };
         for row in jobs {
@@ -556,8 +555,8 @@ impl OwnedState for AdmissionPartition {
         self.prepared = prepared;
     }
 
-    fn requests_received_through(&mut self, through_ms: i64) {
-        self.requests_received_through_ms = through_ms;
+    fn requests_queued(&mut self, queued: bool) {
+        self.requests_queued = queued;
     }
 
     fn apply(

@@ -159,56 +159,6 @@ enum Ownership {
     Fenced,
 }
 
-/// How far the local requests of an owner's handlers have been taken in
-/// (`OwnedState::requests_received_through`). The queue is first in, first
-/// out: when `n` requests have been taken since the ownership began and the
-/// queue held `n + queued` at time `t`, everything sent by `t` is in once
-/// `n + queued` have been taken.
-#[derive(Debug)]
-pub(super) struct ReceivedThrough {
-    /// Requests taken so far.
-    taken: u64,
-    /// (time, how many had been sent by then), oldest first: those not
-    /// all taken yet.
-    marks: std::collections::VecDeque<(i64, u64)>,
-    /// Everything sent at or before this was taken.
-    through_ms: i64,
-}
-
-impl Default for ReceivedThrough {
-    fn default() -> Self {
-        ReceivedThrough {
-            taken: 0,
-            marks: std::collections::VecDeque::new(),
-            through_ms: i64::MIN,
-        }
-    }
-}
-
-impl ReceivedThrough {
-    /// `taken` more requests were taken for a batch; at `now_ms` (read
-    /// before the queue's length) `queued` still wait. Returns the time
-    /// everything sent by was taken.
-    pub(super) fn after_taking(&mut self, taken: usize, now_ms: i64, queued: usize) -> i64 {
-        self.taken = self.taken.saturating_add(u64::try_from(taken).unwrap_or(u64::MAX));
-        while let Some((at_ms, sent)) = self.marks.front().copied() {
-            if sent > self.taken {
-                break;
-            }
-            self.through_ms = self.through_ms.max(at_ms);
-            self.marks.pop_front();
-        }
-        if queued == 0 {
-            self.marks.clear();
-            self.through_ms = self.through_ms.max(now_ms);
-        } else {
-            let sent = self.taken.saturating_add(u64::try_from(queued).unwrap_or(u64::MAX));
-            self.marks.push_back((now_ms, sent));
-        }
-        self.through_ms
-    }
-}
-
 /// Whether `messages` go back to or before an offset received earlier,
 /// updating `last_received`.
 fn went_back(last_received: &mut Option<i64>, messages: &[InMsg]) -> bool {
@@ -410,7 +360,6 @@ impl<S: OwnedStore> PartitionTask<S> {
         let (local_sender, mut local_receiver) = self.register_owned(&context, applied_offset, loading);
 
         let mut last_received: Option<i64> = None;
-        let mut received = ReceivedThrough::default();
         let mut last_key_stats = std::time::Instant::now() - KEY_STATS_EVERY;
         let mut fence_check = tokio::time::interval(FENCE_CHECK_EVERY);
         fence_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -432,11 +381,7 @@ impl<S: OwnedStore> PartitionTask<S> {
                 }
             }
             self.fill_batch(input, &mut local_receiver, &mut messages, &mut locals);
-            state.requests_received_through(received.after_taking(
-                locals.len(),
-                context.clock.now_ms(),
-                local_receiver.len(),
-            ));
+            state.requests_queued(!local_receiver.is_empty());
             // The consumer only goes back when its position was reset (the
             // log it read is gone): see whether the log was lost.
             if went_back(&mut last_received, &messages) {

@@ -172,27 +172,3 @@ async fn a_barrier_follows_what_was_queued_before_it_on_every_owned_partition() 
     drop(first_queue.recv().await);
     assert!(matches!(blocked.await.unwrap(), Err(LocalCallError::Interrupted(1))));
 }
-
-/// What a partition task tells its state of the requests taken in
-/// (`OwnedState::requests_received_through`): everything sent by a time
-/// counts as in once as many requests as had been sent by then were taken,
-/// first in, first out; an empty queue means everything sent until now.
-#[test]
-fn requests_count_as_received_through_a_time_once_everything_sent_by_then_was_taken() {
-    let mut received = task::ReceivedThrough::default();
-    // 1,000 wait at 10 after a batch of 100 was taken: nothing is known in.
-    assert_eq!(received.after_taking(100, 10, 1_000), i64::MIN);
-    // More keep coming; the queue never empties.
-    assert_eq!(received.after_taking(100, 20, 1_500), i64::MIN, "900 of 1,000 taken");
-    assert_eq!(received.after_taking(900, 30, 1_200), 10, "the 1,100 sent by 10 are in");
-    assert_eq!(
-        received.after_taking(500, 40, 900),
-        10,
-        "1,600 taken: not yet the 1,700 sent by 20"
-    );
-    assert_eq!(received.after_taking(100, 45, 900), 20, "the 1,700 sent by 20 are in");
-    assert_eq!(received.after_taking(100, 50, 900), 20, "not yet the 2,300 sent by 30");
-    assert_eq!(received.after_taking(0, 60, 0), 60, "nothing waits: everything is in");
-    assert_eq!(received.after_taking(5, 70, 3), 60);
-    assert_eq!(received.after_taking(3, 80, 0), 80);
-}

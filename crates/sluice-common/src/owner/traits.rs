@@ -51,17 +51,13 @@ pub trait OwnedState: Send + 'static {
     /// to decide on.
     fn prepared(&mut self, _prepared: Self::Prepared) {}
 
-    /// Before `apply`: every request from this process's handlers sent at
-    /// or before `through_ms` (the partition's clock) is in this batch or
-    /// an earlier one; any sent later may still wait behind it (the batch
+    /// Before `apply`: whether requests from this process's handlers that
+    /// were received before the batch are still queued behind it (the batch
     /// took `max_batch` of them and more wait). A state that ends something
-    /// by time because nobody spoke up (a lease ending at `end_ms`) waits
-    /// while `through_ms < end_ms`: the word may be in the queue (a
-    /// completion behind thousands of grants after a takeover). Requests
-    /// sent after the end cannot be that word, however many wait: a busy
-    /// partition always has some queued, and ended every lease one lease
-    /// late while it did (issue 29).
-    fn requests_received_through(&mut self, _through_ms: i64) {}
+    /// by time because nobody spoke up (a lease) waits while this holds:
+    /// the word may be in the queue (a completion behind thousands of
+    /// grants after a takeover).
+    fn requests_queued(&mut self, _queued: bool) {}
 
     /// Advance to `now_ms` (timers), then apply `messages` and `locals` in
     /// order, recording writes, effects and replies.
