@@ -1166,6 +1166,23 @@ fn a_lease_does_not_end_while_requests_received_before_it_wait() {
     );
 }
 
+/// Worker `w` claims attempt 1 of the job `later`, which must be answered
+/// `CLAIMED`; returns what the claim's batch sent.
+fn claim_later(harness: &mut Harness) -> Outbox {
+    let (reply, mut claimed) = oneshot::channel();
+    let outbox = harness.apply_sending(vec![Local::Claim {
+        worker_id: "w".to_string(),
+        attempts: vec![("later".to_string(), 1)],
+        scope: sluice_common::auth::JobScope::All,
+        reply,
+    }]);
+    assert_eq!(
+        claimed.try_recv().expect("answered")[0].outcome,
+        pb::ClaimOutcome::Claimed as i32
+    );
+    outbox
+}
+
 /// The keys of the admitted messages a batch sent, sorted.
 fn admitted_keys(mut outbox: Outbox) -> Vec<String> {
     drop(outbox.take_links());
@@ -1225,17 +1242,7 @@ fn an_admitted_job_overtaken_by_a_later_one_claimed_is_published_again_under_a_n
         "no job published after them was claimed yet"
     );
     // The claim's own batch publishes them again (its timers run last).
-    let (reply, mut claimed) = oneshot::channel();
-    let outbox = harness.apply_sending(vec![Local::Claim {
-        worker_id: "w".to_string(),
-        attempts: vec![("later".to_string(), 1)],
-        scope: sluice_common::auth::JobScope::All,
-        reply,
-    }]);
-    assert_eq!(
-        claimed.try_recv().expect("answered")[0].outcome,
-        pb::ClaimOutcome::Claimed as i32
-    );
+    let outbox = claim_later(&mut harness);
     // Each under a new key that lands where the later job was claimed from
     // (its consumer is alive), unless that is where it sat already.
     let partitions = harness.partition.settings().routes.admitted_partitions;
@@ -1271,17 +1278,7 @@ fn a_job_published_again_at_a_takeover_avoids_a_partition_that_stopped_claiming(
     let config = harness.partition.settings().config.clone();
     harness.now_ms += 1_000;
     assert!(enqueue_one(&mut harness, &config, "acme", "later").is_ok());
-    let (reply, mut claimed) = oneshot::channel();
-    harness.apply(vec![Local::Claim {
-        worker_id: "w".to_string(),
-        attempts: vec![("later".to_string(), 1)],
-        scope: sluice_common::auth::JobScope::All,
-        reply,
-    }]);
-    assert_eq!(
-        claimed.try_recv().expect("answered")[0].outcome,
-        pb::ClaimOutcome::Claimed as i32
-    );
+    claim_later(&mut harness);
     let partitions = harness.partition.settings().routes.admitted_partitions;
     let partition = |key: &str| super::overtaken::admitted_partition(key.as_bytes(), partitions);
     let live = partition("later/1");
