@@ -469,6 +469,7 @@ pub async fn run_link_grants(
     mut grants: tokio::sync::mpsc::Receiver<Downlink>,
     shutdown: sluice_common::Shutdown,
 ) -> Result<(), PartitionTaskError> {
+    let mut not_owned = NotOwnedGrants::default();
     loop {
         let encoded = tokio::select! {
             _ = shutdown.cancelled() => return Ok(()),
@@ -508,15 +509,71 @@ pub async fn run_link_grants(
             }
         }
         for (partition, events) in by_partition {
-            if registry.submit(partition, Local::Grants(events)).await.is_err() {
-                tracing::debug!(
-                    partition,
-                    "grants for a job partition this instance does not own; dropped"
-                );
+            let count = events.len();
+            if let Err(error) = registry.submit(partition, Local::Grants(events)).await {
+                not_owned.dropped(partition, count, &error);
             }
         }
         if !rejected.is_empty() {
             set_aside_grants(&pool, &rejected, &shutdown).await;
+        }
+    }
+}
+
+/// Grants for job partitions this instance does not own: normal for a
+/// moment after a handover (the owner re-sends its acquires, and the grant
+/// follows), a fault if it goes on (the owners route a partition's grants
+/// by the claims they last read). Counted; said once drops have gone on
+/// for `NOT_OWNED_FOR`, and then at most that often.
+#[derive(Default)]
+struct NotOwnedGrants {
+    /// Grants dropped since the streak began or was last said.
+    grants: u64,
+    partitions: std::collections::BTreeSet<i32>,
+    /// The first drop of drops no more than `NOT_OWNED_FOR` apart.
+    streak_from: Option<std::time::Instant>,
+    last_drop: Option<std::time::Instant>,
+    said_at: Option<std::time::Instant>,
+}
+
+const NOT_OWNED_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl NotOwnedGrants {
+    #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
+    fn dropped(&mut self, partition: i32, count: usize, error: &sluice_common::owner::LocalCallError) {
+        let count = u64::try_from(count).unwrap_or(u64::MAX);
+        sluice_common::metrics::metrics().link_grants_not_owned.add(count, &[]);
+        tracing::debug!(partition, grants = count, %error, "grants for a job partition this instance does not own; dropped");
+        let now = std::time::Instant::now();
+        if self
+            .last_drop
+            .is_none_or(|last| now.duration_since(last) > NOT_OWNED_FOR)
+        {
+            *self = NotOwnedGrants {
+                streak_from: Some(now),
+                ..NotOwnedGrants::default()
+            };
+        }
+        self.last_drop = Some(now);
+        self.grants = self.grants.saturating_add(count);
+        self.partitions.insert(partition);
+        let going_on = self
+            .streak_from
+            .is_some_and(|from| now.duration_since(from) >= NOT_OWNED_FOR);
+        let said_lately = self
+            .said_at
+            .is_some_and(|said| now.duration_since(said) < NOT_OWNED_FOR);
+        if going_on && !said_lately {
+            tracing::warn!(
+                grants = self.grants,
+                partitions = ?self.partitions,
+                since = ?self.streak_from.map(|from| now.duration_since(from)),
+                "grants for job partitions this instance does not own keep arriving and are dropped: \
+                 the owners route them to this instance although another owns the partitions"
+            );
+            self.grants = 0;
+            self.partitions.clear();
+            self.said_at = Some(now);
         }
     }
 }

@@ -94,6 +94,7 @@ pub struct SluiceMetrics {
     pub quota_refusals: Counter<u64>,
     pub quarantined: Counter<u64>,
     pub link_grants_unrouted: Counter<u64>,
+    pub link_grants_not_owned: Counter<u64>,
     pub transient_faults: Counter<u64>,
     pub consumed: Counter<u64>,
     pub partition_behind: Counter<u64>,
@@ -202,6 +203,12 @@ impl SluiceMetrics {
                 .u64_counter("sluice_link_grants_unrouted")
                 .with_description(
                     "Committed grants no admission stream took, or whose stream was too far behind to queue them (admission re-sends its acquire; the grant follows)",
+                )
+                .build(),
+            link_grants_not_owned: meter
+                .u64_counter("sluice_link_grants_not_owned")
+                .with_description(
+                    "Grants an admission instance received for a job partition it does not own (handed over; the owner re-sends its acquires and the grant follows). Growing for long: grants routed to the wrong instance",
                 )
                 .build(),
             transient_faults: meter

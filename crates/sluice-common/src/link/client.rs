@@ -180,6 +180,9 @@ pub(super) struct Connection {
     pub(super) generation: u64,
     pub(super) state: ConnectionState,
     failures: u32,
+    /// The claims (`LinkHello`) are not written to the open stream yet: no
+    /// command goes on it before them.
+    hello_pending: bool,
 }
 
 pub(super) enum ConnectionState {
@@ -199,6 +202,7 @@ impl Connection {
                 retry_at: tokio::time::Instant::now(),
             },
             failures: 0,
+            hello_pending: false,
         }
     }
 
@@ -309,11 +313,15 @@ impl ClientActor {
             }
             ClientEvent::Claims(claims) => {
                 self.claims = claims;
-                let hello = self.hello();
-                for connection in self.connections.values() {
-                    if let Some(sender) = connection.sender() {
-                        let _ = sender.try_send(hello.clone());
+                // Every open stream tells its owner, ahead of any command
+                // sent after this (a full buffer keeps the commands back
+                // too until the claims are written: `route`).
+                let endpoints: Vec<Arc<str>> = self.connections.keys().cloned().collect();
+                for endpoint in endpoints {
+                    if let Some(connection) = self.connections.get_mut(&endpoint) {
+                        connection.hello_pending = true;
                     }
+                    self.write_hello(&endpoint);
                 }
             }
             ClientEvent::Opened {
@@ -401,17 +409,49 @@ impl ClientActor {
         }
     }
 
+    /// Write the claims to the stream to `endpoint` if they are pending
+    /// there. Whether nothing is pending now (a full buffer: the next tick
+    /// tries again).
+    fn write_hello(&mut self, endpoint: &Arc<str>) -> bool {
+        let hello = self.hello();
+        let Some(connection) = self.connections.get_mut(endpoint) else {
+            return true;
+        };
+        if !connection.hello_pending {
+            return true;
+        }
+        let Some(sender) = connection.sender() else {
+            return false;
+        };
+        match sender.try_send(hello) {
+            Ok(()) => {
+                connection.hello_pending = false;
+                true
+            }
+            // Closed: `Closed` follows, and the next stream starts with them.
+            Err(_) => false,
+        }
+    }
+
     /// Write `seq` to its partition's owner, unless it is already on that
-    /// owner's current stream; connect when there is no stream yet.
+    /// owner's current stream; connect when there is no stream yet. Never
+    /// ahead of claims still pending on that stream: a grant answering the
+    /// command must find the stream claimed.
     fn route(&mut self, seq: u64) {
-        let Some(pending) = self.unacked.get(&seq) else {
+        let Some(partition) = self.unacked.get(&seq).map(|pending| pending.partition) else {
             return;
         };
-        let Some(endpoint) = self.directory.get(&pending.partition).cloned() else {
+        let Some(endpoint) = self.directory.get(&partition).cloned() else {
             self.directory_wanted = true;
             return;
         };
         let connection = self.connections.entry(endpoint.clone()).or_insert_with(Connection::new);
+        if connection.sender().is_none() || !self.write_hello(&endpoint) {
+            return;
+        }
+        let (Some(pending), Some(connection)) = (self.unacked.get(&seq), self.connections.get(&endpoint)) else {
+            return;
+        };
         let Some(sender) = connection.sender().cloned() else {
             return;
         };
@@ -439,16 +479,16 @@ impl ClientActor {
     }
 
     fn opened(&mut self, endpoint: Arc<str>, generation: u64, sender: mpsc::Sender<pb::LinkUp>) {
-        let hello = self.hello();
         let Some(connection) = self.connections.get_mut(&endpoint) else {
             return;
         };
         if connection.generation != generation {
             return;
         }
-        let _ = sender.try_send(hello);
         connection.state = ConnectionState::Open(sender);
+        connection.hello_pending = true;
         connection.failures = 0;
+        self.write_hello(&endpoint);
         tracing::debug!(service = self.settings.service, %endpoint, "link open");
         let seqs: Vec<u64> = self.unacked.keys().copied().collect();
         for seq in seqs {
@@ -523,7 +563,7 @@ impl ClientActor {
         }
     }
 
-    fn tick(&mut self) {
+    pub(super) fn tick(&mut self) {
         if self.directory_wanted && !self.directory_in_flight {
             self.directory_wanted = false;
             self.directory_in_flight = true;
@@ -560,6 +600,11 @@ impl ClientActor {
             ));
         }
         self.report_waiting();
+        // Claims not written yet (a full buffer), then commands.
+        let endpoints: Vec<Arc<str>> = self.connections.keys().cloned().collect();
+        for endpoint in endpoints {
+            self.write_hello(&endpoint);
+        }
         // Commands not written yet (a full buffer, a stream just opened).
         let unsent: Vec<u64> = self
             .unacked

@@ -189,3 +189,57 @@ async fn a_stream_opened_again_or_an_owner_moved_is_told_as_a_path_change() {
     actor.handle(directory(&[(0, &first), (1, &second), (2, &first)]));
     assert!(changes.try_recv().is_err(), "nothing moved");
 }
+
+/// A stream whose buffer is full when the instance's claims change (a
+/// takeover in the middle of a burst) still gets the new claims, and before
+/// any command sent after them: the owner routes a job partition's grants
+/// by the last claims it read, so claims lost here would send that
+/// partition's grants to its last owner, or to nobody, for good.
+#[tokio::test]
+async fn claims_that_meet_a_full_stream_are_written_once_it_drains_and_before_later_commands() {
+    let (mut actor, _changes) = actor();
+    let owner: Arc<str> = Arc::from("http://limit-a:1");
+    actor.handle(ClientEvent::Directory(Ok(HashMap::from([(0, owner.clone())]))));
+    actor.next_generation += 1;
+    let generation = actor.next_generation;
+    let connection = actor.connections.entry(owner.clone()).or_insert_with(Connection::new);
+    connection.generation = generation;
+    connection.state = ConnectionState::Connecting;
+    let (sender, mut stream) = mpsc::channel(2);
+    actor.handle(ClientEvent::Opened {
+        endpoint: owner.clone(),
+        generation,
+        sender,
+    });
+    let hello_of = |message: Option<pb::LinkUp>| match message {
+        Some(pb::LinkUp {
+            message: Some(pb::link_up::Message::Hello(hello)),
+        }) => hello.job_partitions,
+        other => panic!("expected the claims, got {other:?}"),
+    };
+    let commands_of = |message: Option<pb::LinkUp>| match message {
+        Some(pb::LinkUp {
+            message: Some(pb::link_up::Message::Commands(commands)),
+        }) => commands.commands,
+        other => panic!("expected commands, got {other:?}"),
+    };
+    // The stream opens with the (empty) claims; one command fills it.
+    actor.handle(ClientEvent::Send {
+        partition: 0,
+        commands: vec![b"first".to_vec()],
+    });
+    // Partition 3 is taken over here while the buffer is full; the
+    // takeover's re-sends follow.
+    actor.handle(ClientEvent::Claims(claims(3)));
+    actor.handle(ClientEvent::Send {
+        partition: 0,
+        commands: vec![b"after the takeover".to_vec()],
+    });
+    assert_eq!(hello_of(stream.recv().await), Vec::new());
+    assert_eq!(commands_of(stream.recv().await), vec![b"first".to_vec()]);
+    assert!(stream.try_recv().is_err(), "nothing else fitted");
+    // Drained: the next tick writes the claims, then the later command.
+    actor.tick();
+    assert_eq!(hello_of(stream.recv().await), claims(3));
+    assert_eq!(commands_of(stream.recv().await), vec![b"after the takeover".to_vec()]);
+}
