@@ -319,9 +319,10 @@ pub struct AdmissionPartition {
     /// Spans the batch being decided planned, recorded once it is
     /// committed (its observations).
     planned_spans: Vec<sluice_common::telemetry::PlannedSpan>,
-    /// Requests received before this batch wait behind it
-    /// (`OwnedState::requests_queued`): leases do not end meanwhile.
-    requests_queued: bool,
+    /// Every request the instance received up to this time is in this
+    /// batch or an earlier one (`OwnedState::requests_received_through`):
+    /// a lease that ended later does not end while one may still wait.
+    requests_received_through_ms: i64,
     /// Taken over from a live owner (`OwnerContext::previous_owner_alive`):
     /// its pushes reached their streams, so none is treated as lost with it.
     from_live_owner: bool,
@@ -370,7 +371,7 @@ impl AdmissionPartition {
             active_by_tenant: HashMap::default(),
             buckets: HashMap::default(),
             planned_spans: Vec::new(),
-            requests_queued: false,
+            requests_received_through_ms: i64::MAX,
             from_live_owner: false,
         };
         for row in jobs {
@@ -555,8 +556,8 @@ impl OwnedState for AdmissionPartition {
         self.prepared = prepared;
     }
 
-    fn requests_queued(&mut self, queued: bool) {
-        self.requests_queued = queued;
+    fn requests_received_through(&mut self, through_ms: i64) {
+        self.requests_received_through_ms = through_ms;
     }
 
     fn apply(

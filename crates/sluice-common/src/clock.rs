@@ -64,6 +64,16 @@ impl AnchoredClock {
         self.base_ms + i64::try_from(self.anchor.elapsed().as_millis()).unwrap_or(i64::MAX / 2)
     }
 
+    /// What this clock read (or will read) at the monotonic instant `at`.
+    pub fn ms_at(&self, at: Instant) -> i64 {
+        let millis = |duration: std::time::Duration| i64::try_from(duration.as_millis()).unwrap_or(i64::MAX / 2);
+        if at >= self.anchor {
+            self.base_ms.saturating_add(millis(at - self.anchor))
+        } else {
+            self.base_ms.saturating_sub(millis(self.anchor - at))
+        }
+    }
+
     /// The monotonic instant (tokio's) at which this clock reads `at_ms`.
     pub fn instant_at(&self, at_ms: i64) -> Instant {
         let offset = at_ms.saturating_sub(self.base_ms);

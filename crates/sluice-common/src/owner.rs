@@ -38,7 +38,7 @@ pub use fence::{
     bump_epoch, commit_fenced, fence_and_advance, insert_quarantined, live_other_owner, lookup_owner,
     orphaned_partitions, owner_let_go, report_quarantined, CommitError, FencedStatement,
 };
-pub use registry::{BarrierLocal, LocalCallError, OwnedPartitionHandle, OwnerRegistry};
+pub use registry::{BarrierLocal, LocalCallError, OwnedPartitionHandle, OwnerRegistry, Received};
 pub use task::{OwnerRuntime, OwnerSettings};
 pub use traits::{apply_entries, OwnedState, OwnedStore, OwnerContext, Rejected, Reply, WriteSet};
 

@@ -63,25 +63,24 @@ impl AdmissionPartition {
         }
     }
 
-    /// A running attempt's lease has ended, but requests received before
-    /// this batch still wait behind it: its worker's heartbeat or completion
-    /// may be among them (after a takeover, behind the grants of thousands
-    /// of re-sent acquires), and ending the attempt first would run the job
-    /// again. It waits for them, for one more lease at most, so a partition
-    /// that never catches up still ends leases. The job stays due: looked
-    /// at again next batch.
+    /// A running attempt's lease has ended, but a request the instance
+    /// received before it ended may still wait behind this batch (in the
+    /// partition's queue, or on its way there): its worker's heartbeat or
+    /// completion may be that request (after a takeover, behind the grants
+    /// of thousands of re-sent acquires), and ending the attempt first would
+    /// run the job again. It waits for them, for one more lease at most, so
+    /// a partition that never catches up still ends leases. Requests
+    /// received after the end cannot hold it: a busy partition always has
+    /// some waiting. The job stays due: looked at again next batch.
     fn lease_end_waits_for_queued_requests(&self, job_id: &str, now_ms: i64) -> bool {
-        if !self.requests_queued {
-            return false;
-        }
         let Some(active) = self.jobs.get(job_id) else {
             return false;
         };
         let state = &active.row.state;
         matches!(state.status, Status::Running | Status::Cancelling)
-            && state
-                .lease_expires_at_ms
-                .is_some_and(|end| end <= now_ms && now_ms < end.saturating_add(state.lease_ms))
+            && state.lease_expires_at_ms.is_some_and(|end| {
+                end <= now_ms && now_ms < end.saturating_add(state.lease_ms) && self.requests_received_through_ms < end
+            })
     }
 
     /// Tell every limit partition which tickets this job partition stands

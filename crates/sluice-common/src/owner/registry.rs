@@ -2,7 +2,7 @@
 //! requests reach their partition task, and the readiness of loading and
 //! faulty partitions.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -12,8 +12,77 @@ use crate::readiness::Readiness;
 
 /// Where a local request can reach the partition task that owns it.
 pub struct OwnedPartitionHandle<L> {
-    sender: mpsc::Sender<L>,
+    sender: mpsc::Sender<Received<L>>,
     epoch: i64,
+}
+
+/// A local request on its way to its partition task, with its receipt: it
+/// counts as received from the moment the registry was asked to deliver it
+/// (`call`, `submit`) until the task takes it for a batch.
+pub struct Received<L> {
+    pub(super) local: L,
+    /// Dropped with the request's wrapper when the task takes it.
+    _receipt: Receipt,
+}
+
+/// Holds a request's place in `Receipts` while it waits; taken when dropped.
+pub(super) struct Receipt {
+    book: Arc<Receipts>,
+    partition: i32,
+    id: u64,
+}
+
+impl Drop for Receipt {
+    fn drop(&mut self) {
+        let mut waiting = self
+            .book
+            .waiting
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(partition) = waiting.get_mut(&self.partition) {
+            partition.remove(&self.id);
+            if partition.is_empty() {
+                waiting.remove(&self.partition);
+            }
+        }
+    }
+}
+
+/// When each local request that no partition task has taken yet was
+/// received, by partition (`OwnerRegistry::received_through`). Ids and
+/// times are given under one lock, so a partition's waiting requests are in
+/// the order they came, oldest first.
+#[derive(Default)]
+pub(super) struct Receipts {
+    waiting: Mutex<HashMap<i32, BTreeMap<u64, tokio::time::Instant>>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Receipts {
+    fn receive(book: &Arc<Receipts>, partition: i32) -> Receipt {
+        let mut waiting = book.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let id = book.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        waiting
+            .entry(partition)
+            .or_default()
+            .insert(id, tokio::time::Instant::now());
+        Receipt {
+            book: book.clone(),
+            partition,
+            id,
+        }
+    }
+
+    /// Every request for `partition` received before the returned instant
+    /// has been taken: the oldest one still waiting came then (`None`: none
+    /// waits, so everything received until now was taken).
+    fn oldest_waiting(&self, partition: i32) -> Option<tokio::time::Instant> {
+        let waiting = self.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        waiting
+            .get(&partition)
+            .and_then(|requests| requests.first_key_value())
+            .map(|(_, at)| *at)
+    }
 }
 
 /// Partitions this instance owns and is ready to serve. Readiness is the
@@ -30,6 +99,8 @@ pub struct OwnerRegistry<L> {
     /// Woken whenever a partition task starts taking calls here, or stops
     /// loading without starting.
     started: tokio::sync::Notify,
+    /// The requests on their way to their partition task.
+    receipts: Arc<Receipts>,
 }
 
 /// How long a call waits for a partition that is loading here.
@@ -79,12 +150,13 @@ impl<L: Send + 'static> OwnerRegistry<L> {
             loading: Mutex::new(HashSet::new()),
             readiness,
             started: tokio::sync::Notify::new(),
+            receipts: Arc::new(Receipts::default()),
         })
     }
 
     /// The partition task's queue, if this instance owns the partition. A
     /// partition still loading here is waited for, up to `LOADING_WAIT`.
-    async fn sender(&self, partition: i32) -> Result<mpsc::Sender<L>, LocalCallError> {
+    async fn sender(&self, partition: i32) -> Result<mpsc::Sender<Received<L>>, LocalCallError> {
         let deadline = tokio::time::Instant::now() + LOADING_WAIT;
         loop {
             // Created before the checks, so a start between them is not missed.
@@ -117,10 +189,14 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         partition: i32,
         make: impl FnOnce(tokio::sync::oneshot::Sender<R>) -> L,
     ) -> Result<R, LocalCallError> {
+        let receipt = Receipts::receive(&self.receipts, partition);
         let sender = self.sender(partition).await?;
         let (reply_sender, reply_receiver) = tokio::sync::oneshot::channel();
         sender
-            .send(make(reply_sender))
+            .send(Received {
+                local: make(reply_sender),
+                _receipt: receipt,
+            })
             .await
             .map_err(|_| LocalCallError::NotOwner(partition))?;
         reply_receiver.await.map_err(|_| LocalCallError::Interrupted(partition))
@@ -129,9 +205,13 @@ impl<L: Send + 'static> OwnerRegistry<L> {
     /// Queue a request for the partition task, if this instance owns it,
     /// without waiting for the answer (the request carries its own reply).
     pub async fn submit(&self, partition: i32, local: L) -> Result<(), LocalCallError> {
+        let receipt = Receipts::receive(&self.receipts, partition);
         let sender = self.sender(partition).await?;
         sender
-            .send(local)
+            .send(Received {
+                local,
+                _receipt: receipt,
+            })
             .await
             .map_err(|_| LocalCallError::NotOwner(partition))
     }
@@ -204,8 +284,20 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         self.readiness.clear(&self.condition(partition));
     }
 
+    /// Every request for `partition` this instance received (`call`,
+    /// `submit`) before the returned instant has been taken by its task
+    /// (`OwnedState::requests_received_through`): just before the oldest
+    /// one still waiting was received, or now if none waits.
+    pub(super) fn received_through(&self, partition: i32) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        match self.receipts.oldest_waiting(partition) {
+            Some(oldest) => oldest.checked_sub(Duration::from_millis(1)).unwrap_or(oldest),
+            None => now,
+        }
+    }
+
     /// Whether the partition was not registered already.
-    pub(super) fn register(&self, partition: i32, epoch: i64, sender: mpsc::Sender<L>) -> bool {
+    pub(super) fn register(&self, partition: i32, epoch: i64, sender: mpsc::Sender<Received<L>>) -> bool {
         let mut partitions = self.partitions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         let newly_owned = partitions
             .insert(partition, OwnedPartitionHandle { sender, epoch })
@@ -259,7 +351,7 @@ impl<L: Send + 'static> OwnerRegistry<L> {
         owned
     }
 
-    pub(super) fn unregister(&self, partition: i32, sender: &mpsc::Sender<L>) {
+    pub(super) fn unregister(&self, partition: i32, sender: &mpsc::Sender<Received<L>>) {
         let mut partitions = self.partitions.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         if partitions
             .get(&partition)

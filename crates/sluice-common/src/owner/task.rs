@@ -10,7 +10,7 @@ use sqlx::PgPool;
 use tokio::sync::mpsc;
 
 use super::fence::{live_other_owner, orphaned_partitions, release};
-use super::registry::Loading;
+use super::registry::{Loading, Received};
 use super::{lookup_owner, owner_let_go, OwnedState, OwnedStore, OwnerContext, OwnerRegistry};
 use crate::faults::{FaultPoint, Faults};
 use crate::kafka::{InMsg, Orphan, PartitionInput, PartitionTaskError, PartitionTaskFactory, Publisher};
@@ -374,14 +374,14 @@ impl<S: OwnedStore> PartitionTask<S> {
                     .await
                 {
                     Woken::Message(message) => messages.push(message),
-                    Woken::Local(local) => locals.push(local),
+                    Woken::Local(received) => locals.push(received.local),
                     Woken::Timer => {}
                     Woken::StillOwned => continue,
                     Woken::End(ownership) => break Ok(ownership),
                 }
             }
             self.fill_batch(input, &mut local_receiver, &mut messages, &mut locals);
-            state.requests_queued(!local_receiver.is_empty());
+            state.requests_received_through(context.clock.ms_at(self.registry.received_through(partition)));
             // The consumer only goes back when its position was reset (the
             // log it read is gone): see whether the log was lost.
             if went_back(&mut last_received, &messages) {
@@ -426,7 +426,7 @@ impl<S: OwnedStore> PartitionTask<S> {
         context: &OwnerContext,
         applied_offset: i64,
         loading: Loading<'_, LocalOf<S>>,
-    ) -> (mpsc::Sender<LocalOf<S>>, mpsc::Receiver<LocalOf<S>>) {
+    ) -> LocalQueue<LocalOf<S>> {
         let partition = context.partition;
         let (local_sender, local_receiver) = mpsc::channel(1024);
         let newly_owned = self.registry.register(partition, context.epoch, local_sender.clone());
@@ -456,9 +456,9 @@ impl<S: OwnedStore> PartitionTask<S> {
         context: &OwnerContext,
         wakeup: Option<tokio::time::Instant>,
         input: &mut PartitionInput,
-        local_receiver: &mut mpsc::Receiver<<S::State as OwnedState>::Local>,
+        local_receiver: &mut mpsc::Receiver<Received<LocalOf<S>>>,
         fence_check: &mut tokio::time::Interval,
-    ) -> Woken<<S::State as OwnedState>::Local> {
+    ) -> Woken<Received<LocalOf<S>>> {
         let sleep = async {
             match wakeup {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -489,7 +489,7 @@ impl<S: OwnedStore> PartitionTask<S> {
     async fn release_ownership(
         &self,
         context: &OwnerContext,
-        local_sender: &mpsc::Sender<<S::State as OwnedState>::Local>,
+        local_sender: &mpsc::Sender<Received<LocalOf<S>>>,
         outcome: &Result<Ownership, PartitionTaskError>,
     ) {
         let partition = context.partition;
@@ -525,7 +525,7 @@ impl<S: OwnedStore> PartitionTask<S> {
     fn fill_batch(
         &self,
         input: &mut PartitionInput,
-        local_receiver: &mut mpsc::Receiver<<S::State as OwnedState>::Local>,
+        local_receiver: &mut mpsc::Receiver<Received<LocalOf<S>>>,
         messages: &mut Vec<InMsg>,
         locals: &mut Vec<<S::State as OwnedState>::Local>,
     ) {
@@ -541,7 +541,8 @@ impl<S: OwnedStore> PartitionTask<S> {
         }
         while locals.len() < self.settings.max_batch {
             match local_receiver.try_recv() {
-                Ok(local) => locals.push(local),
+                // Taken: its receipt goes (the batch applies it).
+                Ok(received) => locals.push(received.local),
                 Err(_) => break,
             }
         }
@@ -550,6 +551,9 @@ impl<S: OwnedStore> PartitionTask<S> {
 
 /// The local requests of a store's partitions.
 type LocalOf<S> = <<S as OwnedStore>::State as OwnedState>::Local;
+
+/// Both ends of a partition task's queue of local requests.
+type LocalQueue<L> = (mpsc::Sender<Received<L>>, mpsc::Receiver<Received<L>>);
 
 /// What woke an idle partition task (`wait_for_work`).
 enum Woken<L> {

@@ -1,4 +1,5 @@
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 
@@ -104,7 +105,7 @@ async fn a_call_to_a_partition_loading_here_waits_for_its_task() {
     let (sender, mut receiver) = mpsc::channel(1);
     registry.register(3, 1, sender);
     drop(loading);
-    let reply = receiver.recv().await.unwrap();
+    let reply = receiver.recv().await.unwrap().local;
     reply.send(42).unwrap();
     assert_eq!(caller.await.unwrap().unwrap(), 42);
 }
@@ -150,14 +151,17 @@ async fn a_barrier_follows_what_was_queued_before_it_on_every_owned_partition() 
         async move { registry.barrier_all().await }
     });
     // Partition 1 takes its work first, then the barrier.
-    assert!(matches!(first_queue.recv().await, Some(TestLocal::Work(7))));
-    let Some(TestLocal::Barrier(first_reply)) = first_queue.recv().await else {
+    assert!(matches!(
+        first_queue.recv().await.map(|received| received.local),
+        Some(TestLocal::Work(7))
+    ));
+    let Some(TestLocal::Barrier(first_reply)) = first_queue.recv().await.map(|received| received.local) else {
         panic!("partition 1 got no barrier");
     };
     tokio::task::yield_now().await;
     assert!(!barrier.is_finished(), "passed before partition 1 answered");
     first_reply.send(()).unwrap();
-    let Some(TestLocal::Barrier(second_reply)) = second_queue.recv().await else {
+    let Some(TestLocal::Barrier(second_reply)) = second_queue.recv().await.map(|received| received.local) else {
         panic!("partition 2 got no barrier");
     };
     tokio::task::yield_now().await;
@@ -171,4 +175,50 @@ async fn a_barrier_follows_what_was_queued_before_it_on_every_owned_partition() 
     });
     drop(first_queue.recv().await);
     assert!(matches!(blocked.await.unwrap(), Err(LocalCallError::Interrupted(1))));
+}
+
+/// A request counts as received from the moment it is handed to the
+/// registry, waiting for a loading partition or for room in its queue
+/// included, until its partition task takes it: a lease that ran out after
+/// a worker's completion arrived must not end while the completion waits
+/// anywhere in the instance (a million-job backlog ran 5 jobs twice when
+/// only the queue was counted).
+#[tokio::test(start_paused = true)]
+async fn a_request_counts_as_received_from_its_call_until_its_partition_takes_it() {
+    let registry: Arc<OwnerRegistry<TestLocal>> = OwnerRegistry::new("test", Readiness::new());
+    assert_eq!(
+        registry.received_through(4),
+        tokio::time::Instant::now(),
+        "nothing waits"
+    );
+    let loading = registry.begin_loading(4);
+    let received_at = tokio::time::Instant::now();
+    let submitted = tokio::spawn({
+        let registry = registry.clone();
+        async move { registry.submit(4, TestLocal::Work(1)).await }
+    });
+    tokio::task::yield_now().await;
+    tokio::time::advance(Duration::from_millis(500)).await;
+    let before_it = received_at - Duration::from_millis(1);
+    assert_eq!(
+        registry.received_through(4),
+        before_it,
+        "waiting for the partition to load"
+    );
+    assert_eq!(
+        registry.received_through(5),
+        tokio::time::Instant::now(),
+        "another partition's"
+    );
+    // Loaded: the request waits in the partition's queue, still not taken.
+    let (sender, mut queue) = mpsc::channel(8);
+    registry.register(4, 1, sender);
+    drop(loading);
+    submitted.await.unwrap().unwrap();
+    tokio::time::advance(Duration::from_millis(500)).await;
+    assert_eq!(registry.received_through(4), before_it, "in the queue");
+    // Taken for a batch: everything received until now is in.
+    let taken = queue.recv().await.unwrap().local;
+    assert!(matches!(taken, TestLocal::Work(1)));
+    assert_eq!(registry.received_through(4), tokio::time::Instant::now());
 }

@@ -51,13 +51,16 @@ pub trait OwnedState: Send + 'static {
     /// to decide on.
     fn prepared(&mut self, _prepared: Self::Prepared) {}
 
-    /// Before `apply`: whether requests from this process's handlers that
-    /// were received before the batch are still queued behind it (the batch
-    /// took `max_batch` of them and more wait). A state that ends something
-    /// by time because nobody spoke up (a lease) waits while this holds:
-    /// the word may be in the queue (a completion behind thousands of
-    /// grants after a takeover).
-    fn requests_queued(&mut self, _queued: bool) {}
+    /// Before `apply`: every request this process's handlers received for
+    /// the partition at or before `through_ms` (the partition's clock) is
+    /// in this batch or an earlier one; any received later may still wait
+    /// (in the partition's queue, or on its way to it: the queue was full,
+    /// the partition was loading). A state that ends something by time
+    /// because nobody spoke up (a lease ending at `end_ms`) waits while
+    /// `through_ms < end_ms`: the word may be on its way (a completion
+    /// behind thousands of grants after a takeover). Requests received
+    /// after the end cannot be that word, however many wait.
+    fn requests_received_through(&mut self, _through_ms: i64) {}
 
     /// Advance to `now_ms` (timers), then apply `messages` and `locals` in
     /// order, recording writes, effects and replies.
