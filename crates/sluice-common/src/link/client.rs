@@ -311,19 +311,7 @@ impl ClientActor {
                 );
                 self.route(seq);
             }
-            ClientEvent::Claims(claims) => {
-                self.claims = claims;
-                // Every open stream tells its owner, ahead of any command
-                // sent after this (a full buffer keeps the commands back
-                // too until the claims are written: `route`).
-                let endpoints: Vec<Arc<str>> = self.connections.keys().cloned().collect();
-                for endpoint in endpoints {
-                    if let Some(connection) = self.connections.get_mut(&endpoint) {
-                        connection.hello_pending = true;
-                    }
-                    self.write_hello(&endpoint);
-                }
-            }
+            ClientEvent::Claims(claims) => self.claims_changed(claims),
             ClientEvent::Opened {
                 endpoint,
                 generation,
@@ -406,6 +394,20 @@ impl ClientActor {
                 client_id: self.settings.client_id.clone(),
                 job_partitions: self.claims.clone(),
             })),
+        }
+    }
+
+    /// Every open stream tells its owner the new claims, ahead of any
+    /// command sent after them (a full buffer keeps the commands back too
+    /// until the claims are written: `route`).
+    fn claims_changed(&mut self, claims: Vec<pb::JobPartitionClaim>) {
+        self.claims = claims;
+        let endpoints: Vec<Arc<str>> = self.connections.keys().cloned().collect();
+        for endpoint in endpoints {
+            if let Some(connection) = self.connections.get_mut(&endpoint) {
+                connection.hello_pending = true;
+            }
+            self.write_hello(&endpoint);
         }
     }
 
