@@ -47,6 +47,15 @@
 //! with no mark: the consumer that worker was may be the one its key lands
 //! on, and at a task group's tail no later claim elsewhere shows it.
 //!
+//! A job its own partition's consumer got past is overtaken too: that
+//! consumer claimed a job published to the partition after it (a partition
+//! is read in order) and, `claim_overtaken_after_ms` later, this one is
+//! still unclaimed. The message never reached the consumer (a broker that
+//! skipped an offset, seen once in a `make chaos` run; a worker that
+//! committed its offset and died before claiming), and only the claim
+//! timeout would publish it again. The partition is not marked stuck: its
+//! consumer is alive.
+//!
 //! What claims show of each partition's consumer (`Consumers`) is the
 //! instance's, shared by its job partitions: it is the same consumer
 //! whichever job partition published, and a new owner (a takeover, a
@@ -88,6 +97,9 @@ struct Published {
     salt: u32,
     /// `due` found it overtaken: its next publish aims at a live partition.
     retarget: bool,
+    /// When its partition's consumer first claimed a job published after
+    /// it: the consumer got past it (`claimed`).
+    passed_at_ms: Option<i64>,
 }
 
 /// What claims showed of one partition's consumer.
@@ -182,6 +194,15 @@ fn overtaken_at(partitions: Option<&HashMap<i32, Progress>>, partition: i32, at_
         .get(&partition)
         .map_or(i64::MIN, |progress| progress.last_claim_ms);
     Some(at_ms.max(last_claim_ms).saturating_add(after_ms))
+}
+
+/// When a job its partition's consumer got past (`Published::passed_at_ms`)
+/// counts as overtaken: `after_ms` after it was passed (claims of one
+/// batch of messages may come in any order within that).
+fn skipped_at(published: &Published, after_ms: i64) -> Option<i64> {
+    published
+        .passed_at_ms
+        .map(|passed_at| passed_at.max(published.at_ms).saturating_add(after_ms))
 }
 
 impl Overtaken {
@@ -282,6 +303,7 @@ impl Overtaken {
                 overtaken,
                 salt,
                 retarget: false,
+                passed_at_ms: None,
             },
         );
         let queue = self.queues.entry((task_group.to_string(), partition)).or_default();
@@ -309,6 +331,34 @@ impl Overtaken {
         progress.newest_published_ms = progress.newest_published_ms.max(published.at_ms);
         progress.last_claim_ms = progress.last_claim_ms.max(now_ms);
         progress.stuck_since_ms = None;
+        drop(claimed);
+        self.got_past(task_group, published.partition, published.at_ms, now_ms);
+    }
+
+    /// The consumer of `task_group`'s `partition` claimed, at `now_ms`, a
+    /// job published at `published_ms`: it read the partition past every
+    /// job published there before (a partition is read in order). Those
+    /// still unclaimed are marked passed: a message the consumer never got
+    /// (a broker that skipped it, a worker that committed its offset and
+    /// died before claiming) is published again after the wait (`due`),
+    /// not after a whole claim timeout while the consumer claims on.
+    fn got_past(&mut self, task_group: &str, partition: i32, published_ms: i64, now_ms: i64) {
+        let Overtaken { jobs, queues, .. } = self;
+        let Some(queue) = queues.get_mut(&(task_group.to_string(), partition)) else {
+            return;
+        };
+        let is_live = |at_ms: i64, job_id: &str| jobs.get(job_id).is_some_and(|published| published.at_ms == at_ms);
+        while queue.front().is_some_and(|(at_ms, job_id)| !is_live(*at_ms, job_id)) {
+            queue.pop_front();
+        }
+        for (at_ms, job_id) in queue.iter() {
+            if *at_ms >= published_ms {
+                break;
+            }
+            if let Some(waiting) = jobs.get_mut(job_id).filter(|published| published.at_ms == *at_ms) {
+                waiting.passed_at_ms.get_or_insert(now_ms);
+            }
+        }
     }
 
     /// Forget the job without counting it as claimed.
@@ -340,10 +390,19 @@ impl Overtaken {
                     queue.pop_front();
                     continue;
                 };
-                if overtaken_at(partitions, *partition, at_ms, after_ms).is_none_or(|at| at > now_ms) {
+                let behind_a_dead_consumer = overtaken_at(partitions, *partition, at_ms, after_ms);
+                let skipped = skipped_at(published, after_ms);
+                let due_at = match (behind_a_dead_consumer, skipped) {
+                    (Some(dead), Some(skipped)) => Some(dead.min(skipped)),
+                    (dead, skipped) => dead.or(skipped),
+                };
+                if due_at.is_none_or(|at| at > now_ms) {
                     break;
                 }
-                if stuck.last() != Some(&(task_group, *partition)) {
+                // A consumer that got past it and claims on is alive.
+                if behind_a_dead_consumer.is_some_and(|at| at <= now_ms)
+                    && stuck.last() != Some(&(task_group, *partition))
+                {
                     stuck.push((task_group, *partition));
                 }
                 if published.overtaken < MAX_OVERTAKEN_RESENDS {
@@ -375,8 +434,17 @@ impl Overtaken {
         self.queues
             .iter()
             .filter_map(|((task_group, partition), queue)| {
-                let (at_ms, _) = queue.front()?;
-                overtaken_at(claimed.get(task_group), *partition, *at_ms, after_ms)
+                let (at_ms, job_id) = queue.front()?;
+                let dead = overtaken_at(claimed.get(task_group), *partition, *at_ms, after_ms);
+                let skipped = self
+                    .jobs
+                    .get(job_id)
+                    .filter(|published| published.at_ms == *at_ms)
+                    .and_then(|published| skipped_at(published, after_ms));
+                match (dead, skipped) {
+                    (Some(dead), Some(skipped)) => Some(dead.min(skipped)),
+                    (dead, skipped) => dead.or(skipped),
+                }
             })
             .min()
     }
@@ -394,6 +462,32 @@ mod tests {
         let partition = partition_of(salt);
         overtaken.published("g", job_id, now_ms, salt, partition);
         (salt, partition)
+    }
+
+    /// A job its partition's consumer got past (it claimed a job
+    /// published there after it, and claims on) never reached it: a broker
+    /// that skipped the message, a worker that committed its offset and died
+    /// before claiming. It is published again once the wait has passed
+    /// since, not after a whole claim timeout (a `make chaos` run: the
+    /// broker skipped one offset, and a key had waiters and nothing running
+    /// for 20 s). One claimed within the wait, out of order, is not.
+    #[test]
+    fn a_job_its_own_partitions_consumer_got_past_is_overtaken_after_the_wait() {
+        let mut overtaken = Overtaken::default();
+        overtaken.published("g", "skipped", 1_000, 0, 2);
+        overtaken.published("g", "out-of-order", 1_050, 0, 2);
+        overtaken.published("g", "later", 1_100, 0, 2);
+        overtaken.published("g", "later-still", 1_200, 0, 2);
+        overtaken.published("g", "not-yet-read", 5_000, 0, 2);
+        overtaken.claimed("g", "later", 1_500);
+        overtaken.claimed("g", "out-of-order", 2_000);
+        overtaken.claimed("g", "later-still", 4_000);
+        assert_eq!(overtaken.next_due_ms(3_000), Some(4_500));
+        assert!(overtaken.due(4_499, 3_000).is_empty(), "within the wait");
+        assert_eq!(overtaken.due(4_500, 3_000), vec!["skipped".to_string()]);
+        assert!(overtaken.due(60_000, 3_000).is_empty(), "nothing else was passed");
+        // The consumer is alive: its partition is not marked stuck.
+        assert_eq!(overtaken.salt("g", "new", 4_500, 3_000, false, |_| 2), 0);
     }
 
     #[test]
