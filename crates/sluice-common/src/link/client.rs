@@ -415,13 +415,18 @@ impl ClientActor {
     /// there. Whether nothing is pending now (a full buffer: the next tick
     /// tries again).
     fn write_hello(&mut self, endpoint: &Arc<str>) -> bool {
+        // Checked before the message is built: `route` asks for every command.
+        if !self
+            .connections
+            .get(endpoint)
+            .is_some_and(|connection| connection.hello_pending)
+        {
+            return true;
+        }
         let hello = self.hello();
         let Some(connection) = self.connections.get_mut(endpoint) else {
             return true;
         };
-        if !connection.hello_pending {
-            return true;
-        }
         let Some(sender) = connection.sender() else {
             return false;
         };
