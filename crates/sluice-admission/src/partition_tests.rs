@@ -1161,7 +1161,12 @@ fn a_lease_does_not_end_while_requests_received_before_it_wait() {
     // Still behind, one lease after the grace: the other push is handed back.
     harness.now_ms += lease_ms;
     harness.apply(Vec::new());
-    let state = harness.state(stranded).expect("active");
+    assert_handed_back(&harness, stranded);
+}
+
+/// Attempt 1 of `job` was handed back: attempt 2 is on its way.
+fn assert_handed_back(harness: &Harness, job: usize) {
+    let state = harness.state(job).expect("active");
     assert_eq!(
         (
             state.attempt,
@@ -1188,14 +1193,7 @@ fn a_lease_ends_at_once_when_only_requests_received_after_it_wait() {
     // Requests wait, all received after the grace ended.
     OwnedState::requests_received_through(&mut harness.partition, grace_ends_ms);
     harness.apply(Vec::new());
-    let state = harness.state(stranded).expect("active");
-    assert_eq!(
-        (
-            state.attempt,
-            state.history.records.last().map(|record| record.outcome.as_str())
-        ),
-        (2, Some("handed_back"))
-    );
+    assert_handed_back(&harness, stranded);
 }
 
 /// Worker `w` claims attempt 1 of the job `later`, which must be answered
