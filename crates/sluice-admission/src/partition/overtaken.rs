@@ -205,6 +205,14 @@ fn skipped_at(published: &Published, after_ms: i64) -> Option<i64> {
         .map(|passed_at| passed_at.max(published.at_ms).saturating_add(after_ms))
 }
 
+/// The earlier of two due times, either of which may be unknown.
+fn earliest(first: Option<i64>, second: Option<i64>) -> Option<i64> {
+    match (first, second) {
+        (Some(first), Some(second)) => Some(first.min(second)),
+        (first, second) => first.or(second),
+    }
+}
+
 impl Overtaken {
     /// A job partition's, sharing the instance's `consumers`.
     pub fn new(consumers: Consumers) -> Self {
@@ -392,10 +400,7 @@ impl Overtaken {
                 };
                 let behind_a_dead_consumer = overtaken_at(partitions, *partition, at_ms, after_ms);
                 let skipped = skipped_at(published, after_ms);
-                let due_at = match (behind_a_dead_consumer, skipped) {
-                    (Some(dead), Some(skipped)) => Some(dead.min(skipped)),
-                    (dead, skipped) => dead.or(skipped),
-                };
+                let due_at = earliest(behind_a_dead_consumer, skipped);
                 if due_at.is_none_or(|at| at > now_ms) {
                     break;
                 }
@@ -441,10 +446,7 @@ impl Overtaken {
                     .get(job_id)
                     .filter(|published| published.at_ms == *at_ms)
                     .and_then(|published| skipped_at(published, after_ms));
-                match (dead, skipped) {
-                    (Some(dead), Some(skipped)) => Some(dead.min(skipped)),
-                    (dead, skipped) => dead.or(skipped),
-                }
+                earliest(dead, skipped)
             })
             .min()
     }
