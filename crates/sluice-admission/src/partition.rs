@@ -392,38 +392,46 @@ impl AdmissionPartition {
         self.from_live_owner = alive;
     }
 
-    /// A new owner gives every running job one lease from `now_ms`: a worker
-    /// whose heartbeats reached the old owner within its lease keeps it.
+    /// A new owner's lease for every running attempt. A confirmed attempt
+    /// (its worker claimed it, or heartbeated the push) keeps the lease its
+    /// worker was last told, plus a second for clocks that differ between
+    /// instances: every renewal is saved before it is answered, and the
+    /// worker stops the job when that lease passes without a renewal
+    /// (docs/worker-protocol.md §3, §7), so a longer one only holds a dead
+    /// or stopped worker's slots. Before renewals were saved, a takeover
+    /// gave every confirmed attempt a whole lease from serving: in two
+    /// `make chaos` runs an attempt abandoned by its worker as an
+    /// admission instance was killed got one at a takeover 9 s later, and
+    /// its key waited 10.3 s. A worker whose heartbeat reached the instance
+    /// before its lease ended is not cut off by a long load: the lease end
+    /// waits for requests received before it, and a heartbeat is applied
+    /// before the batch's timers.
+    ///
     /// An attempt pushed on a `Work` stream that its worker has not
-    /// confirmed gets the stream end grace instead (if shorter): the old
+    /// confirmed gets the stream end grace from `now_ms` instead: the old
     /// owner may have died with the push unsent, and its streams ended with
-    /// it, so this is a stream end that nobody reported. A confirmed one was
-    /// received: its worker's next word may take longer than the grace to
-    /// reach a new owner busy with its takeover (8–13 s in a 100,000-job
-    /// backlog run), and it keeps the whole lease. A worker that holds the attempt heartbeats it every
-    /// third of the grace (at once when its stream ends) and keeps it; a lost
-    /// push no longer holds its slots for a whole lease. Safe for a live
-    /// worker: its own renewal counts for the grace at most from when it was
-    /// sent, so it stops the handler before this lease ends.
+    /// it, so this is a stream end that nobody reported. Its lease ran from
+    /// the push, which is not saved. A worker that holds the attempt
+    /// heartbeats it every third of the grace (at once when its stream
+    /// ends) and keeps it; a lost push no longer holds its slots for a
+    /// whole lease.
     ///
     /// An attempt whose `Work` stream ended without a word from its worker
     /// since (`JobState::stream_ended_at_ms`, saved) keeps the lease its
-    /// stream end left it instead: its worker is gone or stops the job
-    /// within the grace of its last renewal. A make chaos run (stream
-    /// workers) left a key idle for 20 s because a killed worker's attempts
-    /// got a fresh lease at each of three takeovers in a row (a resume
-    /// after both admission instances were killed, the resumed partitions'
-    /// handover, another kill).
+    /// stream end left it: its worker is gone or stops the job within the
+    /// grace of its last renewal. A make chaos run (stream workers) left a
+    /// key idle for 20 s because a killed worker's attempts got a fresh
+    /// lease at each of three takeovers in a row.
     ///
     /// Taken over from a live owner (`handed_over_by_live_owner`), an
-    /// unconfirmed push keeps the whole lease too: that owner did not die
-    /// with it unsent (a push is sent after its commit, on a stream its live
-    /// instance holds; a stream that ends is reported), and a worker's first
-    /// word — often the completion of a short job — may have been queued in
-    /// the old owner when it was fenced and reach this one seconds later. A
-    /// 100,000-job backlog run had 124 jobs run twice this way, each pushed
-    /// by an owner that resumed the partition after a kill and handed it
-    /// to the group's assignee 5 s later.
+    /// unconfirmed push keeps the whole lease from `now_ms`: that owner did
+    /// not die with it unsent (a push is sent after its commit, on a stream
+    /// its live instance holds; a stream that ends is reported), and a
+    /// worker's first word — often the completion of a short job — may have
+    /// been queued in the old owner when it was fenced and reach this one
+    /// seconds later. A 100,000-job backlog run had 124 jobs run twice this
+    /// way, each pushed by an owner that resumed the partition after a kill
+    /// and handed it to the group's assignee 5 s later.
     pub fn grant_lease_grace(&mut self, now_ms: i64) {
         let stream_end_grace_ms =
             i64::try_from(self.settings.config.admission.stream_end_grace.0.as_millis()).unwrap_or(i64::MAX);
@@ -439,6 +447,7 @@ impl AdmissionPartition {
             // (to any owner) and then lost is a lease expiry that uses an
             // attempt, whoever owns the partition by then.
             self.update_unsaved(&job_id, |state| {
+                let from_now = |lease_ms: i64| now_ms.saturating_add(lease_ms);
                 let stream_ended = state.stream_ended_at_ms.filter(|_| state.pushed);
                 state.lease_expires_at_ms = Some(if let Some(ended_at) = stream_ended {
                     // Its stream ended and its worker was not heard from
@@ -451,11 +460,18 @@ impl AdmissionPartition {
                         .saturating_add(transitions::STREAM_END_CLOCK_SKEW_MS)
                         .saturating_add(state.lease_ms.min(stream_end_grace_ms));
                     state.lease_expires_at_ms.unwrap_or(held_at_most).max(held_at_most)
-                } else if state.pushed && !state.confirmed && !from_live_owner {
-                    now_ms.saturating_add(state.lease_ms.min(stream_end_grace_ms))
+                } else if state.confirmed {
+                    // The lease its worker was last told (saved with the
+                    // answer), in the previous owner's clock.
+                    state.lease_expires_at_ms.map_or_else(
+                        || from_now(state.lease_ms),
+                        |told| told.saturating_add(transitions::STREAM_END_CLOCK_SKEW_MS),
+                    )
+                } else if from_live_owner {
+                    let whole = from_now(state.lease_ms);
+                    state.lease_expires_at_ms.unwrap_or(whole).max(whole)
                 } else {
-                    let grace = now_ms.saturating_add(state.lease_ms);
-                    state.lease_expires_at_ms.unwrap_or(grace).max(grace)
+                    from_now(state.lease_ms.min(stream_end_grace_ms))
                 });
                 state.due_at_ms = transitions::running_due_at(state);
             });

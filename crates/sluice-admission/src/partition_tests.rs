@@ -1736,3 +1736,114 @@ fn a_dead_letter_is_logged_and_counted_once_its_batch_is_committed() {
         assert_eq!(logs.count("dead-lettering a job request"), 1);
     });
 }
+
+/// Worker `w` claims attempt 1 of `job` (admitted at once: no limits).
+fn claim_job(harness: &mut Harness, job: usize) {
+    let (reply, mut claimed) = oneshot::channel();
+    harness.apply(vec![Local::Claim {
+        worker_id: "w".to_string(),
+        attempts: vec![(job_id(job), 1)],
+        scope: sluice_common::auth::JobScope::All,
+        reply,
+    }]);
+    assert_eq!(
+        claimed.try_recv().expect("answered")[0].outcome,
+        pb::ClaimOutcome::Claimed as i32
+    );
+}
+
+/// A new owner keeps a confirmed attempt for the lease its worker was last
+/// told, plus a second for clocks, and no longer: the worker stops the job
+/// when that lease passes unrenewed (docs/worker-protocol.md §3). Each
+/// renewal is saved before its answer, so the new owner knows it. Before,
+/// renewals were not saved and a takeover gave every confirmed attempt a
+/// whole lease from serving: twice in `make chaos`, an attempt its worker
+/// abandoned as an admission instance was killed got one at a takeover 9 s
+/// later, and its key waited 10.3 s (issue 29).
+#[test]
+fn a_takeover_keeps_a_confirmed_attempt_for_the_lease_its_worker_was_last_told() {
+    let mut harness = Harness::new();
+    let (renewing, abandoned) = (0, 1);
+    claim_job(&mut harness, renewing);
+    claim_job(&mut harness, abandoned);
+    let lease_ms = harness.state(renewing).expect("active").lease_ms;
+    harness.now_ms += lease_ms * 2 / 3;
+    for job in [renewing, abandoned] {
+        assert_eq!(
+            heartbeat(&mut harness, "w", job, 1),
+            pb::HeartbeatOutcome::Extended as i32
+        );
+    }
+    let abandoned_told = harness.now_ms + lease_ms;
+    // `abandoned`'s worker stops heartbeating; `renewing`'s renews once more.
+    harness.now_ms += lease_ms * 2 / 3;
+    assert_eq!(
+        heartbeat(&mut harness, "w", renewing, 1),
+        pb::HeartbeatOutcome::Extended as i32
+    );
+    let renewing_told = harness.now_ms + lease_ms;
+    // The owner is killed; a new one serves after `abandoned`'s lease (and
+    // the clock allowance) ran out, before `renewing`'s did.
+    harness.now_ms = abandoned_told + transitions::STREAM_END_CLOCK_SKEW_MS + 1;
+    assert!(harness.now_ms < renewing_told);
+    harness.take_over();
+    harness.apply(Vec::new());
+    let state = harness.state(abandoned).expect("active");
+    assert_eq!(
+        (state.attempt, state.attempts_used),
+        (2, 1),
+        "the abandoned attempt got a fresh lease at the takeover: {:?} after the one its worker was told",
+        state.lease_expires_at_ms.map(|lease| lease - abandoned_told)
+    );
+    assert_eq!(
+        state.history.records.last().map(|record| record.outcome.as_str()),
+        Some("lease_expired")
+    );
+    // The renewing worker holds the lease it was told (its last renewal was
+    // saved): not cut short by the takeover.
+    harness.now_ms = renewing_told + transitions::STREAM_END_CLOCK_SKEW_MS - 1;
+    harness.apply(Vec::new());
+    assert_eq!(
+        harness.state(renewing).map(|state| (state.status, state.attempt)),
+        Some((Status::Running, 1)),
+        "a takeover cut short the lease a renewal told the worker"
+    );
+    harness.now_ms += 2;
+    harness.apply(Vec::new());
+    let state = harness.state(renewing).expect("active");
+    assert_eq!(
+        (state.attempt, state.attempts_used),
+        (2, 1),
+        "unrenewed, the lease ends"
+    );
+}
+
+/// A heartbeat that reached the instance while a takeover loaded the
+/// partition is applied in the first batch after it serves, before that
+/// batch's timers: it extends the lease even when the lease it renews has
+/// ended by then (the load took longer), instead of being answered
+/// `LEASE_LOST` — the worker sent it while its lease held.
+#[test]
+fn a_heartbeat_that_waited_through_a_takeovers_load_extends_the_lease() {
+    let mut harness = Harness::new();
+    claim_job(&mut harness, 0);
+    let lease_ms = harness.state(0).expect("active").lease_ms;
+    harness.now_ms += lease_ms - 100;
+    harness.take_over();
+    harness.now_ms += 1_500;
+    assert_eq!(
+        heartbeat(&mut harness, "w", 0, 1),
+        pb::HeartbeatOutcome::Extended as i32,
+        "a heartbeat applied before the batch's timers lost a lease nobody had ended"
+    );
+    let state = harness.state(0).expect("active");
+    assert_eq!((state.status, state.attempt), (Status::Running, 1));
+    assert_eq!(state.lease_expires_at_ms, Some(harness.now_ms + lease_ms));
+    // Once a timer ended the attempt, a heartbeat is too late.
+    harness.now_ms += lease_ms + transitions::STREAM_END_CLOCK_SKEW_MS + 1;
+    harness.apply(Vec::new());
+    assert_eq!(
+        heartbeat(&mut harness, "w", 0, 1),
+        pb::HeartbeatOutcome::LeaseLost as i32
+    );
+}

@@ -200,7 +200,8 @@ impl<S: Service> ServiceModel<S> {
     /// Decide and commit one batch of `instance`'s task for `partition`.
     /// `commit_fails`: the store refuses this commit for a reason that passes.
     /// `answer_without_fence` puts back issue 29's bug: a batch that wrote
-    /// nothing is answered without a fenced commit.
+    /// nothing is answered without a fenced commit, and one whose fenced
+    /// commit matched no fence row is answered as if it had committed.
     pub fn run_batch(
         &mut self,
         instance: usize,
@@ -259,8 +260,7 @@ impl<S: Service> ServiceModel<S> {
             };
         }
         if store.epoch != task.epoch {
-            task.standing_by = true;
-            return BatchEnd::Fenced;
+            return fenced(&mut task.standing_by, replies, rejected, answer_without_fence);
         }
         if commit_fails {
             // What the task decided is gone with its memory: reload.
@@ -304,4 +304,25 @@ impl<S: Service> ServiceModel<S> {
             }
         }
     }
+}
+
+/// A batch whose commit found a newer owner's epoch: the task stands by.
+/// With `answer_without_fence` (the bug of that name where the batch
+/// wrote), a fenced commit that matched no fence row is taken for done:
+/// what it wrote is lost, its answers go, and it goes on from its memory.
+fn fenced(
+    standing_by: &mut bool,
+    replies: Vec<Reply>,
+    rejected: Vec<Rejected>,
+    answer_without_fence: bool,
+) -> BatchEnd {
+    if answer_without_fence {
+        return BatchEnd::Committed {
+            sends: Outbox::new(),
+            replies,
+            rejected,
+        };
+    }
+    *standing_by = true;
+    BatchEnd::Fenced
 }

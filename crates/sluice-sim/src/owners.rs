@@ -55,28 +55,30 @@ impl World {
         );
     }
 
-    /// A worker always has a lease's time to reach its job's owner once
-    /// that owner serves (worker-protocol §3: a takeover grants running
-    /// attempts a lease from when it serves): an attempt whose lease this
-    /// batch let run out ran out at least a lease (at most the stream end
-    /// grace, for a push) after its owner began serving.
+    /// An owner never ends a lease its worker still holds by its own copy
+    /// (worker-protocol §3: from when its last renewal answered was sent):
+    /// every renewal is saved before its answer, and a new owner keeps a
+    /// confirmed attempt until the lease its worker was told ends (plus a
+    /// second), so the worker has stopped the job by then.
     fn check_lease_expiries(&mut self, instance: usize, partition: usize) {
         let now_ms = self.clock_ms();
-        let grace_ms = i64::try_from(self.sluice.admission.stream_end_grace.0.as_millis()).unwrap_or(i64::MAX);
         let Some(task) = self.adm.tasks[instance][partition].as_ref() else {
             return;
         };
-        let serving_since_ms = task.serving_since_ms;
         let early = task.state.active_rows().find_map(|row| {
             let record = row.state.history.records.last()?;
-            let ran_for = now_ms - serving_since_ms;
-            (record.outcome == "lease_expired" && record.at_ms == now_ms && ran_for < row.state.lease_ms.min(grace_ms))
-                .then(|| (row.state.job_id.clone(), record.attempt, ran_for))
+            if record.outcome != "lease_expired" || record.at_ms != now_ms {
+                return None;
+            }
+            let held_until = self
+                .workers
+                .held_by_its_worker_until(&row.state.job_id, record.attempt)?;
+            (held_until > now_ms).then(|| (row.state.job_id.clone(), record.attempt, held_until - now_ms))
         });
-        if let Some((job_id, attempt, ran_for)) = early {
+        if let Some((job_id, attempt, held_for)) = early {
             self.checks.violation = Some(format!(
-                "{job_id} attempt {attempt}: its lease ran out {ran_for} ms after its owner (admission {instance}, \
-                 partition {partition}) began serving, less than a lease: its worker had no time to reach it"
+                "{job_id} attempt {attempt}: its owner (admission {instance}, partition {partition}) ended its lease \
+                 while its worker held it by its own count for {held_for} ms more"
             ));
         }
     }

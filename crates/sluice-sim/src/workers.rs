@@ -122,6 +122,18 @@ impl Workers {
     pub fn publish(&mut self, job: pb::AdmittedJob, at: i64) {
         self.queue.push_back((at, job));
     }
+
+    /// Until when a live worker running the attempt holds it by its own
+    /// copy of the lease (none runs it: `None`).
+    pub fn held_by_its_worker_until(&self, job_id: &str, attempt: u32) -> Option<i64> {
+        self.list
+            .iter()
+            .filter(|worker| worker.up)
+            .flat_map(|worker| worker.active.values())
+            .filter(|active| active.job_id == job_id && active.attempt == attempt)
+            .map(|active| active.deadline)
+            .max()
+    }
 }
 
 impl Worker {

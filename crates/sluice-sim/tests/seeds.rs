@@ -39,7 +39,10 @@ fn every_model_bug_put_back_is_found() {
     // first second it is not found in 1,000 seeds (it is at seed 568 with
     // SIM_PRODUCE_EVERY_MS=500, where the correct code also fails seed 809:
     // not looked into yet).
-    let not_found_yet = [Bug::SendWithoutFence];
+    // grace-from-load has nothing left to act on here: the simulated
+    // workers claim (no pushes), and a new owner keeps a claimed attempt
+    // for the lease its worker was last told, not a grace from serving.
+    let not_found_yet = [Bug::SendWithoutFence, Bug::GraceFromLoad];
     for (name, bug) in Bug::ALL.iter().filter(|(_, bug)| !not_found_yet.contains(bug)) {
         let config = SimConfig {
             bug: Some(*bug),

@@ -67,15 +67,15 @@ impl AdmissionPartition {
         results
     }
 
-    /// Extend leases; name the jobs to stop. A lease extension is not
-    /// saved (a new owner gives every running attempt a lease from its
-    /// takeover); the first heartbeat of a pushed attempt confirms it, and
-    /// that is saved before the answer, so that whoever owns the partition
-    /// later counts its lease expiry as an attempt used. With `ended`, the
-    /// attempts' stream ended instead: their leases are shortened
-    /// (`transitions::on_stream_ended`) unless the worker was heard since,
-    /// and that is saved, as is the first renewal after it, so that a new
-    /// owner does not give a dead worker's attempt a fresh lease.
+    /// Extend leases; name the jobs to stop. Every renewal is saved before
+    /// its answer, so a new owner knows the lease end each worker was told
+    /// and holds it no longer (`AdmissionPartition::grant_lease_grace`); the
+    /// first heartbeat of a pushed attempt also confirms it, so whoever owns
+    /// the partition later counts its lease expiry as an attempt used. With
+    /// `ended`, the attempts' stream ended instead: their leases are
+    /// shortened (`transitions::on_stream_ended`) unless the worker was
+    /// heard since, and that is saved too, so that a new owner does not give
+    /// a dead worker's attempt a fresh lease.
     pub(super) fn heartbeat(
         &mut self,
         now_ms: i64,
@@ -97,14 +97,16 @@ impl AdmissionPartition {
                     matches!(state.status, Status::Running | Status::Cancelling)
                         && state.attempt == *attempt
                         && state.claimed_by.as_deref() == Some(worker_id)
-                        && state.lease_expires_at_ms.is_some_and(|lease| lease > now_ms)
+                    // Not `lease > now_ms`: the attempt is the worker's until
+                    // a timer ends it, and a lease end waits for what was
+                    // received before it (`lease_end_waits_for_queued_requests`);
+                    // this heartbeat, applied before the batch's timers, may
+                    // be one (after a takeover, whose lease is the one the
+                    // worker was told, behind a load of seconds).
                 });
-                let Some((confirmed, stream_ended)) = holder.map(|active| {
-                    let state = &active.row.state;
-                    (state.confirmed, state.stream_ended_at_ms.is_some())
-                }) else {
+                if holder.is_none() {
                     return result;
-                };
+                }
                 let renew = |state: &mut JobState| match ended {
                     Some(ended) => {
                         if transitions::on_stream_ended(state, now_ms, ended) {
@@ -123,14 +125,9 @@ impl AdmissionPartition {
                         state.due_at_ms = transitions::running_due_at(state);
                     }
                 };
-                // Saved before the answer: a confirmation, a stream end, and
-                // the first renewal after a stream end (each at most once
-                // per attempt and stream). Other renewals are not.
-                if !confirmed || ended.is_some() || stream_ended {
-                    self.update(job_id, renew);
-                } else {
-                    self.update_unsaved(job_id, renew);
-                }
+                // Saved before the answer: the lease end it tells the
+                // worker, a confirmation, a stream end.
+                self.update(job_id, renew);
                 if let Some(state) = self.jobs.get(job_id).map(|active| &active.row.state) {
                     result.outcome = if state.status == Status::Cancelling {
                         pb::HeartbeatOutcome::Cancelled

@@ -73,6 +73,23 @@ pub(crate) struct RunningEntry {
     stop: StopSignal,
     lease_ms: u64,
     trace: TraceContext,
+    /// The lease by this worker's own count: from when the claim, or the
+    /// last heartbeat answered `EXTENDED`, was sent. When it passes the
+    /// handler is stopped as lease-lost (docs/worker-protocol.md §3): a new
+    /// owner of the job's partition keeps the attempt no longer than the
+    /// lease admission told, and may run the next one after it.
+    held_until: Instant,
+}
+
+/// When a lease of `lease_ms` counted from `from` ends; an unknown lease
+/// (0) does not end by this worker's count.
+fn lease_end(from: Instant, lease_ms: u64) -> Instant {
+    let lease = if lease_ms == 0 {
+        Duration::from_secs(100 * 365 * 24 * 3600)
+    } else {
+        Duration::from_millis(lease_ms)
+    };
+    from.checked_add(lease).unwrap_or(from)
 }
 
 /// The attempts this worker holds (running, or reporting their end).
@@ -125,6 +142,37 @@ impl Registry {
         {
             entry.stop.stop(reason);
         }
+    }
+
+    /// A heartbeat sent at `sent` renewed the attempt: it holds for its
+    /// lease from then.
+    fn renewed(&self, key: &(String, u32), sent: Instant) {
+        if let Some(entry) = self
+            .entries
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .get_mut(key)
+        {
+            entry.held_until = entry.held_until.max(lease_end(sent, entry.lease_ms));
+        }
+    }
+
+    /// Stop, as lease-lost, every attempt whose lease went by without a
+    /// renewal by `now`; when the next one ends otherwise.
+    fn stop_unrenewed(&self, now: Instant) -> Option<Instant> {
+        let entries = self.entries.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut next = None;
+        for ((job_id, attempt), entry) in entries.iter() {
+            if entry.held_until <= now {
+                if entry.stop.reason().is_none() {
+                    tracing::warn!(%job_id, attempt, "no heartbeat was answered within the lease; stopping the handler");
+                }
+                entry.stop.stop(StopReason::LeaseLost);
+            } else {
+                next = Some(next.map_or(entry.held_until, |next: Instant| next.min(entry.held_until)));
+            }
+        }
+        next
     }
 
     /// Every held attempt, the shortest lease, and a trace context to send.
@@ -351,6 +399,9 @@ async fn confirm_own_claims(
 
 /// Claim deliveries that have slots, run the ones this worker won.
 pub(crate) async fn claim_and_run(shared: Arc<Shared>, deliveries: Vec<Delivery>) {
+    // The winning try was sent at this moment or later: counting the lease
+    // from here errs short.
+    let claim_sent = Instant::now();
     let Some(results) = claim(&shared, &deliveries).await else {
         for delivery in deliveries {
             shared
@@ -384,6 +435,7 @@ pub(crate) async fn claim_and_run(shared: Arc<Shared>, deliveries: Vec<Delivery>
                     stop: stop.clone(),
                     lease_ms,
                     trace: delivery.trace.clone(),
+                    held_until: lease_end(claim_sent, lease_ms),
                 },
             );
         if won {
@@ -695,8 +747,31 @@ async fn send_completions(shared: &Shared, batch: &[CompletionItem]) -> Option<V
 
 /// Heartbeat every held attempt in batches: every `fixed` when set, else a
 /// third of the shortest lease among them. Stops handlers whose answer is
-/// CANCELLED or LEASE_LOST.
+/// CANCELLED or LEASE_LOST, and those whose lease passed with no heartbeat
+/// answered (a heartbeat may hang while a job partition changes owner).
 pub(crate) async fn run_heartbeats(shared: Arc<Shared>, fixed: Option<Duration>, stop: CancellationToken) {
+    tokio::join!(beat(&shared, fixed, &stop), watch_leases(&shared.registry, &stop));
+}
+
+/// How often the lease watch looks when no attempt is held.
+const LEASE_WATCH_IDLE: Duration = Duration::from_millis(250);
+
+/// Stop each held attempt as lease-lost when its lease by this worker's
+/// own count passes (`Registry::stop_unrenewed`).
+async fn watch_leases(registry: &Registry, stop: &CancellationToken) {
+    loop {
+        let now = Instant::now();
+        let next = registry.stop_unrenewed(now).unwrap_or(now + LEASE_WATCH_IDLE);
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            // A new attempt's lease ends after the next one due, or is
+            // looked at within the idle period.
+            _ = tokio::time::sleep_until(next.min(now + LEASE_WATCH_IDLE)) => {}
+        }
+    }
+}
+
+async fn beat(shared: &Arc<Shared>, fixed: Option<Duration>, stop: &CancellationToken) {
     let mut last_beat = Instant::now();
     loop {
         let (attempts, shortest_lease, trace) = shared.registry.snapshot();
@@ -729,7 +804,7 @@ pub(crate) async fn run_heartbeats(shared: Arc<Shared>, fixed: Option<Duration>,
         let (attempts, _, _) = shared.registry.snapshot();
         let mut all_answered = true;
         for chunk in attempts.chunks(MAX_BATCH) {
-            if !heartbeat_once(&shared, chunk, &trace).await {
+            if !heartbeat_once(shared, chunk, &trace).await {
                 all_answered = false;
             }
         }
@@ -752,11 +827,14 @@ async fn heartbeat_once(shared: &Shared, attempts: &[pb::JobAttempt], trace: &Tr
         },
         trace,
     );
+    let sent = Instant::now();
     match client.heartbeat(request).await {
         Ok(response) => {
             for result in response.into_inner().results {
                 let key = (result.job_id, result.attempt);
-                if result.outcome == pb::HeartbeatOutcome::Cancelled as i32 {
+                if result.outcome == pb::HeartbeatOutcome::Extended as i32 {
+                    shared.registry.renewed(&key, sent);
+                } else if result.outcome == pb::HeartbeatOutcome::Cancelled as i32 {
                     shared.registry.stop(&key, StopReason::Cancelled);
                 } else if result.outcome == pb::HeartbeatOutcome::LeaseLost as i32 {
                     shared.registry.stop(&key, StopReason::LeaseLost);
@@ -886,6 +964,42 @@ pub(crate) async fn hand_back(shared: Arc<Shared>, deliveries: Vec<Delivery>, re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A held attempt whose heartbeats stop being answered is stopped as
+    /// lease-lost once its lease by the worker's own count (from the claim,
+    /// then from each answered heartbeat's sending) passes: a new owner of
+    /// its partition keeps it no longer than the lease admission told, and
+    /// may start the next attempt after it (docs/worker-protocol.md §3).
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_is_stopped_as_lease_lost_when_its_lease_passes_unrenewed() {
+        let registry = Arc::new(Registry::default());
+        let stop = StopSignal::default();
+        let claimed = Instant::now();
+        let key = ("job".to_string(), 1);
+        assert!(registry.insert(
+            key.clone(),
+            RunningEntry {
+                stop: stop.clone(),
+                lease_ms: 3_000,
+                trace: TraceContext::default(),
+                held_until: lease_end(claimed, 3_000),
+            },
+        ));
+        let watch_stopped = CancellationToken::new();
+        let watch = tokio::spawn({
+            let (registry, watch_stopped) = (registry.clone(), watch_stopped.clone());
+            async move { watch_leases(&registry, &watch_stopped).await }
+        });
+        // A heartbeat sent 2 s in is answered EXTENDED: held until 5 s.
+        tokio::time::advance(Duration::from_secs(2)).await;
+        registry.renewed(&key, Instant::now());
+        tokio::time::sleep_until(claimed + Duration::from_millis(4_900)).await;
+        assert_eq!(stop.reason(), None, "stopped while the renewed lease held");
+        tokio::time::sleep_until(claimed + Duration::from_millis(5_300)).await;
+        assert_eq!(stop.reason(), Some(StopReason::LeaseLost));
+        watch_stopped.cancel();
+        watch.await.expect("the watch ends");
+    }
 
     fn returned(result: Result<(), JobError>) -> Ended {
         Ended::Returned(Ok(result))
