@@ -1,13 +1,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::FutureExt;
 use sluice_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::client::{ClientActor, ClientEvent, Connection, ConnectionState, PATH_CHANGES_BUFFER};
+use super::client::{reconnect_backoff, ClientActor, ClientEvent, Connection, ConnectionState, PATH_CHANGES_BUFFER};
 use super::router::{open_grants, GrantsDropped};
 
 use super::*;
@@ -242,4 +243,41 @@ async fn claims_that_meet_a_full_stream_are_written_once_it_drains_and_before_la
     actor.tick();
     assert_eq!(hello_of(stream.recv().await), claims(3));
     assert_eq!(commands_of(stream.recv().await), vec![b"after the takeover".to_vec()]);
+}
+
+/// A link that keeps failing (its owner is down: `make chaos` kills every
+/// instance of a service for 5 s) is tried again at least every
+/// `RECONNECT_BACKOFF_MAX`, so it opens within that of the owner's restart.
+/// With the old backoff (doubling to 5 s) a restarted limit-grant instance
+/// waited 1.5 s for its links.
+#[tokio::test(start_paused = true)]
+async fn a_link_that_keeps_failing_is_tried_again_within_half_a_second() {
+    let (mut actor, _changes) = actor();
+    let owner: Arc<str> = Arc::from("http://limit-a:1");
+    let _stream = open(&mut actor, &owner);
+    let mut generation = actor.connections[&owner].generation;
+    let mut waits = Vec::new();
+    for _ in 0..10 {
+        actor.handle(ClientEvent::Closed {
+            endpoint: owner.clone(),
+            generation,
+            error: "connection refused".to_string(),
+        });
+        let ConnectionState::Idle { retry_at } = actor.connections[&owner].state else {
+            panic!("closed, not idle");
+        };
+        waits.push(retry_at - tokio::time::Instant::now());
+        // Tried again (as `tick` does once due), and the connect fails.
+        actor.next_generation += 1;
+        generation = actor.next_generation;
+        let connection = actor.connections.get_mut(&owner).expect("known");
+        connection.generation = generation;
+        connection.state = ConnectionState::Connecting;
+    }
+    assert!(
+        waits.iter().all(|wait| *wait <= Duration::from_millis(500)),
+        "waits before the link is tried again: {waits:?}"
+    );
+    assert_eq!(reconnect_backoff(1), Duration::from_millis(200));
+    assert_eq!(reconnect_backoff(30), Duration::from_millis(500));
 }
