@@ -671,7 +671,7 @@ impl OwnedState for AdmissionPartition {
         let timer = self.timers.first().map(|(due, _)| *due);
         let overtaken = self
             .overtaken
-            .next_due_ms(self.settings.timing.claim_overtaken_after_ms);
+            .next_due_ms(self.now_ms, self.settings.timing.claim_overtaken_after_ms);
         let next = timer.map_or(self.next_stand_behind_ms, |due| due.min(self.next_stand_behind_ms));
         Some(overtaken.map_or(next, |due| due.min(next)))
     }

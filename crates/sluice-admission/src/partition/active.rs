@@ -292,7 +292,8 @@ impl AdmissionPartition {
         if confirmed {
             // A worker's own claim: its group's consumers got this far.
             if let Some(active) = self.jobs.get(job_id) {
-                self.overtaken.claimed(&active.row.task_group, job_id, now_ms);
+                let worker = active.row.state.claimed_by.as_deref().unwrap_or_default();
+                self.overtaken.claimed(&active.row.task_group, job_id, now_ms, worker);
             }
         } else {
             self.overtaken.forget(job_id);

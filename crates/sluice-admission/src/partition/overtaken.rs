@@ -56,6 +56,14 @@
 //! timeout would publish it again. The partition is not marked stuck: its
 //! consumer is alive.
 //!
+//! A worker that was lost marks the partitions it claimed from last as
+//! stuck too (`worker_lost`: an attempt it claimed ran out its lease): at a
+//! task group's tail nothing is left for the live workers to claim, so no
+//! claim elsewhere shows that jobs published to a killed worker's
+//! partitions wait for nobody. What waits there is published again once
+//! out the wait, and what would go there goes to a partition a worker not
+//! lost claimed from, however long ago, when none claimed within the wait.
+//!
 //! What claims show of each partition's consumer (`Consumers`) is the
 //! instance's, shared by its job partitions: it is the same consumer
 //! whichever job partition published, and a new owner (a takeover, a
@@ -109,9 +117,19 @@ struct Progress {
     newest_published_ms: i64,
     /// When the last claim of a job from it came.
     last_claim_ms: i64,
-    /// When `due` found a job overtaken on it with no claim since: nothing
-    /// new goes to it for a while (`is_stuck`).
+    /// When `due` found a job overtaken on it with no claim since, or the
+    /// worker that last claimed from it was lost (`worker_lost`): nothing
+    /// new goes to it for a while, and what waits on it is published again
+    /// once out the wait (`is_stuck`).
     stuck_since_ms: Option<i64>,
+    /// Who claimed from it last (`worker_key` of its worker id; 0: nobody):
+    /// the consumer of the partition, as far as claims show.
+    last_claimer: u64,
+}
+
+/// A worker id as `Progress::last_claimer` holds it (never 0).
+fn worker_key(worker_id: &str) -> u64 {
+    u64::from(crc32(worker_id.as_bytes())) | (1 << 32)
 }
 
 impl Progress {
@@ -182,17 +200,28 @@ fn crc32(bytes: &[u8]) -> u32 {
 /// floating key's serial chain admits its next job only when this one
 /// ends), and a `make chaos` run's chain waited 7 s for the group to give a
 /// killed worker's partition a consumer while the others claimed.
-fn overtaken_at(partitions: Option<&HashMap<i32, Progress>>, partition: i32, at_ms: i64, after_ms: i64) -> Option<i64> {
+///
+/// On a partition marked stuck (its last claimer was lost, or a job there
+/// was found overtaken) no claim elsewhere is needed: at a task group's
+/// tail, a Kafka worker killed with the jobs of a floating key's chain
+/// left nothing for the live workers to claim, and the jobs published to
+/// its partitions waited 10 s in a `make chaos` run, until it restarted.
+fn overtaken_at(
+    partitions: Option<&HashMap<i32, Progress>>,
+    partition: i32,
+    at_ms: i64,
+    (now_ms, after_ms): (i64, i64),
+) -> Option<i64> {
     let partitions = partitions?;
+    let own = partitions.get(&partition);
+    let stuck = own.is_some_and(|progress| progress.is_stuck(now_ms, after_ms));
     let passed = partitions
         .iter()
         .any(|(other, progress)| *other != partition && progress.last_claim_ms > at_ms);
-    if !passed {
+    if !passed && !stuck {
         return None;
     }
-    let last_claim_ms = partitions
-        .get(&partition)
-        .map_or(i64::MIN, |progress| progress.last_claim_ms);
+    let last_claim_ms = own.map_or(i64::MIN, |progress| progress.last_claim_ms);
     Some(at_ms.max(last_claim_ms).saturating_add(after_ms))
 }
 
@@ -285,7 +314,24 @@ impl Overtaken {
             live
         };
         let past = live_where(true);
-        let live = if past.is_empty() { live_where(false) } else { past };
+        let mut live = if past.is_empty() { live_where(false) } else { past };
+        if live.is_empty() {
+            // None claimed within the wait (a task group's tail: nothing
+            // to claim): those that ever claimed and are not stuck, whose
+            // consumer was alive when last seen.
+            live = partitions
+                .map(|partitions| {
+                    partitions
+                        .iter()
+                        .filter(|(partition, progress)| {
+                            progress.last_claimer != 0 && !progress.is_stuck(now_ms, after_ms) && **partition != avoid
+                        })
+                        .map(|(partition, _)| *partition)
+                        .collect()
+                })
+                .unwrap_or_default();
+            live.sort_unstable();
+        }
         let next = current.saturating_add(1);
         if live.is_empty() {
             // Nowhere known to be better: a retargeted job still gets a new
@@ -326,7 +372,7 @@ impl Overtaken {
     /// left the partition): it is no longer waiting on the topic. A claim
     /// through `Claim` shows that the consumer of its partition is alive and
     /// got as far as its publish.
-    pub fn claimed(&mut self, task_group: &str, job_id: &str, now_ms: i64) {
+    pub fn claimed(&mut self, task_group: &str, job_id: &str, now_ms: i64, worker_id: &str) {
         let Some(published) = self.jobs.remove(job_id) else {
             return;
         };
@@ -339,6 +385,7 @@ impl Overtaken {
         progress.newest_published_ms = progress.newest_published_ms.max(published.at_ms);
         progress.last_claim_ms = progress.last_claim_ms.max(now_ms);
         progress.stuck_since_ms = None;
+        progress.last_claimer = worker_key(worker_id);
         drop(claimed);
         self.got_past(task_group, published.partition, published.at_ms, now_ms);
     }
@@ -365,6 +412,26 @@ impl Overtaken {
             }
             if let Some(waiting) = jobs.get_mut(job_id).filter(|published| published.at_ms == *at_ms) {
                 waiting.passed_at_ms.get_or_insert(now_ms);
+            }
+        }
+    }
+
+    /// A worker that claimed jobs of `task_group` was lost at `now_ms`: an
+    /// attempt it claimed ran out its lease without a word from it. The
+    /// partitions it claimed from last have no live consumer as far as
+    /// anyone knows: marked stuck (`Progress::is_stuck`), so nothing new
+    /// goes there and what waits there is published again once out the
+    /// wait, until a claim comes from them. A live worker that only
+    /// abandoned one job claims on, and its next claim clears the mark.
+    pub fn worker_lost(&self, task_group: &str, worker_id: &str, now_ms: i64, after_ms: i64) {
+        let lost = worker_key(worker_id);
+        let mut claimed = self.consumers.lock();
+        let Some(partitions) = claimed.get_mut(task_group) else {
+            return;
+        };
+        for progress in partitions.values_mut() {
+            if progress.last_claimer == lost && !progress.is_stuck(now_ms, after_ms) {
+                progress.stuck_since_ms = Some(now_ms);
             }
         }
     }
@@ -398,7 +465,7 @@ impl Overtaken {
                     queue.pop_front();
                     continue;
                 };
-                let behind_a_dead_consumer = overtaken_at(partitions, *partition, at_ms, after_ms);
+                let behind_a_dead_consumer = overtaken_at(partitions, *partition, at_ms, (now_ms, after_ms));
                 let skipped = skipped_at(published, after_ms);
                 let due_at = earliest(behind_a_dead_consumer, skipped);
                 if due_at.is_none_or(|at| at > now_ms) {
@@ -434,13 +501,13 @@ impl Overtaken {
 
     /// When `due` may next find a job: the oldest live entry of each
     /// partition's queue, when another partition got past it.
-    pub fn next_due_ms(&self, after_ms: i64) -> Option<i64> {
+    pub fn next_due_ms(&self, now_ms: i64, after_ms: i64) -> Option<i64> {
         let claimed = self.consumers.lock();
         self.queues
             .iter()
             .filter_map(|((task_group, partition), queue)| {
                 let (at_ms, job_id) = queue.front()?;
-                let dead = overtaken_at(claimed.get(task_group), *partition, *at_ms, after_ms);
+                let dead = overtaken_at(claimed.get(task_group), *partition, *at_ms, (now_ms, after_ms));
                 let skipped = self
                     .jobs
                     .get(job_id)
@@ -455,6 +522,62 @@ impl Overtaken {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first job ids `job-<n>` whose first publish lands on `partition`.
+    fn jobs_landing_on(partition: i32, count: usize) -> Vec<String> {
+        (0..)
+            .map(|n| format!("job-{n}"))
+            .filter(|job_id| admitted_partition(format!("{job_id}/1/0").as_bytes(), 6) == partition)
+            .take(count)
+            .collect()
+    }
+
+    /// At a task group's tail a Kafka worker is killed with the jobs it
+    /// claimed: nothing is left for the live workers to claim, so no claim
+    /// elsewhere shows that the jobs published to the dead worker's
+    /// partitions meanwhile wait for nobody. Once an attempt it claimed runs
+    /// out its lease (`worker_lost`), its partitions are marked stuck: what
+    /// waits there is published again once out the wait, to a partition a
+    /// worker not lost claimed from (however long ago), and new jobs whose
+    /// key lands there go elsewhere too. In a `make chaos` run they waited
+    /// 10 s, until the killed worker restarted.
+    #[test]
+    fn the_partitions_a_lost_worker_claimed_from_are_avoided_and_what_waits_there_is_published_again() {
+        let mut overtaken = Overtaken::default();
+        let (dead, live) = (0, 3);
+        let on_dead = jobs_landing_on(dead, 4);
+        let on_live = jobs_landing_on(live, 1);
+        for (job_id, worker) in [(&on_dead[0], "w-dead"), (&on_live[0], "w-live")] {
+            assert_eq!(
+                publish(&mut overtaken, job_id, 0).1,
+                if worker == "w-dead" { dead } else { live }
+            );
+            overtaken.claimed("g", job_id, 100, worker);
+        }
+        // Much later: a job lands on the dead worker's partition, and no
+        // other partition claims anything after it.
+        assert_eq!(publish(&mut overtaken, &on_dead[1], 10_000).1, dead);
+        assert!(
+            overtaken.due(20_000, 3_000).is_empty(),
+            "nothing shows the consumer dead yet"
+        );
+        overtaken.worker_lost("g", "w-dead", 20_000, 3_000);
+        assert_eq!(overtaken.next_due_ms(20_000, 3_000), Some(13_000));
+        assert_eq!(overtaken.due(20_000, 3_000), vec![on_dead[1].clone()]);
+        assert_eq!(
+            publish(&mut overtaken, &on_dead[1], 20_000).1,
+            live,
+            "published again on the lost worker's partition"
+        );
+        assert_eq!(
+            publish(&mut overtaken, &on_dead[2], 20_100).1,
+            live,
+            "a new job went to the lost worker's partition"
+        );
+        // The mark ends by itself (the group may give the partition a
+        // live consumer): a new job whose key lands there goes there.
+        assert_eq!(publish(&mut overtaken, &on_dead[3], 26_001).1, dead);
+    }
 
     /// Publish as the partition does: the salt `salt` picks, on the
     /// partition `key(salt)` lands on.
@@ -481,10 +604,10 @@ mod tests {
         overtaken.published("g", "later", 1_100, 0, 2);
         overtaken.published("g", "later-still", 1_200, 0, 2);
         overtaken.published("g", "not-yet-read", 5_000, 0, 2);
-        overtaken.claimed("g", "later", 1_500);
-        overtaken.claimed("g", "out-of-order", 2_000);
-        overtaken.claimed("g", "later-still", 4_000);
-        assert_eq!(overtaken.next_due_ms(3_000), Some(4_500));
+        overtaken.claimed("g", "later", 1_500, "w");
+        overtaken.claimed("g", "out-of-order", 2_000, "w");
+        overtaken.claimed("g", "later-still", 4_000, "w");
+        assert_eq!(overtaken.next_due_ms(0, 3_000), Some(4_500));
         assert!(overtaken.due(4_499, 3_000).is_empty(), "within the wait");
         assert_eq!(overtaken.due(4_500, 3_000), vec!["skipped".to_string()]);
         assert!(overtaken.due(60_000, 3_000).is_empty(), "nothing else was passed");
@@ -511,15 +634,15 @@ mod tests {
         overtaken.published("g", "earlier-too", 600, 0, 1);
         overtaken.published("g", "stuck", 1_000, 0, 0);
         overtaken.published("other", "elsewhere", 1_000, 0, 0);
-        assert_eq!(overtaken.next_due_ms(3_000), None, "nothing claimed yet");
+        assert_eq!(overtaken.next_due_ms(0, 3_000), None, "nothing claimed yet");
         assert!(overtaken.due(10_000, 3_000).is_empty());
-        overtaken.claimed("g", "earlier", 900);
+        overtaken.claimed("g", "earlier", 900, "w");
         assert!(
             overtaken.due(10_000, 3_000).is_empty(),
             "a claim before its publish overtakes nothing"
         );
-        overtaken.claimed("g", "earlier-too", 2_000);
-        assert_eq!(overtaken.next_due_ms(3_000), Some(4_000));
+        overtaken.claimed("g", "earlier-too", 2_000, "w");
+        assert_eq!(overtaken.next_due_ms(0, 3_000), Some(4_000));
         assert!(overtaken.due(3_999, 3_000).is_empty(), "out for less than the wait");
         assert_eq!(overtaken.due(4_000, 3_000), vec!["stuck".to_string()]);
         assert!(
@@ -541,13 +664,13 @@ mod tests {
         overtaken.published("g", "earlier-on-0", 900, 0, 0);
         overtaken.published("g", "behind", 1_000, 0, 0);
         overtaken.published("g", "ahead", 2_000, 0, 1);
-        overtaken.claimed("g", "ahead", 2_100);
-        overtaken.claimed("g", "earlier-on-0", 3_500);
+        overtaken.claimed("g", "ahead", 2_100, "w");
+        overtaken.claimed("g", "earlier-on-0", 3_500, "w");
         assert!(
             overtaken.due(4_000, 3_000).is_empty(),
             "its partition claimed 0.5 s ago"
         );
-        assert_eq!(overtaken.next_due_ms(3_000), Some(6_500));
+        assert_eq!(overtaken.next_due_ms(0, 3_000), Some(6_500));
         assert!(overtaken.due(6_499, 3_000).is_empty());
         assert_eq!(
             overtaken.due(6_500, 3_000),
@@ -568,7 +691,7 @@ mod tests {
             for job in (0..60).map(|job| format!("later-{job}")) {
                 let (_, partition) = publish(&mut overtaken, &job, 10);
                 if partition != dead {
-                    overtaken.claimed("g", &job, 20);
+                    overtaken.claimed("g", &job, 20, "w");
                     live.push(partition);
                 }
             }
@@ -601,13 +724,13 @@ mod tests {
                 .map(|index| (index, publish(&mut overtaken, &later(index), 10).1))
                 .find(|(_, partition)| *partition != own)
                 .expect("a later job on another partition");
-            overtaken.claimed("g", &later(index), 20);
+            overtaken.claimed("g", &later(index), 20, "w");
             // Later jobs on a third partition keep being claimed.
             let (index, claiming) = (1_000..)
                 .map(|index| (index, publish(&mut overtaken, &later(index), 30).1))
                 .find(|(_, partition)| *partition != own && *partition != gone)
                 .expect("a later job on a third partition");
-            overtaken.claimed("g", &later(index), 9_000);
+            overtaken.claimed("g", &later(index), 9_000, "w");
             assert!(overtaken.due(9_000, 3_000).contains(&stuck));
             let (_, partition) = publish(&mut overtaken, &stuck, 9_000);
             assert_ne!(
@@ -640,7 +763,7 @@ mod tests {
             for job in (0..60).map(|job| format!("later-{stuck}-{job}")) {
                 let (_, partition) = publish(&mut overtaken, &job, 10);
                 if partition != dead {
-                    overtaken.claimed("g", &job, 2_500);
+                    overtaken.claimed("g", &job, 2_500, "w");
                     live.push(partition);
                 }
             }
@@ -669,7 +792,7 @@ mod tests {
             assert_eq!(publish(&mut ended, &after_mark[0], 9_000), (0, dead));
 
             // A claim from the partition ends it at once.
-            overtaken.claimed("g", &stuck, 3_200);
+            overtaken.claimed("g", &stuck, 3_200, "w");
             let claimed_again = landing_on("claimed-again", dead, 1);
             assert_eq!(publish(&mut overtaken, &claimed_again[0], 3_300), (0, dead));
         }
@@ -689,7 +812,7 @@ mod tests {
             // consumer was killed then).
             for (index, job) in (0..).map(|index| (index, format!("claimed-{round}-{index}"))).take(60) {
                 let (_, partition) = publish(&mut overtaken, &job, 0);
-                overtaken.claimed("g", &job, if partition < 3 { 9_000 } else { 1_000 + index });
+                overtaken.claimed("g", &job, if partition < 3 { 9_000 } else { 1_000 + index }, "w");
             }
             let job = (0..)
                 .map(|index| format!("retried-{round}-{index}"))
@@ -731,7 +854,7 @@ mod tests {
             for job in (0..60).map(|index| format!("later-{round}-{index}")) {
                 let (_, partition) = publish(&mut before, &job, 10);
                 if partition != dead {
-                    before.claimed("g", &job, 2_500);
+                    before.claimed("g", &job, 2_500, "w");
                     live.push(partition);
                 }
             }
@@ -755,7 +878,7 @@ mod tests {
             for job in (0..60).map(|index| format!("claiming-{round}-{index}")) {
                 let (_, partition) = publish(&mut fresh, &job, 9_000);
                 if partition != dead {
-                    fresh.claimed("g", &job, 9_500);
+                    fresh.claimed("g", &job, 9_500, "w");
                 }
             }
             let salt = fresh.salt("g", &again, 10_000, 3_000, true, partition_of);
@@ -782,7 +905,7 @@ mod tests {
         for round in 1..=5 {
             let claimed = format!("claimed-{round}");
             overtaken.published("g", &claimed, now + 1, 0, 1);
-            overtaken.claimed("g", &claimed, now + 1);
+            overtaken.claimed("g", &claimed, now + 1, "w");
             now += 3_000;
             for job in overtaken.due(now, 3_000) {
                 assert_eq!(job, "stuck");
@@ -798,7 +921,7 @@ mod tests {
             salts.windows(2).all(|pair| pair[0] < pair[1]),
             "each copy under a new key: {salts:?}"
         );
-        overtaken.claimed("g", "stuck", now);
+        overtaken.claimed("g", "stuck", now, "w");
         assert!(!overtaken.jobs.contains_key("stuck"), "claimed: forgotten");
     }
 }

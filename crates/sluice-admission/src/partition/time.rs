@@ -34,6 +34,7 @@ impl AdmissionPartition {
                 .jobs
                 .get(&job_id)
                 .is_some_and(|active| matches!(active.row.state.status, Status::Waiting | Status::Admitted));
+            let claimed_by = self.claiming_worker(&job_id);
             let mut effects = Vec::new();
             let decide = |state: &mut JobState| {
                 effects = transitions::on_due(state, now_ms, timing, active_jobs);
@@ -42,6 +43,9 @@ impl AdmissionPartition {
                 self.update_unsaved(&job_id, decide);
             } else {
                 self.update(&job_id, decide);
+            }
+            if let Some((task_group, worker, attempt)) = claimed_by {
+                self.note_worker_lost(&job_id, &task_group, &worker, attempt, now_ms);
             }
             self.after_transition(&job_id, &effects, out);
         }
@@ -60,6 +64,32 @@ impl AdmissionPartition {
         if now_ms >= self.next_stand_behind_ms {
             self.next_stand_behind_ms = now_ms + self.settings.stand_behind_interval_ms;
             self.stand_behind(now_ms, out.outbox);
+        }
+    }
+
+    /// The task group, worker and attempt of `job_id` when it runs an
+    /// attempt its worker claimed (not a push).
+    fn claiming_worker(&self, job_id: &str) -> Option<(String, String, u32)> {
+        let active = self.jobs.get(job_id)?;
+        let state = &active.row.state;
+        let running = matches!(state.status, Status::Running | Status::Cancelling) && !state.pushed;
+        let worker = state.claimed_by.clone().filter(|_| running)?;
+        Some((active.row.task_group.clone(), worker, state.attempt))
+    }
+
+    /// `attempt` of `job_id`, claimed by `worker`, ended just now: if its
+    /// lease ran out (no word from its worker for a lease), the worker is
+    /// taken for lost and the partitions it claimed from are avoided
+    /// (`Overtaken::worker_lost`).
+    fn note_worker_lost(&self, job_id: &str, task_group: &str, worker: &str, attempt: u32, now_ms: i64) {
+        let expired = self.jobs.get(job_id).is_some_and(|active| {
+            active.row.state.history.records.last().is_some_and(|record| {
+                record.attempt == attempt && record.outcome == "lease_expired" && record.at_ms == now_ms
+            })
+        });
+        if expired {
+            let after_ms = self.settings.timing.claim_overtaken_after_ms;
+            self.overtaken.worker_lost(task_group, worker, now_ms, after_ms);
         }
     }
 
