@@ -234,6 +234,24 @@ fn skipped_at(published: &Published, after_ms: i64) -> Option<i64> {
         .map(|passed_at| passed_at.max(published.at_ms).saturating_add(after_ms))
 }
 
+/// The partitions but `avoid` whose consumer was alive when last seen:
+/// they claimed once, and are not stuck since. Sorted.
+fn last_seen_alive(partitions: Option<&HashMap<i32, Progress>>, now_ms: i64, after_ms: i64, avoid: i32) -> Vec<i32> {
+    let mut alive: Vec<i32> = partitions
+        .map(|partitions| {
+            partitions
+                .iter()
+                .filter(|(partition, progress)| {
+                    progress.last_claimer != 0 && !progress.is_stuck(now_ms, after_ms) && **partition != avoid
+                })
+                .map(|(partition, _)| *partition)
+                .collect()
+        })
+        .unwrap_or_default();
+    alive.sort_unstable();
+    alive
+}
+
 /// The earlier of two due times, either of which may be unknown.
 fn earliest(first: Option<i64>, second: Option<i64>) -> Option<i64> {
     match (first, second) {
@@ -317,20 +335,8 @@ impl Overtaken {
         let mut live = if past.is_empty() { live_where(false) } else { past };
         if live.is_empty() {
             // None claimed within the wait (a task group's tail: nothing
-            // to claim): those that ever claimed and are not stuck, whose
-            // consumer was alive when last seen.
-            live = partitions
-                .map(|partitions| {
-                    partitions
-                        .iter()
-                        .filter(|(partition, progress)| {
-                            progress.last_claimer != 0 && !progress.is_stuck(now_ms, after_ms) && **partition != avoid
-                        })
-                        .map(|(partition, _)| *partition)
-                        .collect()
-                })
-                .unwrap_or_default();
-            live.sort_unstable();
+            // to claim).
+            live = last_seen_alive(partitions, now_ms, after_ms, avoid);
         }
         let next = current.saturating_add(1);
         if live.is_empty() {
