@@ -153,20 +153,12 @@ impl AdmissionPartition {
                 }
             }
         }
-        const TICKETS_PER_PART: usize = 10_000;
         let sweep_id = format!("{}-{}-{now_ms}", self.settings.partition, self.journal_seq);
         let covered = vec![u32::try_from(self.settings.partition).unwrap_or_default()];
         for (partition, (tickets, waiting)) in by_partition.into_iter().zip(waiting_by_partition).enumerate() {
-            let chunks: Vec<Vec<pb::TicketId>> = if tickets.is_empty() {
-                vec![Vec::new()]
-            } else {
-                tickets.chunks(TICKETS_PER_PART).map(<[pb::TicketId]>::to_vec).collect()
-            };
+            let chunks = stand_behind_parts(tickets, waiting, TICKETS_PER_PART);
             let parts = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
-            // The waiting tickets go with the first part (a ticket of
-            // theirs in another part is still known: parts are one sweep).
-            let mut waiting = Some(waiting);
-            for (part, chunk) in chunks.into_iter().enumerate() {
+            for (part, (chunk, waiting)) in chunks.into_iter().enumerate() {
                 let command = pb::LimitCommand {
                     trace: None,
                     sent_at_ms: now_ms,
@@ -178,11 +170,80 @@ impl AdmissionPartition {
                         parts,
                         tickets: chunk,
                         grace_ms: u64::try_from(self.settings.ticket_grace_ms).unwrap_or_default(),
-                        waiting: waiting.take().unwrap_or_default(),
+                        waiting,
                     })),
                 };
                 outbox.push_link(Link::LimitGrant, i32::try_from(partition).unwrap_or_default(), &command);
             }
         }
+    }
+}
+
+/// Tickets one part of a stand-behind statement lists at most, and waiting
+/// tickets it names at most: about 0.2 MiB each (a job id of 36 bytes),
+/// well under the link's 1 MiB per message and gRPC's 4 MiB.
+const TICKETS_PER_PART: usize = 10_000;
+
+/// The parts of one limit partition's stand-behind statement: (tickets,
+/// waiting) of at most `per_part` each, at least one part. The waiting
+/// tickets are split across the parts too (a ticket of theirs in another
+/// part is still known: parts are one sweep). They all went with the
+/// first part until 2026-11-28: 240,000 jobs waiting on one job partition
+/// made it a 4.5 MB message, over gRPC's 4 MiB limit; limit-grant closed
+/// the link on it, admission sent it again on the new link, and the
+/// 300,000-job one-partition bench stopped at 62,273 jobs for good.
+fn stand_behind_parts(
+    tickets: Vec<pb::TicketId>,
+    waiting: Vec<pb::TicketId>,
+    per_part: usize,
+) -> Vec<(Vec<pb::TicketId>, Vec<pb::TicketId>)> {
+    let per_part = per_part.max(1);
+    let mut tickets = tickets.chunks(per_part).map(<[pb::TicketId]>::to_vec);
+    let mut waiting = waiting.chunks(per_part).map(<[pb::TicketId]>::to_vec);
+    let mut parts = Vec::new();
+    loop {
+        match (tickets.next(), waiting.next()) {
+            (None, None) if !parts.is_empty() => return parts,
+            (tickets, waiting) => parts.push((tickets.unwrap_or_default(), waiting.unwrap_or_default())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tickets(count: usize) -> Vec<pb::TicketId> {
+        (0..count)
+            .map(|index| pb::TicketId {
+                job_id: format!("job-{index}"),
+                attempt: 1,
+                step: 0,
+            })
+            .collect()
+    }
+
+    /// Every part of a stand-behind statement stays small, the waiting
+    /// tickets included, and together the parts list every ticket once.
+    #[test]
+    fn a_stand_behind_statement_splits_its_waiting_tickets_across_its_parts() {
+        let all = tickets(25);
+        let waiting: Vec<pb::TicketId> = all.iter().take(23).cloned().collect();
+        let parts = stand_behind_parts(all.clone(), waiting.clone(), 10);
+        assert_eq!(parts.len(), 3);
+        for (tickets, waiting) in &parts {
+            assert!(
+                tickets.len() <= 10 && waiting.len() <= 10,
+                "a part of {} tickets, {} waiting",
+                tickets.len(),
+                waiting.len()
+            );
+        }
+        let listed: Vec<pb::TicketId> = parts.iter().flat_map(|(tickets, _)| tickets.clone()).collect();
+        let named: Vec<pb::TicketId> = parts.iter().flat_map(|(_, waiting)| waiting.clone()).collect();
+        assert_eq!((listed, named), (all, waiting));
+        // Nothing to state is still one (empty) part: tickets nobody
+        // stands behind expire.
+        assert_eq!(stand_behind_parts(Vec::new(), Vec::new(), 10).len(), 1);
     }
 }

@@ -88,6 +88,14 @@ impl<L: Send + 'static> pb::owner_link_server::OwnerLink for LinkService<L> {
                 match message {
                     Ok(Some(message)) => reader.handle(message).await,
                     Ok(None) => break,
+                    // A message this end cannot read (over gRPC's size
+                    // limit) comes again on the next link: said at warn, as
+                    // nothing else would show the loop. A client that went
+                    // away is ordinary.
+                    Err(status) if status.code() == tonic::Code::OutOfRange => {
+                        tracing::warn!(service = reader.service, client = %reader.client, %status, "link closed: a message from the client could not be read");
+                        break;
+                    }
                     Err(status) => {
                         tracing::debug!(service = reader.service, client = %reader.client, %status, "link closed by an error");
                         break;
