@@ -16,8 +16,10 @@
 //!    off to and keeps the job until a slot frees.
 //! 4. Running handlers are heartbeaten in batches, every third of the
 //!    shortest lease among them. `CANCELLED` or `LEASE_LOST` cancels the
-//!    handler's token; a handler that does not return within `stop_grace` is
-//!    dropped. A cancel is confirmed with `Complete`.
+//!    handler's token, and so does a lease that passes by the worker's own
+//!    count (from the claim, then from each answered heartbeat's sending)
+//!    while heartbeats fail; a handler that does not return within
+//!    `stop_grace` is dropped. A cancel is confirmed with `Complete`.
 //! 5. The message's offset is stored once its fate is durable (claim
 //!    answered, forward acknowledged, hand-back accepted), in offset order
 //!    per partition, and auto-committed; nothing is committed past a message
