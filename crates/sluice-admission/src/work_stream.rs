@@ -32,6 +32,9 @@ const MAX_TASK_GROUPS: usize = 64;
 /// Heartbeats and completions of one stream answered at once, at most (the
 /// next request waits).
 const IN_FLIGHT_PER_STREAM: usize = 64;
+/// A request that waited this long behind an earlier one about the same
+/// jobs is logged (at info).
+const SLOW_TURN: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Open a session from the stream's first message and serve the rest.
 pub async fn serve(
@@ -361,7 +364,9 @@ impl StreamReader {
     /// for the requests after it as soon as it is applied: a partition whose
     /// owner is away (seconds, during a takeover) holds up only the requests
     /// about its own jobs, never a completion of another partition's job
-    /// that was heartbeaten in the same request.
+    /// that was heartbeaten in the same request. A part that waited
+    /// `SLOW_TURN` or longer for the earlier ones is logged.
+    #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
     async fn answer<R: Send + 'static>(
         &self,
         id: u64,
@@ -382,8 +387,17 @@ impl StreamReader {
         tokio::spawn(async move {
             let _permit = permit;
             let runs = parts.into_iter().map(|(indexes, before, own, work)| async move {
+                let waiting = tokio::time::Instant::now();
                 for earlier in &before {
                     earlier.finished().await;
+                }
+                let waited = waiting.elapsed();
+                if waited >= SLOW_TURN {
+                    tracing::info!(
+                        id,
+                        waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                        "a Work stream request waited behind an earlier request about the same jobs"
+                    );
                 }
                 let results = work.await;
                 drop(own);

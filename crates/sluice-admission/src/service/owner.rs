@@ -30,6 +30,16 @@ pub(super) enum OwnerAnswer<R, F> {
 const OWNER_WAIT: Duration = Duration::from_secs(5);
 /// How often a waiting call looks at the owner directory again.
 const OWNER_RECHECK: Duration = Duration::from_millis(100);
+/// A call to a job partition's owner that takes this long is logged.
+const SLOW_OWNER_CALL: Duration = Duration::from_secs(1);
+
+/// How a call's tries to reach its partition's owner went (`ask`'s log).
+#[derive(Default)]
+struct OwnerTries {
+    count: u32,
+    last_failure: String,
+    last_took: Duration,
+}
 
 /// Whether a forwarded call's error says the owner could not be reached or
 /// could not answer (it stopped, it is handing the partition over, or the
@@ -110,6 +120,11 @@ impl AdmissionApi {
     /// call waits up to `OWNER_WAIT`, woken when a partition task starts
     /// here. Every call is keyed by job and attempt, so sending it again to
     /// the next owner is harmless.
+    ///
+    /// A call that took `SLOW_OWNER_CALL` or longer is logged at info: how
+    /// long, how often the owner was tried, and what the last failed try
+    /// answered (a worker's completion held that long may reach its owner
+    /// after the attempt's lease ran out).
     #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
     pub(super) async fn ask<R, F, Fut>(
         &self,
@@ -121,27 +136,81 @@ impl AdmissionApi {
     where
         Fut: std::future::Future<Output = Result<F, Status>>,
     {
+        let started = tokio::time::Instant::now();
+        let mut tries = OwnerTries::default();
+        let answer = self
+            .ask_until_answered(partition, forwarded, make, forward, &mut tries)
+            .await;
+        let waited = started.elapsed();
+        if waited >= SLOW_OWNER_CALL {
+            let answered = match &answer {
+                Ok(OwnerAnswer::Here(_)) => "answered by this instance's partition task".to_string(),
+                Ok(OwnerAnswer::Forwarded(_)) => "answered by the owner it was forwarded to".to_string(),
+                Err(status) => format!("not answered: {}", status.message()),
+            };
+            tracing::info!(
+                partition,
+                forwarded,
+                waited_ms = u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                tries = tries.count,
+                last_failed_try = %tries.last_failure,
+                last_try_ms = u64::try_from(tries.last_took.as_millis()).unwrap_or(u64::MAX),
+                %answered,
+                "a call waited for its job partition's owner"
+            );
+        }
+        answer
+    }
+
+    #[allow(clippy::disallowed_methods, reason = "the runtime reads the clock here, not a core")]
+    async fn ask_until_answered<R, F, Fut>(
+        &self,
+        partition: i32,
+        forwarded: bool,
+        make: impl Fn(oneshot::Sender<R>) -> Local,
+        forward: impl Fn(AdmissionClient<Channel>) -> Fut,
+        tries: &mut OwnerTries,
+    ) -> Result<OwnerAnswer<R, F>, Status>
+    where
+        Fut: std::future::Future<Output = Result<F, Status>>,
+    {
         let deadline = tokio::time::Instant::now() + OWNER_WAIT;
         loop {
             let started_here = self.registry.partition_started();
+            let try_started = tokio::time::Instant::now();
+            tries.count += 1;
             let unavailable = if self.registry.owns(partition) {
-                match self.registry.call(partition, &make).await {
+                let reply = self.registry.call(partition, &make).await;
+                tries.last_took = try_started.elapsed();
+                match reply {
                     Ok(reply) => return Ok(OwnerAnswer::Here(reply)),
                     // The task stopped (the partition is being handed over)
                     // before it answered: ask the next owner.
-                    Err(error) => Status::unavailable(error.to_string()),
+                    Err(error) => {
+                        tries.last_failure = format!("this instance's partition task: {error}");
+                        Status::unavailable(error.to_string())
+                    }
                 }
             } else {
                 match owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await {
-                    Ok(endpoint) => match forward(AdmissionClient::new(self.channels.channel(&endpoint)?)).await {
-                        Ok(answer) => return Ok(OwnerAnswer::Forwarded(answer)),
-                        Err(status) if owner_unreachable(&status) => {
-                            tracing::debug!(partition, %endpoint, error = %status.message(), "owner unavailable; waiting for the directory to change");
-                            status
+                    Ok(endpoint) => {
+                        let answer = forward(AdmissionClient::new(self.channels.channel(&endpoint)?)).await;
+                        tries.last_took = try_started.elapsed();
+                        match answer {
+                            Ok(answer) => return Ok(OwnerAnswer::Forwarded(answer)),
+                            Err(status) if owner_unreachable(&status) => {
+                                tracing::debug!(partition, %endpoint, error = %status.message(), "owner unavailable; waiting for the directory to change");
+                                tries.last_failure = format!("{endpoint}: {}", status.message());
+                                status
+                            }
+                            Err(status) => return Err(status),
                         }
-                        Err(status) => return Err(status),
-                    },
-                    Err(status) => status,
+                    }
+                    Err(status) => {
+                        tries.last_took = try_started.elapsed();
+                        tries.last_failure = format!("the owner directory: {}", status.message());
+                        status
+                    }
                 }
             };
             if tokio::time::Instant::now() >= deadline {

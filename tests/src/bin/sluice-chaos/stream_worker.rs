@@ -297,6 +297,12 @@ impl Worker {
             .collect();
         for id in lost {
             if let Some(sent) = self.sent.remove(&id) {
+                if let Request::Complete { key, .. } = &sent.request {
+                    eprintln!(
+                        "{now} completion of {} attempt {} sent at {} lost with the stream to {endpoint}; sending it again",
+                        key.0, key.1, sent.at_ms
+                    );
+                }
                 self.retry(sent.request, now);
             }
         }
@@ -460,7 +466,16 @@ impl Worker {
             }
             // Failed as the unary call would (UNAVAILABLE while an owner
             // changes): send it again.
-            Some(pb::work_answer::Result::Error(_)) | None => self.retry(sent.request, now),
+            Some(pb::work_answer::Result::Error(error)) => {
+                if let Request::Complete { key, .. } = &sent.request {
+                    eprintln!(
+                        "{now} completion of {} attempt {} sent at {} to {} answered {:?}: {}; sending it again",
+                        key.0, key.1, sent.at_ms, sent.endpoint, error.code, error.message
+                    );
+                }
+                self.retry(sent.request, now);
+            }
+            None => self.retry(sent.request, now),
             Some(pb::work_answer::Result::Withdrawn(_)) => {}
         }
     }
