@@ -52,19 +52,45 @@ pub async fn owner_endpoint(
     forwarded: bool,
     own_endpoint: &str,
 ) -> Result<String, Status> {
-    let owner = crate::owner::lookup_owner(pool, partition)
-        .await
-        .map_err(|error| Status::unavailable(format!("owner directory unavailable: {error}")))?;
+    match owner_route(pool, partition, forwarded, own_endpoint).await {
+        OwnerRoute::Forward(endpoint) => Ok(endpoint),
+        OwnerRoute::OwnedElsewhere(status) | OwnerRoute::NotYet(status) => Err(status),
+    }
+}
+
+/// What the owner directory says about a call for `partition` that this
+/// instance does not serve (`owner_endpoint`, told apart).
+#[derive(Debug)]
+pub enum OwnerRoute {
+    /// Forward it there.
+    Forward(String),
+    /// A forwarded call, and the directory names another instance: the
+    /// instance that forwarded it should ask that one (it cannot be
+    /// forwarded twice).
+    OwnedElsewhere(Status),
+    /// No owner yet, the directory unreadable, or it still names this
+    /// instance (giving the partition up, or about to serve it): retry
+    /// shortly, here or anywhere.
+    NotYet(Status),
+}
+
+/// Where a call for `partition` goes, from the owner directory
+/// (`OwnerRoute`).
+pub async fn owner_route(pool: &sqlx::PgPool, partition: i32, forwarded: bool, own_endpoint: &str) -> OwnerRoute {
+    let owner = match crate::owner::lookup_owner(pool, partition).await {
+        Ok(owner) => owner,
+        Err(error) => return OwnerRoute::NotYet(Status::unavailable(format!("owner directory unavailable: {error}"))),
+    };
     match owner {
-        Some((endpoint, _)) if !forwarded && endpoint != own_endpoint => Ok(endpoint),
+        Some((endpoint, _)) if !forwarded && endpoint != own_endpoint => OwnerRoute::Forward(endpoint),
         // The directory still names this instance, which does not serve the
         // partition: it is giving it up (the next owner has not written its
         // row yet). Retrying here or anywhere is the answer, not "there".
-        Some((endpoint, _)) if endpoint == own_endpoint => Err(Status::unavailable(format!(
+        Some((endpoint, _)) if endpoint == own_endpoint => OwnerRoute::NotYet(Status::unavailable(format!(
             "NOT_OWNER: partition {partition} is changing owners (this instance, {endpoint}, is giving it up); retry shortly"
         ))),
-        Some((endpoint, _)) => Err(not_owner(partition, Some(&endpoint))),
-        None => Err(not_owner(partition, None)),
+        Some((endpoint, _)) => OwnerRoute::OwnedElsewhere(not_owner(partition, Some(&endpoint))),
+        None => OwnerRoute::NotYet(not_owner(partition, None)),
     }
 }
 

@@ -286,6 +286,14 @@ async fn a_call_is_forwarded_to_the_named_owner_and_never_back_to_this_instance(
         .await
         .unwrap_err();
     assert!(twice.message().contains("owned by http://other:1"), "{twice:?}");
+    // Told apart: a forwarded call another instance serves goes back to the
+    // instance that forwarded it at once (admission's `ask` returns it
+    // without waiting), not "retry shortly" here.
+    let route = sluice_common::forward::owner_route(&pool, 2, true, "http://me:1").await;
+    assert!(
+        matches!(&route, sluice_common::forward::OwnerRoute::OwnedElsewhere(status) if status.message().contains("owned by http://other:1")),
+        "{route:?}"
+    );
     bump_epoch(&mut connection, 2, "owner-me", "http://me:1", false).await?;
     let itself = sluice_common::forward::owner_endpoint(&pool, 2, false, "http://me:1")
         .await
@@ -294,6 +302,11 @@ async fn a_call_is_forwarded_to_the_named_owner_and_never_back_to_this_instance(
     assert!(
         itself.message().contains("changing owners") && itself.message().contains("retry shortly"),
         "{itself:?}"
+    );
+    let route = sluice_common::forward::owner_route(&pool, 2, true, "http://me:1").await;
+    assert!(
+        matches!(route, sluice_common::forward::OwnerRoute::NotYet(_)),
+        "{route:?}"
     );
     let unowned = sluice_common::forward::owner_endpoint(&pool, 3, false, "http://me:1")
         .await

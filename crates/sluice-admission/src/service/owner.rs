@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use sluice_common::auth::Channel;
-use sluice_common::forward::owner_endpoint;
+use sluice_common::forward::{owner_route, OwnerRoute};
 use sluice_common::partition::job_partition;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::admission_client::AdmissionClient;
@@ -192,8 +192,8 @@ impl AdmissionApi {
                     }
                 }
             } else {
-                match owner_endpoint(&self.pool, partition, forwarded, &self.own_endpoint).await {
-                    Ok(endpoint) => {
+                match owner_route(&self.pool, partition, forwarded, &self.own_endpoint).await {
+                    OwnerRoute::Forward(endpoint) => {
                         let answer = forward(AdmissionClient::new(self.channels.channel(&endpoint)?)).await;
                         tries.last_took = try_started.elapsed();
                         match answer {
@@ -206,7 +206,16 @@ impl AdmissionApi {
                             Err(status) => return Err(status),
                         }
                     }
-                    Err(status) => {
+                    // A forwarded call whose partition another instance
+                    // serves goes back at once: the instance that forwarded
+                    // it asks that one. Waiting here held both calls for
+                    // `OWNER_WAIT` while the partition was served elsewhere
+                    // (the forwarder read the directory just before it
+                    // changed), and a worker's completion held that long
+                    // reached its owner after the attempt's lease ran out:
+                    // the job ran again (make chaos, issue 29).
+                    OwnerRoute::OwnedElsewhere(status) => return Err(status),
+                    OwnerRoute::NotYet(status) => {
                         tries.last_took = try_started.elapsed();
                         tries.last_failure = format!("the owner directory: {}", status.message());
                         status
